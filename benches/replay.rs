@@ -1,1 +1,310 @@
-fn main(){}
+//! Replay-latency benchmark (`make bench`; `make bench-quick` for a short run).
+//!
+//! Queues N events of B bytes for a durable client that is away, reconnects it, and measures
+//! reconnect → status, ready → first event and ready → live, plus publish throughput. In the
+//! same run it measures the machine's own limits on the same data: a RocksDB scan of the same
+//! entries and a raw quinn stream transfer of the same bytes; the replay is reported against
+//! the slower of the two (the pipeline's bottleneck). Settings: TETHER_BENCH_EVENTS (default
+//! 1,000,000), TETHER_BENCH_VALUE_BYTES (default 128).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tether::client::{ClientBuilder, ClientEvent, Interest};
+use tether::config::ServerConfig;
+use tether::protocol::{PublishOp, ResultPolicy};
+use tether::server::Node;
+use tether::storage::{Batch, Entry, RocksStore, Store};
+
+/// Publish operations per request.
+const PUBLISH_BATCH_OPS: usize = 1000;
+/// Concurrent publish requests in flight.
+const PUBLISH_CONCURRENCY: usize = 4;
+/// Bytes per write in the raw quinn baseline.
+const QUINN_CHUNK_BYTES: usize = 256 * 1024;
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn value_of(size: usize, i: u64) -> Vec<u8> {
+    let head = format!("{i:012}");
+    (0..size)
+        .map(|j| {
+            head.as_bytes()
+                .get(j)
+                .copied()
+                .unwrap_or(b'a' + (j % 26) as u8)
+        })
+        .collect()
+}
+
+struct Row {
+    name: &'static str,
+    ms: f64,
+    events_per_s: f64,
+    mb_per_s: f64,
+}
+
+fn row(name: &'static str, d: Duration, events: u64, bytes: u64) -> Row {
+    let s = d.as_secs_f64().max(1e-9);
+    Row {
+        name,
+        ms: s * 1e3,
+        events_per_s: events as f64 / s,
+        mb_per_s: bytes as f64 / s / 1e6,
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    tether::transport::tls::install_crypto_provider();
+    let n = env_u64("TETHER_BENCH_EVENTS", 1_000_000);
+    let size = env_u64("TETHER_BENCH_VALUE_BYTES", 128) as usize;
+    println!(
+        "# tether replay benchmark: {n} events of {size} B, {} cores",
+        std::thread::available_parallelism()
+            .map(|p| p.get())
+            .unwrap_or(1)
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(ServerConfig::ephemeral(dir.path().join("node")))
+        .await
+        .unwrap();
+    let builder = ClientBuilder::new()
+        .server(node.addr())
+        .ca_file(node.ca_file());
+
+    // The durable client registers, then goes away.
+    let c = builder
+        .clone()
+        .durable("bench", 3600)
+        .connect()
+        .await
+        .unwrap();
+    c.region("bench")
+        .register(Interest::all_keys().policy(ResultPolicy::None))
+        .await
+        .unwrap();
+    c.ready_for_events().await.unwrap();
+    c.close(true).await.unwrap();
+
+    // Publish throughput (over the network, acknowledged after group commit).
+    let publisher = Arc::new(builder.clone().connect().await.unwrap());
+    let t = Instant::now();
+    let mut next = 0u64;
+    let mut inflight = tokio::task::JoinSet::new();
+    while next < n || !inflight.is_empty() {
+        while next < n && inflight.len() < PUBLISH_CONCURRENCY {
+            let end = (next + PUBLISH_BATCH_OPS as u64).min(n);
+            let ops: Vec<PublishOp> = (next..end)
+                .map(|i| PublishOp::Put {
+                    region: "bench".into(),
+                    key: format!("key-{}", i % 10_000),
+                    value: value_of(size, i),
+                })
+                .collect();
+            let p = publisher.clone();
+            inflight.spawn(async move { p.publish(ops).await.unwrap() });
+            next = end;
+        }
+        inflight.join_next().await.unwrap().unwrap();
+    }
+    let publish = t.elapsed();
+    let q = node
+        .queues()
+        .into_iter()
+        .find(|q| q.durable_id.as_deref() == Some("bench"))
+        .unwrap();
+    assert_eq!(q.pending, n, "every event queued");
+
+    // Replay.
+    let t = Instant::now();
+    let c = builder
+        .clone()
+        .durable("bench", 3600)
+        .connect()
+        .await
+        .unwrap();
+    let status = t.elapsed();
+    assert_eq!(c.pending(), Some(n));
+    let mut events = c.events().unwrap();
+    let t = Instant::now();
+    c.ready_for_events().await.unwrap();
+    let mut first = None;
+    let mut count = 0u64;
+    let mut bytes = 0u64;
+    loop {
+        match events.next().await.expect("stream open") {
+            ClientEvent::Event(e) => {
+                if first.is_none() {
+                    first = Some(t.elapsed());
+                }
+                count += 1;
+                bytes += e.value.as_ref().map_or(0, |v| v.len() as u64);
+            }
+            ClientEvent::Live { .. } => break,
+        }
+    }
+    let live = t.elapsed();
+    assert_eq!(count, n, "every event replayed");
+    events.commit();
+    c.close(true).await.unwrap();
+    node.shutdown().await;
+
+    // Baseline 1: RocksDB scan of the same entries (same record sizes), same read path.
+    let record_len = {
+        let rec = tether::protocol::EventRecord {
+            id: tether::protocol::EventId {
+                node: "n00000000".into(),
+                session: 3,
+                seq: 1,
+            },
+            region: "bench".into(),
+            key: "key-1234".into(),
+            op: tether::protocol::EventOp::Update,
+            value: Some(value_of(size, 0)),
+        };
+        tether::transport::codec::encode_body(&rec).unwrap().len()
+    };
+    let store = RocksStore::open(&dir.path().join("baseline")).unwrap();
+    let body: Arc<[u8]> = vec![7u8; record_len].into();
+    let mut batch = Batch::new();
+    for i in 1..=n {
+        batch.append(
+            1,
+            i,
+            Entry {
+                flags: 0,
+                body: body.clone(),
+            },
+        );
+        if batch.len() >= 10_000 {
+            store.write(&batch, false).unwrap();
+            batch = Batch::new();
+        }
+    }
+    store.write(&batch, false).unwrap();
+    store.flush().unwrap();
+    let t = Instant::now();
+    let mut from = 1;
+    let mut scanned = 0u64;
+    let mut scanned_bytes = 0u64;
+    while from <= n {
+        let mut last = from;
+        store
+            .read_entries(
+                1,
+                from,
+                n,
+                tether::limits::DELIVERY_FRAME_BODY_BYTES_MAX,
+                &mut |o, _, b| {
+                    scanned += 1;
+                    scanned_bytes += b.len() as u64;
+                    last = o;
+                },
+            )
+            .unwrap();
+        from = last + 1;
+    }
+    let scan = t.elapsed();
+    assert_eq!(scanned, n);
+
+    // Baseline 2: raw quinn transfer of the same bytes (records plus ~12 B framing each).
+    let wire_bytes = n * (record_len as u64 + 12);
+    let transfer = quinn_transfer(dir.path(), wire_bytes).await;
+
+    let rows = [
+        row(
+            "publish (network, group commit)",
+            publish,
+            n,
+            n * size as u64,
+        ),
+        row("reconnect -> status", status, 0, 0),
+        row("ready -> first event", first.unwrap(), 0, 0),
+        row("ready -> live (replay)", live, n, bytes),
+        row("baseline: rocksdb scan", scan, n, scanned_bytes),
+        row("baseline: quinn transfer", transfer, n, wire_bytes),
+    ];
+    println!(
+        "{:<34} {:>10} {:>14} {:>10}",
+        "phase", "ms", "events/s", "MB/s"
+    );
+    for r in &rows {
+        println!(
+            "{:<34} {:>10.2} {:>14.0} {:>10.1}",
+            r.name, r.ms, r.events_per_s, r.mb_per_s
+        );
+    }
+    let limit = scan.max(transfer);
+    let replay_rate = n as f64 / live.as_secs_f64();
+    println!("replay_events_per_s={replay_rate:.0}");
+    println!(
+        "publish_events_per_s={:.0}",
+        n as f64 / publish.as_secs_f64()
+    );
+    println!("status_ms={:.3}", status.as_secs_f64() * 1e3);
+    println!("first_event_ms={:.3}", first.unwrap().as_secs_f64() * 1e3);
+    println!("ready_to_live_ms={:.1}", live.as_secs_f64() * 1e3);
+    println!("baseline_scan_ms={:.1}", scan.as_secs_f64() * 1e3);
+    println!("baseline_quinn_ms={:.1}", transfer.as_secs_f64() * 1e3);
+    println!(
+        "replay_vs_scan_ratio={:.2}",
+        live.as_secs_f64() / scan.as_secs_f64()
+    );
+    println!(
+        "replay_vs_quinn_ratio={:.2}",
+        live.as_secs_f64() / transfer.as_secs_f64()
+    );
+    println!(
+        "replay_vs_limit_ratio={:.2}",
+        live.as_secs_f64() / limit.as_secs_f64()
+    );
+}
+
+/// Sends `total` bytes over one unidirectional QUIC stream on loopback, with Tether's TLS and
+/// transport settings, and returns the time until the receiver has read them all.
+async fn quinn_transfer(dir: &std::path::Path, total: u64) -> Duration {
+    use tether::transport::{endpoint, tls};
+    let files = tls::ensure_dev_certs(&dir.join("quinn-tls")).unwrap();
+    let server = endpoint::server_endpoint(
+        "127.0.0.1:0".parse().unwrap(),
+        tls::server_config(&files).unwrap(),
+    )
+    .unwrap();
+    let addr = server.local_addr().unwrap();
+    let client = endpoint::client_endpoint(tls::client_config(&files.ca).unwrap(), addr).unwrap();
+    let sender = tokio::spawn(async move {
+        let conn = server.accept().await.unwrap().await.unwrap();
+        let mut send = conn.open_uni().await.unwrap();
+        let chunk = bytes::Bytes::from(vec![1u8; QUINN_CHUNK_BYTES]);
+        let mut left = total;
+        while left > 0 {
+            let k = left.min(QUINN_CHUNK_BYTES as u64) as usize;
+            send.write_chunk(chunk.slice(..k)).await.unwrap();
+            left -= k as u64;
+        }
+        send.finish().unwrap();
+        conn.closed().await;
+    });
+    let conn = client
+        .connect(addr, tls::SERVER_NAME)
+        .unwrap()
+        .await
+        .unwrap();
+    let t = Instant::now();
+    let mut recv = conn.accept_uni().await.unwrap();
+    let mut got = 0u64;
+    while let Some(c) = recv.read_chunk(usize::MAX, true).await.unwrap() {
+        got += c.bytes.len() as u64;
+    }
+    let d = t.elapsed();
+    assert_eq!(got, total);
+    conn.close(0u32.into(), b"done");
+    let _ = sender.await;
+    d
+}

@@ -1,1 +1,49 @@
-pub fn x(){}
+//! # Tether
+//!
+//! Durable client messaging: clients register interest in keys of named regions and receive
+//! entry events (creates, updates, destroys, invalidates). A *durable* client's subscription
+//! queue outlives its connection for its timeout, in an append-only RocksDB log; on reconnect it
+//! learns whether the queue survived and how many events wait, registers, says it is ready,
+//! receives the stored events flagged `replayed`, and is told once per region when it is live.
+//!
+//! - [`client`]: the client library ([`client::ClientBuilder`], [`client::Listener`], an async
+//!   stream of [`client::ClientEvent`]s).
+//! - [`server`]: the node ([`server::Node`]), also embeddable in a host process that feeds it
+//!   events without the network ([`server::Node::publisher`]).
+//! - [`core`]: the sans-IO state machine both are built around.
+//!
+//! ```no_run
+//! use tether::client::{ClientBuilder, ClientEvent, Interest};
+//! # async fn demo() -> Result<(), tether::client::ClientError> {
+//! let client = ClientBuilder::new()
+//!     .server("127.0.0.1:7400".parse().unwrap())
+//!     .ca_file("data/tls/ca.pem")
+//!     .durable("dashboard-1", 300)
+//!     .connect()
+//!     .await?;
+//! println!("queue {:?}, {:?} pending", client.queue_status(), client.pending());
+//! let prices = client.region("prices");
+//! prices.register(Interest::regex("EUR.*")).await?;
+//! let mut events = client.events()?;
+//! client.ready_for_events().await?;
+//! while let Some(ev) = events.next().await {
+//!     match ev {
+//!         ClientEvent::Event(e) => println!("{} {} replayed={}", e.key, e.op.as_str(), e.replayed),
+//!         ClientEvent::Live { region } => println!("{region} is live"),
+//!     }
+//! }
+//! client.close(true).await?;
+//! # Ok(()) }
+//! ```
+
+pub mod client;
+pub mod config;
+pub mod core;
+pub mod interest;
+pub mod limits;
+pub mod metrics;
+pub mod protocol;
+pub mod server;
+
+pub use tether_storage as storage;
+pub use tether_transport as transport;

@@ -1,1 +1,560 @@
-fn main(){}
+//! The `tether` command line: server, publishers, subscribers and admin.
+//! Its names, flags and JSON fields are a public contract (`docs/cli.md`).
+
+use std::io::Write;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use serde_json::{Value, json};
+use tether::client::{Client, ClientBuilder, ClientEvent, Interest};
+use tether::config::{
+    FileConfig, ServerConfig, SyncMode, parse_addr, parse_metrics, validate_node_id,
+};
+use tether::limits::{DURABLE_TIMEOUT_SECS_DEFAULT, PUBLISH_OPS_PER_REQUEST_MAX};
+use tether::protocol::{EventOp, PublishOp, ResultPolicy};
+use tether::server::Node;
+
+/// Publish operations sent per request by `tether put --count`.
+const PUT_BATCH_OPS: usize = 1000;
+const _: () = assert!(PUT_BATCH_OPS <= PUBLISH_OPS_PER_REQUEST_MAX);
+
+#[derive(Parser)]
+#[command(
+    name = "tether",
+    version,
+    about = "Durable client messaging over QUIC, with queues in RocksDB"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a server node.
+    Server(ServerArgs),
+    /// Put one key, or N keys in order.
+    Put(PutArgs),
+    /// Destroy a key.
+    Destroy(KeyArgs),
+    /// Print the current value of a key.
+    Get(KeyArgs),
+    /// Connect, register interest and print events as JSON lines.
+    Subscribe(SubscribeArgs),
+    /// List the subscription queues of the contacted node.
+    Queues(Conn),
+    /// Destroy an away durable client's queue and interest.
+    CloseDurable {
+        #[command(flatten)]
+        conn: Conn,
+        /// The durable id.
+        id: String,
+    },
+}
+
+#[derive(Args)]
+struct ServerArgs {
+    /// Where RocksDB, TLS material and the node id live.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// QUIC address for clients and peers; port 0 picks a free port.
+    #[arg(long)]
+    listen: Option<String>,
+    /// Prometheus address (/metrics); port 0 picks a free port; `off` disables.
+    #[arg(long)]
+    metrics: Option<String>,
+    /// This node's id (default: generated once, kept in the data dir).
+    #[arg(long)]
+    node_id: Option<String>,
+    /// TOML file with the same settings; flags win over the file.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// always, batch (fsync once per group commit) or none.
+    #[arg(long)]
+    sync: Option<String>,
+}
+
+#[derive(Args, Clone)]
+struct Conn {
+    /// Nodes to contact, comma-separated.
+    #[arg(long, default_value = "127.0.0.1:7400")]
+    server: String,
+    /// CA certificate to trust (default data/tls/ca.pem when it exists).
+    #[arg(long)]
+    ca: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct KeyArgs {
+    #[command(flatten)]
+    conn: Conn,
+    #[arg(long)]
+    region: String,
+    #[arg(long)]
+    key: String,
+}
+
+#[derive(Args)]
+struct PutArgs {
+    #[command(flatten)]
+    conn: Conn,
+    #[arg(long)]
+    region: String,
+    /// The key of a single put.
+    #[arg(long, conflicts_with_all = ["count", "key_prefix", "keys", "size"])]
+    key: Option<String>,
+    /// The value of a single put (UTF-8 text).
+    #[arg(long, requires = "key")]
+    value: Option<String>,
+    /// Number of puts.
+    #[arg(long)]
+    count: Option<u64>,
+    /// Key prefix for --count.
+    #[arg(long, default_value = "key-")]
+    key_prefix: String,
+    /// Number of distinct keys for --count (default: --count).
+    #[arg(long)]
+    keys: Option<u64>,
+    /// Value size in bytes for --count (default: the text value-i).
+    #[arg(long)]
+    size: Option<usize>,
+}
+
+#[derive(Args)]
+struct SubscribeArgs {
+    #[command(flatten)]
+    conn: Conn,
+    #[arg(long)]
+    region: String,
+    #[arg(long)]
+    durable_id: Option<String>,
+    #[arg(long, default_value_t = DURABLE_TIMEOUT_SECS_DEFAULT)]
+    timeout: u64,
+    #[arg(long)]
+    key: Vec<String>,
+    #[arg(long)]
+    regex: Vec<String>,
+    #[arg(long)]
+    all_keys: bool,
+    #[arg(long)]
+    non_durable: bool,
+    #[arg(long, default_value = "keys-values")]
+    policy: String,
+    #[arg(long)]
+    no_values: bool,
+    #[arg(long)]
+    no_ready: bool,
+    #[arg(long, default_value_t = 0)]
+    ready_delay_ms: u64,
+    #[arg(long)]
+    max_events: Option<u64>,
+    #[arg(long)]
+    exit_on_live: bool,
+    #[arg(long)]
+    idle_exit_ms: Option<u64>,
+    /// keepalive or drop.
+    #[arg(long)]
+    close: Option<String>,
+    #[arg(long)]
+    crash: bool,
+    #[arg(long, default_value_t = 100)]
+    ack_interval_ms: u64,
+}
+
+/// A user-facing failure: printed as one `error:` line.
+struct Fail(String);
+
+impl<E: std::fmt::Display> From<E> for Fail {
+    fn from(e: E) -> Self {
+        Fail(e.to_string())
+    }
+}
+
+fn emit(v: Value) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{v}");
+    let _ = out.flush();
+}
+
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(
+                e.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
+                let _ = e.print();
+                std::process::exit(
+                    if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                        2
+                    } else {
+                        0
+                    },
+                );
+            }
+            let text = e.render().to_string();
+            let first = text
+                .lines()
+                .next()
+                .unwrap_or("invalid arguments")
+                .trim_start_matches("error: ");
+            eprintln!("error: {first} (see tether --help)");
+            std::process::exit(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let result = runtime.block_on(run(cli.command));
+    if let Err(Fail(msg)) = result {
+        eprintln!("error: {}", msg.lines().collect::<Vec<_>>().join("; "));
+        std::process::exit(1);
+    }
+    // Do not wait for stray tasks (a crashed subscriber's connection, say).
+    runtime.shutdown_timeout(Duration::from_millis(100));
+}
+
+async fn run(cmd: Command) -> Result<(), Fail> {
+    match cmd {
+        Command::Server(a) => server(a).await,
+        Command::Put(a) => put(a).await,
+        Command::Destroy(a) => {
+            let c = connect(&a.conn, None, 100).await?;
+            let n = c.region(&a.region).destroy(a.key).await.map(|_| 1)?;
+            emit(json!({"type":"published","count":n}));
+            c.close(false).await?;
+            Ok(())
+        }
+        Command::Get(a) => {
+            let c = connect(&a.conn, None, 100).await?;
+            let v = c.region(&a.region).get(a.key.clone()).await?;
+            emit(
+                json!({"type":"value","region":a.region,"key":a.key,"value":v.map(|v| String::from_utf8_lossy(&v).into_owned())}),
+            );
+            c.close(false).await?;
+            Ok(())
+        }
+        Command::Subscribe(a) => subscribe(a).await,
+        Command::Queues(conn) => {
+            let c = connect(&conn, None, 100).await?;
+            for q in c.queues().await? {
+                emit(json!({
+                    "type": "queue",
+                    "durable_id": q.durable_id,
+                    "state": q.state,
+                    "pending": q.pending,
+                    "acked_offset": q.acked_offset,
+                    "end_offset": q.end_offset,
+                    "timeout_secs": q.timeout_secs,
+                    "role": q.role,
+                    "interests": q.interests.iter().map(|i| json!({"region":i.region,"kind":i.kind,"spec":i.spec,"durable":i.durable})).collect::<Vec<_>>(),
+                }));
+            }
+            c.close(false).await?;
+            Ok(())
+        }
+        Command::CloseDurable { conn, id } => {
+            let c = connect(&conn, None, 100).await?;
+            c.close_durable(&id).await?;
+            emit(json!({"type":"closed-durable","durable_id":id}));
+            c.close(false).await?;
+            Ok(())
+        }
+    }
+}
+
+fn parse_servers(list: &str) -> Result<Vec<SocketAddr>, Fail> {
+    let mut out = Vec::new();
+    for part in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let addrs = part.to_socket_addrs().map_err(|_| {
+            Fail(format!(
+                "invalid server address {part:?} (expected HOST:PORT)"
+            ))
+        })?;
+        out.extend(addrs.take(1));
+    }
+    if out.is_empty() {
+        return Err(Fail("no server address given".into()));
+    }
+    Ok(out)
+}
+
+fn ca_path(conn: &Conn) -> Result<PathBuf, Fail> {
+    match &conn.ca {
+        Some(p) if p.exists() => Ok(p.clone()),
+        Some(p) => Err(Fail(format!(
+            "CA certificate {} does not exist",
+            p.display()
+        ))),
+        None => {
+            let default = Path::new("data/tls/ca.pem");
+            if default.exists() {
+                Ok(default.to_path_buf())
+            } else {
+                Err(Fail(
+                    "no CA certificate: pass --ca FILE (data/tls/ca.pem does not exist)".into(),
+                ))
+            }
+        }
+    }
+}
+
+async fn connect(conn: &Conn, durable: Option<(String, u64)>, ack_ms: u64) -> Result<Client, Fail> {
+    let mut b = ClientBuilder::new()
+        .servers(parse_servers(&conn.server)?)
+        .ca_file(ca_path(conn)?)
+        .ack_interval(Duration::from_millis(ack_ms.max(1)))
+        .name("tether-cli");
+    if let Some((id, timeout)) = durable {
+        b = b.durable(id, timeout);
+    }
+    Ok(b.connect().await?)
+}
+
+async fn server(a: ServerArgs) -> Result<(), Fail> {
+    let file = match &a.config {
+        Some(p) => FileConfig::load(p)?,
+        None => FileConfig::default(),
+    };
+    let mut cfg = ServerConfig::default();
+    if let Some(d) = a.data_dir.or(file.data_dir) {
+        cfg.data_dir = d;
+    }
+    if let Some(l) = a.listen.or(file.listen) {
+        cfg.listen = parse_addr("listen", &l)?;
+    }
+    if let Some(m) = a.metrics.or(file.metrics) {
+        cfg.metrics = parse_metrics(&m)?;
+    }
+    if let Some(id) = a.node_id.or(file.node_id) {
+        validate_node_id(&id)?;
+        cfg.node_id = Some(id);
+    }
+    cfg.sync = match a.sync {
+        Some(s) => s.parse::<SyncMode>()?,
+        None => file.sync.unwrap_or_default(),
+    };
+    cfg.tls = file.tls;
+    let node = Node::start(cfg).await?;
+    emit(json!({
+        "type": "listening",
+        "node_id": node.node_id(),
+        "addr": node.addr().to_string(),
+        "metrics": node.metrics_addr().map(|a| a.to_string()),
+        "ca": node.ca_file().display().to_string(),
+    }));
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let failure = tokio::select! {
+        _ = tokio::signal::ctrl_c() => None,
+        _ = term.recv() => None,
+        e = node.failed() => Some(e),
+    };
+    node.shutdown().await;
+    match failure {
+        Some(e) => Err(Fail(format!("storage failed, node stopped: {e}"))),
+        None => Ok(()),
+    }
+}
+
+/// Printable ASCII value of `size` bytes for put number `i`.
+fn sized_value(i: u64, size: usize) -> Vec<u8> {
+    let head = format!("value-{i}-");
+    (0..size)
+        .map(|j| {
+            head.as_bytes()
+                .get(j)
+                .copied()
+                .unwrap_or(b'a' + (j % 26) as u8)
+        })
+        .collect()
+}
+
+async fn put(a: PutArgs) -> Result<(), Fail> {
+    let c = connect(&a.conn, None, 100).await?;
+    let count = match (&a.key, a.count) {
+        (Some(k), None) => {
+            let v = a
+                .value
+                .clone()
+                .ok_or_else(|| Fail("--key needs --value".into()))?;
+            c.publish(vec![PublishOp::Put {
+                region: a.region.clone(),
+                key: k.clone(),
+                value: v.into_bytes(),
+            }])
+            .await?
+        }
+        (None, Some(n)) => {
+            let m = a.keys.unwrap_or(n);
+            if m == 0 && n > 0 {
+                return Err(Fail("--keys must be at least 1".into()));
+            }
+            let mut sent = 0;
+            let mut i = 0;
+            while i < n {
+                let end = (i + PUT_BATCH_OPS as u64).min(n);
+                let ops = (i..end)
+                    .map(|j| PublishOp::Put {
+                        region: a.region.clone(),
+                        key: format!("{}{}", a.key_prefix, j % m),
+                        value: match a.size {
+                            Some(s) => sized_value(j, s),
+                            None => format!("value-{j}").into_bytes(),
+                        },
+                    })
+                    .collect();
+                sent += c.publish(ops).await?;
+                i = end;
+            }
+            sent
+        }
+        _ => return Err(Fail("give either --key K --value V or --count N".into())),
+    };
+    emit(json!({"type":"published","count":count}));
+    c.close(false).await?;
+    Ok(())
+}
+
+async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
+    let policy: ResultPolicy = a.policy.parse()?;
+    let durable = a.durable_id.is_some();
+    let keepalive = match a.close.as_deref() {
+        None => durable,
+        Some("keepalive") => true,
+        Some("drop") => false,
+        Some(other) => {
+            return Err(Fail(format!(
+                "invalid --close {other:?} (expected keepalive or drop)"
+            )));
+        }
+    };
+    if a.ack_interval_ms == 0 {
+        return Err(Fail("--ack-interval-ms must be at least 1".into()));
+    }
+    let c = connect(
+        &a.conn,
+        a.durable_id.clone().map(|id| (id, a.timeout)),
+        a.ack_interval_ms,
+    )
+    .await?;
+    emit(json!({
+        "type": "connected",
+        "durable_id": a.durable_id,
+        "queue": c.queue_status().as_str(),
+        "pending": c.pending(),
+        "primary": c.server_addr().to_string(),
+    }));
+    let region = c.region(&a.region);
+    let mut interests: Vec<Interest> = a.key.iter().map(Interest::key).collect();
+    interests.extend(a.regex.iter().map(Interest::regex));
+    if a.all_keys {
+        interests.push(Interest::all_keys());
+    }
+    let mut events = c.events()?;
+    for i in interests {
+        let i = i
+            .durable(durable && !a.non_durable)
+            .policy(policy)
+            .receive_values(!a.no_values);
+        for entry in region.register(i).await? {
+            let value = match policy {
+                ResultPolicy::Keys => None,
+                _ => entry
+                    .value
+                    .map(|v| String::from_utf8_lossy(&v).into_owned()),
+            };
+            emit(json!({"type":"initial","region":a.region,"key":entry.key,"value":value}));
+        }
+    }
+    if !a.no_ready {
+        if a.ready_delay_ms > 0 {
+            tokio::time::sleep(Duration::from_millis(a.ready_delay_ms)).await;
+        }
+        if durable {
+            c.ready_for_events().await?;
+        }
+    }
+    let idle = a.idle_exit_ms.map(Duration::from_millis);
+    let mut printed = 0u64;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut lost = false;
+    loop {
+        if a.max_events.is_some_and(|m| printed >= m) {
+            break;
+        }
+        let next = async {
+            match idle {
+                Some(d) => tokio::time::timeout(d, events.next()).await.ok(),
+                None => Some(events.next().await),
+            }
+        };
+        let ev = tokio::select! {
+            ev = next => ev,
+            _ = tokio::signal::ctrl_c() => break,
+            _ = term.recv() => break,
+        };
+        match ev {
+            None => break, // idle timeout
+            Some(None) => {
+                lost = true;
+                break;
+            }
+            Some(Some(ClientEvent::Live { region })) => {
+                emit(json!({"type":"live","region":region}));
+                if a.exit_on_live {
+                    break;
+                }
+            }
+            Some(Some(ClientEvent::Event(e))) => {
+                let value = match e.op {
+                    EventOp::Create | EventOp::Update => {
+                        e.value.map(|v| String::from_utf8_lossy(&v).into_owned())
+                    }
+                    _ => None,
+                };
+                emit(json!({
+                    "type": "event",
+                    "region": e.region,
+                    "key": e.key,
+                    "op": e.op.as_str(),
+                    "value": value,
+                    "offset": e.offset,
+                    "event_id": e.event_id.to_string(),
+                    "replayed": e.replayed,
+                    "possible_duplicate": e.possible_duplicate,
+                }));
+                printed += 1;
+            }
+        }
+    }
+    if a.crash {
+        c.crash();
+        return Ok(());
+    }
+    if lost {
+        return Err(Fail("the connection to the server was lost".into()));
+    }
+    events.commit();
+    c.close(keepalive).await?;
+    emit(json!({"type":"closed","keepalive":keepalive}));
+    Ok(())
+}

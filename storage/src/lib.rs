@@ -1,1 +1,89 @@
-pub fn x(){}
+//! Tether's storage: append-only per-queue logs, queue metadata, a region (key/value)
+//! store and a small node-state map, behind one synchronous [`Store`] trait.
+//!
+//! Two implementations share identical semantics, checked by one suite
+//! ([`conformance::run_all`]): [`RocksStore`] (durable, RocksDB) and [`MemStore`]
+//! (in-memory twin, for tests).
+//!
+//! # Writes
+//! Every mutation goes through a [`Batch`], applied atomically and in op order by
+//! [`Store::write`]; `sync = true` fsyncs the WAL before returning. Batches are validated
+//! first (see [`MAX_REGION_NAME_BYTES`], [`MAX_KEY_BYTES`], [`MAX_VALUE_BYTES`]): an
+//! invalid op rejects the whole batch and nothing is applied.
+//!
+//! # RocksDB key layout (all integers big-endian, so byte order = numeric order)
+//! | column family | key | value |
+//! |---|---|---|
+//! | `entries` | queue id u64 ++ offset u64 (16 bytes) | flags u8 ++ body |
+//! | `meta` | queue id u64 ++ field u8 (9 bytes) | `1` acked: u64; `2` delivered: u64; `3` info: epoch u64 ++ info blob |
+//! | `regions` | region-name length u16 ++ region name ++ key | value |
+//! | `state` | key | value |
+//!
+//! One queue's entries are one contiguous key range, so acknowledging (`set_acked`) is a
+//! single DeleteRange of `[(q, 0), (q, acked)]` plus the `acked` meta put, and `drop_queue`
+//! is a DeleteRange of the whole queue plus point deletes of its meta keys. Exclusive upper
+//! bounds are "key ++ 0x00" (the immediate successor), valid even at `u64::MAX`.
+//! The length prefix of region keys keeps regions like `"a"` and `"ab"` disjoint.
+//!
+//! # Invariants
+//! * A queue "exists" (is listed by [`Store::queues`], has [`Store::queue_meta`]) iff at least
+//!   one of its meta fields is stored; `put_queue_info`, `set_acked` and `set_delivered` all
+//!   create it, absent fields read as 0 / empty.
+//! * After `set_acked(q, a)` no entry `<= a` of `q` is stored (until re-appended).
+//! * [`QueueMeta::end`] is never stored: it is `max(highest stored offset, acked)`, found with
+//!   one bounded reverse seek, so recovery ([`Store::queues`]) reads only the meta column
+//!   family plus one seek per queue.
+//! * Entries of a queue without metadata are stored and readable but not listed.
+//! * Stored records with a bad layout yield [`StorageError::Corrupt`], never a panic.
+
+mod batch;
+pub mod conformance;
+mod error;
+pub mod keys;
+mod mem;
+mod rocks;
+
+pub use batch::{Batch, Entry, Offset, Op, QueueId, QueueMeta};
+pub use error::StorageError;
+pub use keys::{MAX_KEY_BYTES, MAX_REGION_NAME_BYTES, MAX_VALUE_BYTES};
+pub use mem::MemStore;
+pub use rocks::{
+    BLOCK_CACHE_BYTES, BLOOM_BITS_PER_KEY, CF_ENTRIES, CF_META, CF_REGIONS, CF_STATE,
+    ENTRIES_BLOCK_SIZE_BYTES, ENTRIES_WRITE_BUFFER_BYTES, MEMTABLE_MAX_RANGE_DELETIONS_COUNT,
+    READ_AHEAD_BYTES, RocksStore, SMALL_CF_WRITE_BUFFER_BYTES,
+};
+
+/// A queue log + metadata + region + node-state store. Synchronous; implementations are
+/// shared between threads.
+pub trait Store: Send + Sync + 'static {
+    /// Applies the whole batch atomically, in op order. `sync`: fsync the WAL before returning.
+    fn write(&self, batch: &Batch, sync: bool) -> Result<(), StorageError>;
+    /// Metadata of one queue (with `end` derived), None if the queue has no metadata.
+    fn queue_meta(&self, queue: QueueId) -> Result<Option<QueueMeta>, StorageError>;
+    /// Every queue that has metadata, ascending id. Used for recovery: does not scan
+    /// entries (one reverse seek per queue finds `end`).
+    fn queues(&self) -> Result<Vec<(QueueId, QueueMeta)>, StorageError>;
+    /// Visits entries of `queue` with `from <= offset <= to`, ascending, stopping early once
+    /// the visited bodies total `>= max_bytes` (at least one entry is visited if any exists).
+    /// Returns the number visited. Bodies are borrowed slices (zero-copy in RocksDB).
+    fn read_entries(
+        &self,
+        queue: QueueId,
+        from: Offset,
+        to: Offset,
+        max_bytes: usize,
+        visit: &mut dyn FnMut(Offset, u8, &[u8]),
+    ) -> Result<usize, StorageError>;
+    /// Value of `key` in `region`, None if absent.
+    fn region_get(&self, region: &str, key: &str) -> Result<Option<Vec<u8>>, StorageError>;
+    /// Visits every key of a region in key (byte) order.
+    fn region_scan(
+        &self,
+        region: &str,
+        visit: &mut dyn FnMut(&str, &[u8]),
+    ) -> Result<(), StorageError>;
+    /// Value of a node-state key, None if absent.
+    fn state_get(&self, key: &str) -> Result<Option<Vec<u8>>, StorageError>;
+    /// Flush memtables / sync WAL (used at clean shutdown).
+    fn flush(&self) -> Result<(), StorageError>;
+}

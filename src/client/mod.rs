@@ -1,0 +1,839 @@
+//! The client library a service embeds.
+//!
+//! [`ClientBuilder`] connects to the first reachable server of its list over QUIC+TLS and
+//! learns the queue status ([`Client::queue_status`], [`Client::pending`]) before any event.
+//! Interest is registered through a [`Region`] handle. Events arrive, after
+//! [`Client::ready_for_events`], on an [`EventStream`] (an async `Stream`) or through a
+//! [`Listener`] driven by [`EventStream::run_listener`].
+//!
+//! Acknowledgements are cumulative and periodic: an event counts as processed once the
+//! application asks the stream for the next one (or closes the client), and the highest
+//! processed offset is acked every `ack_interval`. Events whose id was already processed are
+//! dropped ([`DedupState`], shareable across reconnects in one process).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tether_transport::codec::{self, FrameReader};
+use tether_transport::{PROTOCOL_VERSION, tls};
+use tokio::sync::{Mutex as AsyncMutex, mpsc, oneshot};
+
+use crate::limits::{ACK_INTERVAL_MS_DEFAULT, CLIENT_DEDUP_IDS_MAX, DURABLE_TIMEOUT_SECS_DEFAULT};
+use crate::protocol::*;
+
+/// Events buffered between the delivery stream and the application.
+pub const CLIENT_EVENT_BUFFER_EVENTS: usize = 65_536;
+/// How long to wait for a server's welcome, in milliseconds.
+pub const CONNECT_TIMEOUT_MS: u64 = 10_000;
+
+/// Errors of the client library.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("no server configured")]
+    NoServer,
+    #[error("cannot load the CA certificate: {0}")]
+    Tls(#[from] tls::TlsError),
+    #[error("cannot reach any server ({0})")]
+    Connect(String),
+    #[error("server refused: {0}")]
+    Server(#[from] WireError),
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    #[error("the connection is closed")]
+    Closed,
+    #[error("{0}")]
+    Usage(String),
+}
+
+/// An entry event as the application sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    pub region: String,
+    pub key: String,
+    pub op: EventOp,
+    pub value: Option<Vec<u8>>,
+    pub offset: u64,
+    pub event_id: EventId,
+    /// Queued before the client said it was ready.
+    pub replayed: bool,
+    /// Sent to this durable id before and not acknowledged.
+    pub possible_duplicate: bool,
+}
+
+/// What the event stream yields.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClientEvent {
+    Event(Event),
+    /// Everything queued before ready has been delivered for this region (once per session).
+    Live {
+        region: String,
+    },
+}
+
+/// Callbacks for events, as in Geode's `CacheListener`.
+pub trait Listener: Send {
+    fn after_create(&mut self, _event: &Event) {}
+    fn after_update(&mut self, _event: &Event) {}
+    fn after_destroy(&mut self, _event: &Event) {}
+    fn after_invalidate(&mut self, _event: &Event) {}
+    fn after_region_live(&mut self, _region: &str) {}
+}
+
+/// Event ids already processed, bounded FIFO. Clone it into the builder of a reconnecting
+/// client of the same process so redelivered events are dropped.
+#[derive(Clone, Default)]
+pub struct DedupState(Arc<Mutex<DedupInner>>);
+
+#[derive(Default)]
+struct DedupInner {
+    set: HashSet<u64>,
+    order: VecDeque<u64>,
+}
+
+fn id_hash(id: &EventId) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    id.hash(&mut h);
+    h.finish()
+}
+
+impl DedupState {
+    /// Records an id; false if it was already there.
+    fn insert(&self, id: &EventId) -> bool {
+        let h = id_hash(id);
+        let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if !d.set.insert(h) {
+            return false;
+        }
+        d.order.push_back(h);
+        if d.order.len() > CLIENT_DEDUP_IDS_MAX {
+            if let Some(old) = d.order.pop_front() {
+                d.set.remove(&old);
+            }
+        }
+        true
+    }
+}
+
+/// Builds a [`Client`].
+#[derive(Clone)]
+pub struct ClientBuilder {
+    servers: Vec<SocketAddr>,
+    ca_file: Option<PathBuf>,
+    ca_pem: Option<Vec<u8>>,
+    durable: Option<DurableHello>,
+    ack_interval: Duration,
+    name: String,
+    dedup: DedupState,
+}
+
+impl Default for ClientBuilder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ClientBuilder {
+    pub fn new() -> Self {
+        ClientBuilder {
+            servers: Vec::new(),
+            ca_file: None,
+            ca_pem: None,
+            durable: None,
+            ack_interval: Duration::from_millis(ACK_INTERVAL_MS_DEFAULT),
+            name: "tether-client".into(),
+            dedup: DedupState::default(),
+        }
+    }
+
+    /// Adds a server to try (in order).
+    pub fn server(mut self, addr: SocketAddr) -> Self {
+        self.servers.push(addr);
+        self
+    }
+
+    pub fn servers(mut self, addrs: impl IntoIterator<Item = SocketAddr>) -> Self {
+        self.servers.extend(addrs);
+        self
+    }
+
+    /// The CA certificate (PEM file) to trust.
+    pub fn ca_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.ca_file = Some(path.into());
+        self
+    }
+
+    /// The CA certificate (PEM bytes) to trust.
+    pub fn ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.ca_pem = Some(pem.into());
+        self
+    }
+
+    /// Makes the client durable with this id and timeout (seconds; the latest presented wins).
+    pub fn durable(mut self, id: impl Into<String>, timeout_secs: u64) -> Self {
+        self.durable = Some(DurableHello {
+            id: id.into(),
+            timeout_secs,
+        });
+        self
+    }
+
+    /// Durable with the default timeout (300 s).
+    pub fn durable_id(self, id: impl Into<String>) -> Self {
+        self.durable(id, DURABLE_TIMEOUT_SECS_DEFAULT)
+    }
+
+    pub fn ack_interval(mut self, every: Duration) -> Self {
+        self.ack_interval = every;
+        self
+    }
+
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Shares processed-event ids with an earlier client of this process.
+    pub fn dedup_state(mut self, state: DedupState) -> Self {
+        self.dedup = state;
+        self
+    }
+
+    /// Connects to the first server that answers with a welcome.
+    pub async fn connect(self) -> Result<Client, ClientError> {
+        tls::install_crypto_provider();
+        if self.servers.is_empty() {
+            return Err(ClientError::NoServer);
+        }
+        let config = match (&self.ca_pem, &self.ca_file) {
+            (Some(pem), _) => tls::client_config_from_pem(pem)?,
+            (None, Some(f)) => tls::client_config(f)?,
+            (None, None) => {
+                return Err(ClientError::Usage(
+                    "no CA certificate given (ca_file or ca_pem)".into(),
+                ));
+            }
+        };
+        let mut errors = Vec::new();
+        for &addr in &self.servers {
+            match tokio::time::timeout(
+                Duration::from_millis(CONNECT_TIMEOUT_MS),
+                self.connect_one(addr, config.clone()),
+            )
+            .await
+            {
+                Ok(Ok(c)) => return Ok(c),
+                Ok(Err(ClientError::Server(e))) => return Err(ClientError::Server(e)),
+                Ok(Err(e)) => errors.push(format!("{addr}: {e}")),
+                Err(_) => errors.push(format!("{addr}: timed out")),
+            }
+        }
+        Err(ClientError::Connect(errors.join("; ")))
+    }
+
+    async fn connect_one(
+        &self,
+        addr: SocketAddr,
+        config: quinn::ClientConfig,
+    ) -> Result<Client, ClientError> {
+        let endpoint = tether_transport::endpoint::client_endpoint(config, addr)
+            .map_err(|e| ClientError::Connect(e.to_string()))?;
+        let conn = endpoint
+            .connect(addr, tls::SERVER_NAME)
+            .map_err(|e| ClientError::Connect(e.to_string()))?
+            .await
+            .map_err(|e| ClientError::Connect(e.to_string()))?;
+        let (mut send, recv) = conn
+            .open_bi()
+            .await
+            .map_err(|e| ClientError::Connect(e.to_string()))?;
+        let hello = ClientMsg::Hello {
+            version: PROTOCOL_VERSION,
+            durable: self.durable.clone(),
+            client: self.name.clone(),
+        };
+        codec::write_frame(&mut send, &hello)
+            .await
+            .map_err(|e| ClientError::Connect(e.to_string()))?;
+        let mut reader = FrameReader::new(recv);
+        let (node_id, status, pending) = match reader.next::<ServerMsg>().await {
+            Ok(Some(ServerMsg::Welcome {
+                node_id,
+                queue,
+                pending,
+                ..
+            })) => (node_id, queue, pending),
+            Ok(Some(ServerMsg::Error(e))) => return Err(ClientError::Server(e)),
+            Ok(Some(other)) => {
+                return Err(ClientError::Protocol(format!(
+                    "expected a welcome, got {other:?}"
+                )));
+            }
+            Ok(None) | Err(_) => {
+                return Err(match conn.close_reason() {
+                    Some(r) => ClientError::Connect(r.to_string()),
+                    None => ClientError::Connect("the server closed the stream".into()),
+                });
+            }
+        };
+        let inner = Arc::new(Inner {
+            send: AsyncMutex::new(send),
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            processed: AtomicU64::new(0),
+            acked: AtomicU64::new(0),
+            conn: conn.clone(),
+        });
+        let (events_tx, events_rx) = mpsc::channel(CLIENT_EVENT_BUFFER_EVENTS);
+        let control = tokio::spawn(control_task(inner.clone(), reader));
+        let delivery = tokio::spawn(delivery_task(conn.clone(), events_tx, self.dedup.clone()));
+        let acker = tokio::spawn(ack_task(inner.clone(), self.ack_interval));
+        Ok(Client {
+            inner,
+            endpoint,
+            server: addr,
+            node_id,
+            status,
+            pending,
+            durable: self.durable.is_some(),
+            events: Mutex::new(Some(events_rx)),
+            dedup: self.dedup.clone(),
+            tasks: vec![control, delivery, acker],
+        })
+    }
+}
+
+struct Inner {
+    send: AsyncMutex<quinn::SendStream>,
+    pending: Mutex<HashMap<u64, oneshot::Sender<Result<ResponseBody, WireError>>>>,
+    next_id: AtomicU64,
+    processed: AtomicU64,
+    acked: AtomicU64,
+    conn: quinn::Connection,
+}
+
+impl Inner {
+    async fn send(&self, msg: &ClientMsg) -> Result<(), ClientError> {
+        let mut s = self.send.lock().await;
+        codec::write_frame(&mut s, msg)
+            .await
+            .map_err(|_| ClientError::Closed)
+    }
+
+    async fn call(&self, body: RequestBody) -> Result<ResponseBody, ClientError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, tx);
+        if let Err(e) = self.send(&ClientMsg::Request { id, body }).await {
+            self.pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
+            return Err(e);
+        }
+        match rx.await {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(e)) => Err(ClientError::Server(e)),
+            Err(_) => Err(self.closed_error()),
+        }
+    }
+
+    fn closed_error(&self) -> ClientError {
+        match self.conn.close_reason() {
+            Some(quinn::ConnectionError::ApplicationClosed(c)) => {
+                let code = ErrorCode::from_varint(c.error_code).unwrap_or(ErrorCode::Internal);
+                ClientError::Server(WireError::new(
+                    code,
+                    String::from_utf8_lossy(&c.reason).into_owned(),
+                ))
+            }
+            _ => ClientError::Closed,
+        }
+    }
+
+    async fn flush_ack(&self) -> Result<(), ClientError> {
+        let p = self.processed.load(Ordering::Acquire);
+        if p > self.acked.load(Ordering::Acquire) {
+            self.send(&ClientMsg::Ack { offset: p }).await?;
+            self.acked.fetch_max(p, Ordering::AcqRel);
+        }
+        Ok(())
+    }
+}
+
+async fn control_task(inner: Arc<Inner>, mut reader: FrameReader) {
+    loop {
+        match reader.next::<ServerMsg>().await {
+            Ok(Some(ServerMsg::Response { id, result })) => {
+                if let Some(tx) = inner
+                    .pending
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&id)
+                {
+                    let _ = tx.send(result);
+                }
+            }
+            Ok(Some(ServerMsg::Ping { nonce })) => {
+                if inner.send(&ClientMsg::Pong { nonce }).await.is_err() {
+                    break;
+                }
+            }
+            Ok(Some(ServerMsg::Error(e))) => {
+                tracing::warn!(code = e.code.name(), message = %e.message, "server error");
+                let waiting: Vec<_> = inner
+                    .pending
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .drain()
+                    .collect();
+                for (_, tx) in waiting {
+                    let _ = tx.send(Err(e.clone()));
+                }
+            }
+            Ok(Some(ServerMsg::Welcome { .. })) | Ok(None) | Err(_) => break,
+        }
+    }
+    inner
+        .pending
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clear();
+}
+
+async fn delivery_task(conn: quinn::Connection, tx: mpsc::Sender<Incoming>, dedup: DedupState) {
+    let Ok(recv) = conn.accept_uni().await else {
+        return;
+    };
+    let mut reader = FrameReader::new(recv);
+    while let Ok(Some(frame)) = reader.next::<Delivery>().await {
+        match frame {
+            Delivery::Live(regions) => {
+                for region in regions {
+                    if tx
+                        .send(Incoming::Show(ClientEvent::Live { region }))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            }
+            Delivery::Events(entries) => {
+                for e in entries {
+                    let Ok(rec) = codec::decode_body::<EventRecord>(&e.record) else {
+                        tracing::warn!(offset = e.offset, "undecodable event record");
+                        continue;
+                    };
+                    let dup = e.flags & FLAG_POSSIBLE_DUPLICATE != 0;
+                    // Every id is remembered; only flagged events can be duplicates.
+                    if !dedup.insert(&rec.id) && dup {
+                        // Not shown again, but counted as processed so it is acked.
+                        if tx.send(Incoming::Duplicate(e.offset)).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    let no_value = e.flags & FLAG_NO_VALUE != 0;
+                    let (op, value) = match rec.op {
+                        EventOp::Create | EventOp::Update if no_value => {
+                            (EventOp::Invalidate, None)
+                        }
+                        op => (op, rec.value),
+                    };
+                    let ev = Event {
+                        region: rec.region,
+                        key: rec.key,
+                        op,
+                        value,
+                        offset: e.offset,
+                        event_id: rec.id,
+                        replayed: e.flags & FLAG_REPLAYED != 0,
+                        possible_duplicate: dup,
+                    };
+                    if tx
+                        .send(Incoming::Show(ClientEvent::Event(ev)))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What the delivery task hands to the stream.
+enum Incoming {
+    Show(ClientEvent),
+    /// A redelivered event this process already processed: acked, never shown.
+    Duplicate(u64),
+}
+
+async fn ack_task(inner: Arc<Inner>, every: Duration) {
+    let mut interval = tokio::time::interval(every);
+    loop {
+        interval.tick().await;
+        if inner.flush_ack().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// A connected client.
+pub struct Client {
+    inner: Arc<Inner>,
+    endpoint: quinn::Endpoint,
+    server: SocketAddr,
+    node_id: String,
+    status: QueueStatus,
+    pending: Option<u64>,
+    durable: bool,
+    events: Mutex<Option<mpsc::Receiver<Incoming>>>,
+    dedup: DedupState,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Client {
+    /// `new`, `expired` or `resumed` for durable clients; `none` otherwise.
+    pub fn queue_status(&self) -> QueueStatus {
+        self.status
+    }
+
+    /// Events waiting after the acked offset, when the queue was resumed.
+    pub fn pending(&self) -> Option<u64> {
+        self.pending
+    }
+
+    /// The server this client is connected to.
+    pub fn server_addr(&self) -> SocketAddr {
+        self.server
+    }
+
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    pub fn is_durable(&self) -> bool {
+        self.durable
+    }
+
+    /// The processed-event ids, to hand to a reconnecting client of this process.
+    pub fn dedup_state(&self) -> DedupState {
+        self.dedup.clone()
+    }
+
+    /// A handle on one region.
+    pub fn region(&self, name: impl Into<String>) -> Region<'_> {
+        Region {
+            client: self,
+            name: name.into(),
+        }
+    }
+
+    /// Tells the server to start delivering: queued events first (replayed), then the live
+    /// marker per region, then live events. Returns the offset replay ends at.
+    pub async fn ready_for_events(&self) -> Result<u64, ClientError> {
+        match self.inner.call(RequestBody::Ready).await? {
+            ResponseBody::Ready { replay_end } => Ok(replay_end),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// The event stream (once per client).
+    pub fn events(&self) -> Result<EventStream, ClientError> {
+        let rx = self
+            .events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| ClientError::Usage("the event stream was already taken".into()))?;
+        Ok(EventStream {
+            rx,
+            inner: self.inner.clone(),
+            last: None,
+        })
+    }
+
+    /// Admin: every queue of the connected node.
+    pub async fn queues(&self) -> Result<Vec<QueueReport>, ClientError> {
+        match self.inner.call(RequestBody::ListQueues).await? {
+            ResponseBody::Queues { queues } => Ok(queues),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Admin: destroys an away durable client's queue.
+    pub async fn close_durable(&self, durable_id: &str) -> Result<(), ClientError> {
+        match self
+            .inner
+            .call(RequestBody::CloseDurable {
+                durable_id: durable_id.into(),
+            })
+            .await?
+        {
+            ResponseBody::ClosedDurable { .. } => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Publishes a batch of operations; resolves once the server committed them.
+    pub async fn publish(&self, ops: Vec<PublishOp>) -> Result<u64, ClientError> {
+        match self.inner.call(RequestBody::Publish { ops }).await? {
+            ResponseBody::Published { count } => Ok(count),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Acknowledges everything processed so far, now.
+    pub async fn ack_now(&self) -> Result<(), ClientError> {
+        self.inner.flush_ack().await
+    }
+
+    /// Closes the session. `keepalive`: a durable queue and its durable interest are kept for
+    /// the timeout; otherwise both are destroyed. Processed events are acked first.
+    pub async fn close(self, keepalive: bool) -> Result<(), ClientError> {
+        let ack = self.inner.flush_ack().await;
+        let result = match self.inner.call(RequestBody::Close { keepalive }).await {
+            Ok(ResponseBody::Closed { .. }) => ack,
+            Ok(other) => Err(unexpected(other)),
+            Err(e) => Err(e),
+        };
+        self.inner
+            .conn
+            .close(ErrorCode::ClosedByPeer.varint(), b"closed");
+        for t in &self.tasks {
+            t.abort();
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        result
+    }
+
+    /// Vanishes like a killed process: no acks flushed, no close request.
+    pub fn crash(self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.inner
+            .conn
+            .close(ErrorCode::Crashed.varint(), b"crashed");
+    }
+}
+
+fn unexpected(r: ResponseBody) -> ClientError {
+    ClientError::Protocol(format!("unexpected response {r:?}"))
+}
+
+/// Interest to register (see [`Region::register`]).
+#[derive(Clone, Debug)]
+pub struct Interest {
+    pub spec: InterestSpec,
+    /// None: durable for a durable client.
+    pub durable: Option<bool>,
+    pub policy: ResultPolicy,
+    pub receive_values: bool,
+}
+
+impl Interest {
+    fn new(spec: InterestSpec) -> Self {
+        Interest {
+            spec,
+            durable: None,
+            policy: ResultPolicy::KeysValues,
+            receive_values: true,
+        }
+    }
+    pub fn key(k: impl Into<String>) -> Self {
+        Self::new(InterestSpec::Key(k.into()))
+    }
+    pub fn keys(keys: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        Self::new(InterestSpec::Keys(
+            keys.into_iter().map(Into::into).collect(),
+        ))
+    }
+    pub fn regex(re: impl Into<String>) -> Self {
+        Self::new(InterestSpec::Regex(re.into()))
+    }
+    pub fn all_keys() -> Self {
+        Self::new(InterestSpec::AllKeys)
+    }
+    pub fn durable(mut self, durable: bool) -> Self {
+        self.durable = Some(durable);
+        self
+    }
+    pub fn policy(mut self, policy: ResultPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+    pub fn receive_values(mut self, receive: bool) -> Self {
+        self.receive_values = receive;
+        self
+    }
+}
+
+/// A handle on one region of a connected client.
+pub struct Region<'a> {
+    client: &'a Client,
+    name: String,
+}
+
+impl Region<'_> {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Registers interest; returns the initial image (never delivered as events).
+    pub async fn register(&self, interest: Interest) -> Result<Vec<InitialEntry>, ClientError> {
+        let body = RequestBody::RegisterInterest {
+            region: self.name.clone(),
+            interest: interest.spec,
+            durable: interest.durable.unwrap_or(self.client.durable),
+            policy: interest.policy,
+            receive_values: interest.receive_values,
+        };
+        match self.client.inner.call(body).await? {
+            ResponseBody::Registered { initial } => Ok(initial),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Removes interest; false if it was not registered.
+    pub async fn unregister(&self, spec: InterestSpec) -> Result<bool, ClientError> {
+        let body = RequestBody::UnregisterInterest {
+            region: self.name.clone(),
+            interest: spec,
+        };
+        match self.client.inner.call(body).await? {
+            ResponseBody::Unregistered { removed } => Ok(removed),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    pub async fn put(
+        &self,
+        key: impl Into<String>,
+        value: impl Into<Vec<u8>>,
+    ) -> Result<(), ClientError> {
+        self.client
+            .publish(vec![PublishOp::Put {
+                region: self.name.clone(),
+                key: key.into(),
+                value: value.into(),
+            }])
+            .await
+            .map(drop)
+    }
+
+    pub async fn destroy(&self, key: impl Into<String>) -> Result<(), ClientError> {
+        self.client
+            .publish(vec![PublishOp::Destroy {
+                region: self.name.clone(),
+                key: key.into(),
+            }])
+            .await
+            .map(drop)
+    }
+
+    pub async fn invalidate(&self, key: impl Into<String>) -> Result<(), ClientError> {
+        self.client
+            .publish(vec![PublishOp::Invalidate {
+                region: self.name.clone(),
+                key: key.into(),
+            }])
+            .await
+            .map(drop)
+    }
+
+    /// The current value (None when absent or invalidated).
+    pub async fn get(&self, key: impl Into<String>) -> Result<Option<Vec<u8>>, ClientError> {
+        match self
+            .client
+            .inner
+            .call(RequestBody::Get {
+                region: self.name.clone(),
+                key: key.into(),
+            })
+            .await?
+        {
+            ResponseBody::Value { value } => Ok(value),
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+/// The events of a client, in order. Ends when the connection closes.
+pub struct EventStream {
+    rx: mpsc::Receiver<Incoming>,
+    inner: Arc<Inner>,
+    /// Offset of the event yielded last: processed once the next one is asked for.
+    last: Option<u64>,
+}
+
+impl EventStream {
+    fn mark_processed(&mut self) {
+        if let Some(o) = self.last.take() {
+            self.inner.processed.fetch_max(o, Ordering::AcqRel);
+        }
+    }
+
+    /// The next event; None once the connection is gone.
+    pub async fn next(&mut self) -> Option<ClientEvent> {
+        std::future::poll_fn(|cx| Pin::new(&mut *self).poll_next_event(cx)).await
+    }
+
+    fn poll_next_event(&mut self, cx: &mut Context<'_>) -> Poll<Option<ClientEvent>> {
+        self.mark_processed();
+        loop {
+            match self.rx.poll_recv(cx) {
+                Poll::Ready(Some(Incoming::Duplicate(offset))) => {
+                    self.inner.processed.fetch_max(offset, Ordering::AcqRel);
+                }
+                Poll::Ready(Some(Incoming::Show(ev))) => {
+                    if let ClientEvent::Event(e) = &ev {
+                        self.last = Some(e.offset);
+                    }
+                    return Poll::Ready(Some(ev));
+                }
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+
+    /// Marks the last yielded event processed without waiting for the next one.
+    pub fn commit(&mut self) {
+        self.mark_processed();
+    }
+
+    /// Drives a listener until the stream ends.
+    pub async fn run_listener(mut self, listener: &mut dyn Listener) {
+        while let Some(ev) = self.next().await {
+            match &ev {
+                ClientEvent::Live { region } => listener.after_region_live(region),
+                ClientEvent::Event(e) => match e.op {
+                    EventOp::Create => listener.after_create(e),
+                    EventOp::Update => listener.after_update(e),
+                    EventOp::Destroy => listener.after_destroy(e),
+                    EventOp::Invalidate => listener.after_invalidate(e),
+                },
+            }
+        }
+    }
+}
+
+impl futures_core::Stream for EventStream {
+    type Item = ClientEvent;
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<ClientEvent>> {
+        self.get_mut().poll_next_event(cx)
+    }
+}

@@ -1,0 +1,981 @@
+//! The node's sans-IO core: queues, sessions, interest and the durable life cycle.
+//!
+//! [`NodeCore`] takes inputs (a connection's hello, a registration, a publish, an ack, a
+//! disconnect, the time) and returns plain outputs: storage [`Batch`]es for the driver to
+//! commit, statuses and errors for the client, and [`Step`]s for a session's delivery. It never
+//! performs I/O and never reads a clock, so tests drive it deterministically
+//! (`tests/core_state_machine.rs`). The tokio/quinn/RocksDB driver lives in `crate::server`.
+//!
+//! Offsets: a queue's entries have offsets `1..`; `acked` is the highest acknowledged offset,
+//! `end` the highest assigned one, `visible_end` the highest committed one (delivery reads only
+//! committed entries), so `pending = end - acked` in O(1).
+
+pub mod cursor;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tether_storage::{Batch, Entry, Offset, QueueId, QueueMeta};
+use tether_transport::codec::{decode_body, encode_body};
+
+pub use cursor::{Cursor, FlagBounds, Step};
+
+use crate::interest::{InterestIndex, Registration, Selector, validate_key};
+use crate::limits::*;
+use crate::protocol::*;
+
+/// Identifies a connection (and a publisher: event ids carry it). Persisted before use.
+pub type SessionId = u64;
+
+/// State keys of the node in the storage `state` map.
+pub const STATE_NEXT_QUEUE_ID: &str = "node/next-queue-id";
+pub const STATE_NEXT_SESSION_ID: &str = "node/next-session-id";
+pub const STATE_EXPIRED_IDS: &str = "node/expired-ids";
+
+/// Region store values carry a tag byte: `REGION_TAG_VALUE` + value, or `REGION_TAG_INVALID`
+/// for a key whose value was invalidated (the key exists, its value is null).
+pub const REGION_TAG_INVALID: u8 = 0;
+pub const REGION_TAG_VALUE: u8 = 1;
+
+/// The value of a region store record, None for an invalidated key.
+pub fn decode_region_value(stored: &[u8]) -> Option<&[u8]> {
+    match stored.split_first() {
+        Some((&REGION_TAG_VALUE, v)) => Some(v),
+        _ => None,
+    }
+}
+
+/// Encodes a value (None: invalidated) for the region store.
+pub fn encode_region_value(value: Option<&[u8]>) -> Vec<u8> {
+    match value {
+        Some(v) => {
+            let mut out = Vec::with_capacity(v.len() + 1);
+            out.push(REGION_TAG_VALUE);
+            out.extend_from_slice(v);
+            out
+        }
+        None => vec![REGION_TAG_INVALID],
+    }
+}
+
+/// The queue metadata blob the core owns (stored as `QueueMeta::info`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct QueueInfo {
+    pub durable_id: Option<String>,
+    pub timeout_secs: u64,
+    /// Wall-clock time (ms since the epoch) the client went away; None while connected.
+    pub away_since_ms: Option<u64>,
+    /// Durable registrations only: non-durable interest ends with the session.
+    pub interests: Vec<(String, Selector, Registration)>,
+}
+
+/// Where a queue's client is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueueState {
+    /// A session is attached (ready or not).
+    Attached(SessionId),
+    /// The durable client is away since this wall-clock time (ms).
+    Away { since_ms: u64 },
+}
+
+/// One subscription queue.
+#[derive(Debug)]
+pub struct Queue {
+    pub id: QueueId,
+    pub durable_id: Option<String>,
+    pub timeout_secs: u64,
+    pub acked: Offset,
+    pub end: Offset,
+    pub visible_end: Offset,
+    pub delivered: Offset,
+    pub epoch: u64,
+    pub interests: BTreeMap<(String, Selector), Registration>,
+    pub state: QueueState,
+}
+
+impl Queue {
+    pub fn pending(&self) -> u64 {
+        self.end - self.acked
+    }
+
+    fn info(&self) -> QueueInfo {
+        QueueInfo {
+            durable_id: self.durable_id.clone(),
+            timeout_secs: self.timeout_secs,
+            away_since_ms: match self.state {
+                QueueState::Away { since_ms } => Some(since_ms),
+                QueueState::Attached(_) => None,
+            },
+            interests: self
+                .interests
+                .iter()
+                .filter(|(_, r)| r.durable)
+                .map(|((region, sel), r)| (region.clone(), sel.clone(), *r))
+                .collect(),
+        }
+    }
+
+    fn persist_info(&self, batch: &mut Batch) {
+        let bytes = encode_body(&self.info()).expect("queue info always encodes");
+        batch.put_queue_info(self.id, self.epoch, bytes);
+    }
+
+    fn regions(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.interests.keys().map(|(r, _)| r.as_str()).collect();
+        v.dedup();
+        v
+    }
+}
+
+/// One connection.
+#[derive(Debug)]
+pub struct Session {
+    pub id: SessionId,
+    pub queue: QueueId,
+    pub durable: bool,
+    /// Sequence of the next event this session publishes.
+    pub next_seq: u64,
+    /// Set once the client is ready (immediately for non-durable clients).
+    pub cursor: Option<Cursor>,
+    /// Highest offset written to the wire in this session.
+    pub sent: Offset,
+}
+
+/// Result of a successful connect.
+#[derive(Debug)]
+pub struct Connected {
+    pub session: SessionId,
+    pub status: QueueStatus,
+    pub pending: Option<u64>,
+    pub batch: Batch,
+}
+
+/// Why a connect was not accepted.
+#[derive(Debug, PartialEq)]
+pub enum ConnectError {
+    /// The durable id is attached to this live session; probe it before refusing.
+    Attached(SessionId),
+    Invalid(WireError),
+}
+
+/// A publish turned into storage writes.
+#[derive(Debug, Default)]
+pub struct PublishPlan {
+    pub batch: Batch,
+    /// Last offset appended per queue, to mark visible once committed.
+    pub appended: Vec<(QueueId, Offset)>,
+    pub count: u64,
+    /// Queue entries appended (fan-out included).
+    pub enqueued: u64,
+    /// Write sequence of this plan, for [`NodeCore::committed`].
+    pub seq: u64,
+}
+
+/// What [`NodeCore::disconnect`] did.
+#[derive(Debug, Default)]
+pub struct Disconnected {
+    pub batch: Batch,
+    pub queue_dropped: bool,
+}
+
+/// Counters the driver exports as metrics.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct QueueCounts {
+    pub attached: u64,
+    pub ready: u64,
+    pub away: u64,
+    pub pending_total: u64,
+}
+
+/// The session and its queue, borrowed from the core's maps separately so the index stays free.
+fn session_queue<'a>(
+    sessions: &'a mut HashMap<SessionId, Session>,
+    queues: &'a mut HashMap<QueueId, Queue>,
+    session: SessionId,
+) -> Result<(&'a mut Session, &'a mut Queue), WireError> {
+    let s = sessions
+        .get_mut(&session)
+        .ok_or_else(|| WireError::new(ErrorCode::NotFound, "no such session"))?;
+    let q = queues.get_mut(&s.queue).ok_or_else(|| {
+        WireError::new(
+            ErrorCode::NotFound,
+            "this session has no subscription queue",
+        )
+    })?;
+    Ok((s, q))
+}
+
+fn invalid(msg: impl Into<String>) -> WireError {
+    WireError::new(ErrorCode::InvalidArgument, msg)
+}
+
+fn validate_region(region: &str) -> Result<(), WireError> {
+    if region.is_empty() {
+        return Err(invalid("region name is empty"));
+    }
+    if region.len() > REGION_NAME_BYTES_MAX {
+        return Err(invalid(format!(
+            "region name of {} bytes exceeds the limit of {REGION_NAME_BYTES_MAX} bytes",
+            region.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The node's state machine. See the module docs.
+pub struct NodeCore {
+    node_id: String,
+    queues: HashMap<QueueId, Queue>,
+    durable: HashMap<String, QueueId>,
+    sessions: HashMap<SessionId, Session>,
+    index: InterestIndex,
+    next_queue_id: QueueId,
+    next_session_id: SessionId,
+    expired: VecDeque<String>,
+    expired_set: HashSet<String>,
+    /// Region keys written by plans not yet committed: (exists after the write, plan seq).
+    overlay: HashMap<(String, String), (bool, u64)>,
+    write_seq: u64,
+    scratch: BTreeMap<QueueId, bool>,
+}
+
+impl NodeCore {
+    /// A core with no state (a new data directory).
+    pub fn new(node_id: impl Into<String>) -> Self {
+        NodeCore {
+            node_id: node_id.into(),
+            queues: HashMap::new(),
+            durable: HashMap::new(),
+            sessions: HashMap::new(),
+            index: InterestIndex::default(),
+            next_queue_id: 1,
+            next_session_id: 1,
+            expired: VecDeque::new(),
+            expired_set: HashSet::new(),
+            overlay: HashMap::new(),
+            write_seq: 0,
+            scratch: BTreeMap::new(),
+        }
+    }
+
+    /// Rebuilds the core from storage after a restart (or a kill -9): every durable queue comes
+    /// back away (a session attached at the crash is treated as a crash: keepalive), with its
+    /// durable interest; non-durable queues are dropped in the returned batch.
+    pub fn recover(
+        node_id: impl Into<String>,
+        now_ms: u64,
+        queues: Vec<(QueueId, QueueMeta)>,
+        state: impl Fn(&str) -> Option<Vec<u8>>,
+    ) -> Result<(Self, Batch), String> {
+        let mut core = NodeCore::new(node_id);
+        let read_u64 = |key: &str| -> Result<Option<u64>, String> {
+            match state(key) {
+                None => Ok(None),
+                Some(b) => Ok(Some(u64::from_be_bytes(
+                    b.as_slice()
+                        .try_into()
+                        .map_err(|_| format!("corrupt state {key}"))?,
+                ))),
+            }
+        };
+        core.next_queue_id = read_u64(STATE_NEXT_QUEUE_ID)?.unwrap_or(1);
+        core.next_session_id = read_u64(STATE_NEXT_SESSION_ID)?.unwrap_or(1);
+        if let Some(bytes) = state(STATE_EXPIRED_IDS) {
+            let ids: Vec<String> =
+                decode_body(&bytes).map_err(|e| format!("corrupt expired ids: {e}"))?;
+            for id in ids {
+                core.remember_expired(id);
+            }
+        }
+        let mut batch = Batch::new();
+        for (id, meta) in queues {
+            let info: QueueInfo =
+                decode_body(&meta.info).map_err(|e| format!("corrupt info of queue {id}: {e}"))?;
+            let Some(durable_id) = info.durable_id.clone() else {
+                batch.drop_queue(id);
+                continue;
+            };
+            let since_ms = info.away_since_ms.unwrap_or(now_ms);
+            let mut queue = Queue {
+                id,
+                durable_id: Some(durable_id.clone()),
+                timeout_secs: info.timeout_secs,
+                acked: meta.acked,
+                end: meta.end,
+                visible_end: meta.end,
+                delivered: meta.delivered.max(meta.acked),
+                epoch: meta.epoch,
+                interests: BTreeMap::new(),
+                state: QueueState::Away { since_ms },
+            };
+            for (region, sel, reg) in info.interests {
+                core.index.insert(&region, &sel, id, reg.receive_values);
+                queue.interests.insert((region, sel), reg);
+            }
+            if info.away_since_ms.is_none() {
+                queue.persist_info(&mut batch);
+            }
+            core.next_queue_id = core.next_queue_id.max(id + 1);
+            core.durable.insert(durable_id, id);
+            core.queues.insert(id, queue);
+        }
+        Ok((core, batch))
+    }
+
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    fn remember_expired(&mut self, id: String) {
+        if self.expired_set.insert(id.clone()) {
+            self.expired.push_back(id);
+            while self.expired.len() > EXPIRED_IDS_REMEMBERED_MAX {
+                if let Some(old) = self.expired.pop_front() {
+                    self.expired_set.remove(&old);
+                }
+            }
+        }
+    }
+
+    fn persist_expired(&self, batch: &mut Batch) {
+        let ids: Vec<&String> = self.expired.iter().collect();
+        batch.state_put(STATE_EXPIRED_IDS, encode_body(&ids).expect("ids encode"));
+    }
+
+    fn alloc_session(&mut self, batch: &mut Batch) -> SessionId {
+        let id = self.next_session_id;
+        self.next_session_id += 1;
+        batch.state_put(
+            STATE_NEXT_SESSION_ID,
+            self.next_session_id.to_be_bytes().to_vec(),
+        );
+        id
+    }
+
+    fn alloc_queue(&mut self, batch: &mut Batch) -> QueueId {
+        let id = self.next_queue_id;
+        self.next_queue_id += 1;
+        batch.state_put(
+            STATE_NEXT_QUEUE_ID,
+            self.next_queue_id.to_be_bytes().to_vec(),
+        );
+        id
+    }
+
+    /// A new connection presents its hello. Durable: resumes the away queue of that id, or
+    /// creates one (`new`, or `expired` once if the id's queue timed out). Non-durable: a
+    /// queue for this session only.
+    pub fn connect(&mut self, durable: Option<&DurableHello>) -> Result<Connected, ConnectError> {
+        let mut batch = Batch::new();
+        let Some(hello) = durable else {
+            let session = self.alloc_session(&mut batch);
+            let queue = self.create_queue(None, 0, session, &mut batch);
+            self.sessions.insert(
+                session,
+                Session {
+                    id: session,
+                    queue,
+                    durable: false,
+                    next_seq: 1,
+                    // A non-durable client has nothing to replay: it is ready from the start.
+                    cursor: Some(Cursor::new(0, 0, 0)),
+                    sent: 0,
+                },
+            );
+            return Ok(Connected {
+                session,
+                status: QueueStatus::None,
+                pending: None,
+                batch,
+            });
+        };
+        if hello.id.is_empty() || hello.id.len() > DURABLE_ID_BYTES_MAX {
+            return Err(ConnectError::Invalid(invalid(format!(
+                "durable id must be 1 to {DURABLE_ID_BYTES_MAX} bytes"
+            ))));
+        }
+        if hello.timeout_secs > DURABLE_TIMEOUT_SECS_MAX {
+            return Err(ConnectError::Invalid(invalid(format!(
+                "durable timeout {} s exceeds the limit of {DURABLE_TIMEOUT_SECS_MAX} s",
+                hello.timeout_secs
+            ))));
+        }
+        if let Some(&qid) = self.durable.get(&hello.id) {
+            let q = self
+                .queues
+                .get_mut(&qid)
+                .expect("durable map points at a queue");
+            if let QueueState::Attached(holder) = q.state {
+                return Err(ConnectError::Attached(holder));
+            }
+            let session = self.alloc_session(&mut batch);
+            let q = self.queues.get_mut(&qid).expect("queue");
+            q.timeout_secs = hello.timeout_secs; // the latest presented timeout wins
+            q.state = QueueState::Attached(session);
+            q.persist_info(&mut batch);
+            let pending = q.pending();
+            self.sessions.insert(
+                session,
+                Session {
+                    id: session,
+                    queue: qid,
+                    durable: true,
+                    next_seq: 1,
+                    cursor: None,
+                    sent: 0,
+                },
+            );
+            return Ok(Connected {
+                session,
+                status: QueueStatus::Resumed,
+                pending: Some(pending),
+                batch,
+            });
+        }
+        let status = if self.expired_set.remove(&hello.id) {
+            self.expired.retain(|id| id != &hello.id);
+            self.persist_expired(&mut batch);
+            QueueStatus::Expired
+        } else {
+            QueueStatus::New
+        };
+        let session = self.alloc_session(&mut batch);
+        let qid = self.create_queue(
+            Some(hello.id.clone()),
+            hello.timeout_secs,
+            session,
+            &mut batch,
+        );
+        self.durable.insert(hello.id.clone(), qid);
+        self.sessions.insert(
+            session,
+            Session {
+                id: session,
+                queue: qid,
+                durable: true,
+                next_seq: 1,
+                cursor: None,
+                sent: 0,
+            },
+        );
+        Ok(Connected {
+            session,
+            status,
+            pending: None,
+            batch,
+        })
+    }
+
+    fn create_queue(
+        &mut self,
+        durable_id: Option<String>,
+        timeout_secs: u64,
+        session: SessionId,
+        batch: &mut Batch,
+    ) -> QueueId {
+        let id = self.alloc_queue(batch);
+        let q = Queue {
+            id,
+            durable_id,
+            timeout_secs,
+            acked: 0,
+            end: 0,
+            visible_end: 0,
+            delivered: 0,
+            epoch: 1,
+            interests: BTreeMap::new(),
+            state: QueueState::Attached(session),
+        };
+        q.persist_info(batch);
+        self.queues.insert(id, q);
+        id
+    }
+
+    /// A session that only publishes (the embedding API): no queue.
+    pub fn publisher_session(&mut self) -> (SessionId, Batch) {
+        let mut batch = Batch::new();
+        let id = self.alloc_session(&mut batch);
+        self.sessions.insert(
+            id,
+            Session {
+                id,
+                queue: 0,
+                durable: false,
+                next_seq: 1,
+                cursor: None,
+                sent: 0,
+            },
+        );
+        (id, batch)
+    }
+
+    pub fn session(&self, id: SessionId) -> Option<&Session> {
+        self.sessions.get(&id)
+    }
+
+    pub fn queue(&self, id: QueueId) -> Option<&Queue> {
+        self.queues.get(&id)
+    }
+
+    /// Registers interest. Returns the normalised selectors (for the initial image) and the
+    /// metadata write when durable interest changed. Idempotent.
+    pub fn register(
+        &mut self,
+        session: SessionId,
+        region: &str,
+        spec: &InterestSpec,
+        durable: bool,
+        receive_values: bool,
+    ) -> Result<(Vec<Selector>, Batch), WireError> {
+        validate_region(region)?;
+        let selectors = Selector::from_spec(spec).map_err(invalid)?;
+        let (s, q) = session_queue(&mut self.sessions, &mut self.queues, session)?;
+        if durable && !s.durable {
+            return Err(WireError::new(
+                ErrorCode::InvalidArgument,
+                "durable interest is only for durable clients (connect with a durable id)",
+            ));
+        }
+        let new = selectors
+            .iter()
+            .filter(|sel| {
+                !q.interests
+                    .contains_key(&(region.to_string(), (*sel).clone()))
+            })
+            .count();
+        if q.interests.len() + new > INTERESTS_PER_QUEUE_MAX {
+            return Err(WireError::new(
+                ErrorCode::LimitExceeded,
+                format!(
+                    "a queue may hold at most {INTERESTS_PER_QUEUE_MAX} interest registrations"
+                ),
+            ));
+        }
+        let mut durable_changed = false;
+        let reg = Registration {
+            durable,
+            receive_values,
+        };
+        for sel in &selectors {
+            let old = q.interests.insert((region.to_string(), sel.clone()), reg);
+            durable_changed |= (durable || old.is_some_and(|o| o.durable)) && old != Some(reg);
+            self.index.insert(region, sel, q.id, receive_values);
+        }
+        if let Some(c) = s.cursor.as_mut() {
+            c.live_check = true;
+        }
+        let mut batch = Batch::new();
+        if durable_changed {
+            q.persist_info(&mut batch);
+        }
+        Ok((selectors, batch))
+    }
+
+    /// Removes interest; `Ok(false)` when nothing was registered.
+    pub fn unregister(
+        &mut self,
+        session: SessionId,
+        region: &str,
+        spec: &InterestSpec,
+    ) -> Result<(bool, Batch), WireError> {
+        validate_region(region)?;
+        let selectors = Selector::from_spec(spec).map_err(invalid)?;
+        let (_, q) = session_queue(&mut self.sessions, &mut self.queues, session)?;
+        let mut removed = false;
+        let mut durable_changed = false;
+        for sel in &selectors {
+            if let Some(reg) = q.interests.remove(&(region.to_string(), sel.clone())) {
+                removed = true;
+                durable_changed |= reg.durable;
+                self.index.remove(region, sel, q.id);
+            }
+        }
+        let mut batch = Batch::new();
+        if durable_changed {
+            q.persist_info(&mut batch);
+        }
+        Ok((removed, batch))
+    }
+
+    /// The client is ready: everything queued so far is replayed, then the live marker.
+    pub fn ready(&mut self, session: SessionId) -> Result<Offset, WireError> {
+        let (s, q) = session_queue(&mut self.sessions, &mut self.queues, session)?;
+        if let Some(c) = &s.cursor {
+            return Ok(c.replay_end); // ready twice is harmless
+        }
+        let cursor = Cursor::new(q.acked, q.end, q.delivered);
+        let end = q.end;
+        s.cursor = Some(cursor);
+        Ok(end)
+    }
+
+    /// Turns publish operations into events, appends them to every matching queue and updates
+    /// the region store. `exists(region, key)` reads the committed region store; keys written by
+    /// uncommitted plans are tracked here. All ops are validated before any takes effect.
+    pub fn publish(
+        &mut self,
+        session: SessionId,
+        ops: &[PublishOp],
+        exists: &mut dyn FnMut(&str, &str) -> bool,
+    ) -> Result<PublishPlan, WireError> {
+        if ops.len() > PUBLISH_OPS_PER_REQUEST_MAX {
+            return Err(WireError::new(
+                ErrorCode::LimitExceeded,
+                format!("a publish may carry at most {PUBLISH_OPS_PER_REQUEST_MAX} operations"),
+            ));
+        }
+        for op in ops {
+            let (region, key) = match op {
+                PublishOp::Put { region, key, value } => {
+                    if value.len() > VALUE_BYTES_MAX {
+                        return Err(WireError::new(
+                            ErrorCode::LimitExceeded,
+                            format!(
+                                "value of {} bytes exceeds the limit of {VALUE_BYTES_MAX} bytes",
+                                value.len()
+                            ),
+                        ));
+                    }
+                    (region, key)
+                }
+                PublishOp::Destroy { region, key } | PublishOp::Invalidate { region, key } => {
+                    (region, key)
+                }
+            };
+            validate_region(region)?;
+            validate_key(key).map_err(invalid)?;
+        }
+        if !self.sessions.contains_key(&session) {
+            return Err(WireError::new(ErrorCode::NotFound, "no such session"));
+        }
+        self.write_seq += 1;
+        let seq = self.write_seq;
+        let mut plan = PublishPlan {
+            seq,
+            ..Default::default()
+        };
+        let mut last: BTreeMap<QueueId, Offset> = BTreeMap::new();
+        let mut scratch = std::mem::take(&mut self.scratch);
+        for op in ops {
+            let (region, key, kind, value) = match op {
+                PublishOp::Put { region, key, value } => (region, key, None, Some(value)),
+                PublishOp::Destroy { region, key } => (region, key, Some(EventOp::Destroy), None),
+                PublishOp::Invalidate { region, key } => {
+                    (region, key, Some(EventOp::Invalidate), None)
+                }
+            };
+            let ok = (region.clone(), key.clone());
+            let existed = match self.overlay.get(&ok) {
+                Some(&(e, _)) => e,
+                None => exists(region, key),
+            };
+            let event_op = match kind {
+                None if existed => EventOp::Update,
+                None => EventOp::Create,
+                Some(k) => k,
+            };
+            match event_op {
+                EventOp::Create | EventOp::Update => {
+                    plan.batch.region_put(
+                        region,
+                        key,
+                        encode_region_value(value.map(Vec::as_slice)),
+                    );
+                    self.overlay.insert(ok, (true, seq));
+                }
+                EventOp::Destroy => {
+                    plan.batch.region_delete(region, key);
+                    self.overlay.insert(ok, (false, seq));
+                }
+                EventOp::Invalidate => {
+                    // The key stays; its value is gone until the next put.
+                    plan.batch
+                        .region_put(region, key, encode_region_value(None));
+                    self.overlay.insert(ok, (existed, seq));
+                }
+            }
+            let s = self.sessions.get_mut(&session).expect("checked above");
+            let id = EventId {
+                node: self.node_id.clone(),
+                session,
+                seq: s.next_seq,
+            };
+            s.next_seq += 1;
+            let record = EventRecord {
+                id,
+                region: region.clone(),
+                key: key.clone(),
+                op: event_op,
+                value: match event_op {
+                    EventOp::Create | EventOp::Update => value.cloned(),
+                    _ => None,
+                },
+            };
+            let body: Arc<[u8]> = encode_body(&record).expect("records encode").into();
+            self.index.matches(region, key, &mut scratch);
+            for (&qid, &wants_values) in scratch.iter() {
+                let Some(q) = self.queues.get_mut(&qid) else {
+                    continue;
+                };
+                if q.pending() >= QUEUE_ENTRIES_MAX {
+                    // Refuse rather than lose: nothing of this plan has been applied to storage.
+                    self.scratch = scratch;
+                    return Err(WireError::new(
+                        ErrorCode::LimitExceeded,
+                        format!(
+                            "queue of {} is full ({QUEUE_ENTRIES_MAX} entries)",
+                            q.durable_id.as_deref().unwrap_or("a client")
+                        ),
+                    ));
+                }
+                q.end += 1;
+                let flags = if wants_values { 0 } else { FLAG_NO_VALUE };
+                plan.batch.append(
+                    qid,
+                    q.end,
+                    Entry {
+                        flags,
+                        body: body.clone(),
+                    },
+                );
+                last.insert(qid, q.end);
+                plan.enqueued += 1;
+            }
+            plan.count += 1;
+        }
+        self.scratch = scratch;
+        plan.appended = last.into_iter().collect();
+        Ok(plan)
+    }
+
+    /// A plan's batch is committed: its entries become visible to delivery.
+    pub fn committed(&mut self, seq: u64, appended: &[(QueueId, Offset)]) {
+        for &(qid, off) in appended {
+            if let Some(q) = self.queues.get_mut(&qid) {
+                q.visible_end = q.visible_end.max(off);
+            }
+        }
+        self.overlay.retain(|_, (_, s)| *s > seq);
+    }
+
+    /// The session attached to a queue, if any.
+    pub fn attached_session(&self, queue: QueueId) -> Option<SessionId> {
+        match self.queues.get(&queue)?.state {
+            QueueState::Attached(s) => Some(s),
+            QueueState::Away { .. } => None,
+        }
+    }
+
+    /// Next delivery step of a session (Idle before ready or for publisher sessions).
+    pub fn delivery_step(&mut self, session: SessionId) -> Step {
+        let Some(s) = self.sessions.get_mut(&session) else {
+            return Step::Idle;
+        };
+        let Some(q) = self.queues.get(&s.queue) else {
+            return Step::Idle;
+        };
+        let Some(c) = s.cursor.as_mut() else {
+            return Step::Idle;
+        };
+        c.step(q.visible_end, q.acked, || q.regions())
+    }
+
+    /// The wire-flag bounds of a ready session.
+    pub fn flag_bounds(&self, session: SessionId) -> Option<FlagBounds> {
+        self.sessions
+            .get(&session)
+            .and_then(|s| s.cursor.as_ref())
+            .map(Cursor::bounds)
+    }
+
+    /// Offsets up to `last` are about to be written to the wire. Returns the write that moves
+    /// the queue's delivered mark, which must reach storage before the bytes reach the wire
+    /// (so a restarted node still flags them `possible_duplicate`).
+    pub fn will_send(&mut self, session: SessionId, last: Offset) -> Option<Batch> {
+        let s = self.sessions.get_mut(&session)?;
+        let c = s.cursor.as_mut()?;
+        c.sent(last);
+        s.sent = s.sent.max(last);
+        let q = self.queues.get_mut(&s.queue)?;
+        if last > q.delivered {
+            q.delivered = last;
+            let mut b = Batch::new();
+            b.set_delivered(q.id, last);
+            Some(b)
+        } else {
+            None
+        }
+    }
+
+    /// A cumulative ack. Acks beyond what this session was sent are a protocol violation.
+    pub fn ack(&mut self, session: SessionId, offset: Offset) -> Result<Option<Batch>, WireError> {
+        let (s, q) = session_queue(&mut self.sessions, &mut self.queues, session)?;
+        if offset > s.sent {
+            return Err(WireError::new(
+                ErrorCode::ProtocolViolation,
+                format!(
+                    "ack of offset {offset} beyond the last delivered offset {}",
+                    s.sent
+                ),
+            ));
+        }
+        if offset <= q.acked {
+            return Ok(None);
+        }
+        q.acked = offset;
+        let mut b = Batch::new();
+        b.set_acked(q.id, offset);
+        Ok(Some(b))
+    }
+
+    /// The session ended. `keepalive` is false only for an explicit close(drop); a crash or a
+    /// lost connection keeps a durable queue. Non-durable queues always go.
+    pub fn disconnect(&mut self, now_ms: u64, session: SessionId, keepalive: bool) -> Disconnected {
+        let mut out = Disconnected::default();
+        let Some(s) = self.sessions.remove(&session) else {
+            return out;
+        };
+        let Some(q) = self.queues.get_mut(&s.queue) else {
+            return out;
+        };
+        if q.state != QueueState::Attached(session) {
+            return out;
+        }
+        if q.durable_id.is_none() || !keepalive {
+            let qid = q.id;
+            self.drop_queue(qid, &mut out.batch);
+            out.queue_dropped = true;
+            return out;
+        }
+        let gone: Vec<(String, Selector)> = q
+            .interests
+            .iter()
+            .filter(|(_, r)| !r.durable)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in gone {
+            q.interests.remove(&k);
+            self.index.remove(&k.0, &k.1, q.id);
+        }
+        q.state = QueueState::Away { since_ms: now_ms };
+        q.persist_info(&mut out.batch);
+        out
+    }
+
+    fn drop_queue(&mut self, qid: QueueId, batch: &mut Batch) {
+        if let Some(q) = self.queues.remove(&qid) {
+            for (region, sel) in q.interests.keys() {
+                self.index.remove(region, sel, qid);
+            }
+            if let Some(id) = &q.durable_id {
+                self.durable.remove(id);
+            }
+            batch.drop_queue(qid);
+        }
+    }
+
+    /// Admin: destroys an away durable client's queue and interest.
+    pub fn close_durable(&mut self, durable_id: &str) -> Result<Batch, WireError> {
+        let &qid = self.durable.get(durable_id).ok_or_else(|| {
+            WireError::new(
+                ErrorCode::NotFound,
+                format!("no durable client {durable_id:?}"),
+            )
+        })?;
+        if let QueueState::Attached(_) = self.queues[&qid].state {
+            return Err(WireError::new(
+                ErrorCode::Refused,
+                format!("durable client {durable_id:?} is connected; it must disconnect first"),
+            ));
+        }
+        let mut batch = Batch::new();
+        self.drop_queue(qid, &mut batch);
+        Ok(batch)
+    }
+
+    /// Expires away queues whose timeout has passed. Returns the batch and the expired ids.
+    pub fn tick(&mut self, now_ms: u64) -> (Batch, Vec<String>) {
+        let mut batch = Batch::new();
+        let due: Vec<QueueId> = self
+            .queues
+            .values()
+            .filter(|q| match q.state {
+                QueueState::Away { since_ms } => {
+                    now_ms >= since_ms.saturating_add(q.timeout_secs.saturating_mul(1000))
+                }
+                QueueState::Attached(_) => false,
+            })
+            .map(|q| q.id)
+            .collect();
+        let mut ids = Vec::new();
+        for qid in due {
+            let id = self.queues[&qid]
+                .durable_id
+                .clone()
+                .expect("away queues are durable");
+            self.drop_queue(qid, &mut batch);
+            self.remember_expired(id.clone());
+            ids.push(id);
+        }
+        if !ids.is_empty() {
+            self.persist_expired(&mut batch);
+        }
+        (batch, ids)
+    }
+
+    /// Reports of every queue, ordered by queue id.
+    pub fn queue_reports(&self) -> Vec<QueueReport> {
+        let mut qs: Vec<&Queue> = self.queues.values().collect();
+        qs.sort_by_key(|q| q.id);
+        qs.into_iter()
+            .map(|q| QueueReport {
+                durable_id: q.durable_id.clone(),
+                state: match q.state {
+                    QueueState::Away { .. } => "away",
+                    QueueState::Attached(s)
+                        if self.sessions.get(&s).is_some_and(|s| s.cursor.is_some()) =>
+                    {
+                        "ready"
+                    }
+                    QueueState::Attached(_) => "connected",
+                }
+                .to_string(),
+                pending: q.pending(),
+                acked_offset: q.acked,
+                end_offset: q.end,
+                timeout_secs: q.timeout_secs,
+                role: "primary".to_string(),
+                interests: q
+                    .interests
+                    .iter()
+                    .map(|((r, sel), reg)| sel.info(r, reg.durable))
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// Queue counts for metrics.
+    pub fn counts(&self) -> QueueCounts {
+        let mut c = QueueCounts::default();
+        for q in self.queues.values() {
+            c.pending_total += q.pending();
+            match q.state {
+                QueueState::Away { .. } => c.away += 1,
+                QueueState::Attached(s) => {
+                    if self.sessions.get(&s).is_some_and(|s| s.cursor.is_some()) {
+                        c.ready += 1
+                    } else {
+                        c.attached += 1
+                    }
+                }
+            }
+        }
+        c
+    }
+
+    /// Durable ids currently known (attached or away).
+    pub fn durable_ids(&self) -> BTreeSet<String> {
+        self.durable.keys().cloned().collect()
+    }
+}

@@ -1,0 +1,61 @@
+//! Every limit Tether enforces, as a named constant with its unit in the name.
+//!
+//! Frame-level limits live in `tether_transport` (`FRAME_BYTES_MAX`, idle and keep-alive
+//! timeouts); this module holds the ones the protocol and the node enforce. Relationships
+//! between limits are checked at compile time at the bottom of the file.
+
+use tether_transport::codec::FRAME_BYTES_MAX;
+
+/// Longest region name, in bytes of UTF-8.
+pub const REGION_NAME_BYTES_MAX: usize = 256;
+/// Longest key, in bytes of UTF-8.
+pub const KEY_BYTES_MAX: usize = 1024;
+/// Largest value of one key, in bytes.
+pub const VALUE_BYTES_MAX: usize = 1024 * 1024;
+/// Longest durable id, in bytes of UTF-8.
+pub const DURABLE_ID_BYTES_MAX: usize = 256;
+/// Longest regex source text, in bytes.
+pub const REGEX_SOURCE_BYTES_MAX: usize = 1024;
+/// Size limit handed to the `regex` crate for one compiled interest regex, in bytes.
+pub const REGEX_COMPILED_BYTES_MAX: usize = 256 * 1024;
+/// Interest registrations one client queue may hold (each key of a key list counts once).
+pub const INTERESTS_PER_QUEUE_MAX: usize = 10_000;
+/// Operations in one publish request.
+pub const PUBLISH_OPS_PER_REQUEST_MAX: usize = 10_000;
+/// Largest durable timeout a client may present, in seconds (one week).
+pub const DURABLE_TIMEOUT_SECS_MAX: u64 = 7 * 24 * 3600;
+/// Durable timeout used when a client presents none, in seconds.
+pub const DURABLE_TIMEOUT_SECS_DEFAULT: u64 = 300;
+/// Entries waiting in one queue before publishes that match it are rejected.
+pub const QUEUE_ENTRIES_MAX: u64 = 50_000_000;
+/// Concurrent client connections one node accepts.
+pub const CONNECTIONS_PER_NODE_MAX: usize = 10_000;
+/// Time a new connection has to send its hello frame, in milliseconds.
+pub const HANDSHAKE_TIMEOUT_MS: u64 = 5_000;
+/// Deadline for the old connection of a durable id to answer a liveness ping before a new
+/// connection with the same id takes the queue over, in milliseconds.
+pub const LIVENESS_PROBE_TIMEOUT_MS: u64 = 1_000;
+/// Events a session may have on the wire beyond its acked offset before delivery pauses.
+pub const INFLIGHT_EVENTS_PER_SESSION_MAX: u64 = 1_000_000;
+/// Bytes of entry bodies read from storage into one delivery frame.
+pub const DELIVERY_FRAME_BODY_BYTES_MAX: usize = 256 * 1024;
+/// Expired durable ids remembered so that their next connection sees `expired` once.
+pub const EXPIRED_IDS_REMEMBERED_MAX: usize = 100_000;
+/// How often the node looks for away queues whose durable timeout has passed, in milliseconds.
+pub const EXPIRY_TICK_MS: u64 = 200;
+/// Client-side: processed event ids remembered for duplicate suppression.
+pub const CLIENT_DEDUP_IDS_MAX: usize = 1_000_000;
+/// Client-side default acknowledgement interval, in milliseconds.
+pub const ACK_INTERVAL_MS_DEFAULT: u64 = 100;
+/// Publish operations and acks waiting for the storage writer before new ones wait.
+pub const WRITER_QUEUE_REQUESTS_MAX: usize = 4_096;
+
+const _: () = {
+    // A delivery frame holds bodies plus per-entry overhead; keep a wide margin below the
+    // transport's hard frame limit.
+    assert!(DELIVERY_FRAME_BODY_BYTES_MAX + VALUE_BYTES_MAX + 64 * 1024 < FRAME_BYTES_MAX);
+    // One publish of maximal values must fit a frame when sent one op at a time.
+    assert!(VALUE_BYTES_MAX + KEY_BYTES_MAX + REGION_NAME_BYTES_MAX < FRAME_BYTES_MAX);
+    assert!(DURABLE_TIMEOUT_SECS_DEFAULT <= DURABLE_TIMEOUT_SECS_MAX);
+    assert!(LIVENESS_PROBE_TIMEOUT_MS < HANDSHAKE_TIMEOUT_MS);
+};

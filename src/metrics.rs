@@ -1,0 +1,115 @@
+//! Prometheus metrics: names (all `tether_`), the process-wide recorder and the `/metrics`
+//! HTTP endpoint.
+
+use std::net::SocketAddr;
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+pub const EVENTS_PUBLISHED: &str = "tether_events_published_total";
+pub const EVENTS_ENQUEUED: &str = "tether_events_enqueued_total";
+pub const EVENTS_DELIVERED: &str = "tether_events_delivered_total";
+pub const EVENTS_REPLAYED: &str = "tether_events_replayed_total";
+pub const EVENTS_REDELIVERED: &str = "tether_events_redelivered_total";
+pub const EVENTS_ACKED: &str = "tether_events_acked_total";
+pub const QUEUES: &str = "tether_queues";
+pub const PENDING_EVENTS: &str = "tether_pending_events";
+pub const CONNECTIONS: &str = "tether_connections";
+pub const QUEUES_EXPIRED: &str = "tether_queues_expired_total";
+pub const REPLAY_DURATION: &str = "tether_replay_duration_seconds";
+pub const WRITE_BATCH_OPS: &str = "tether_storage_write_batch_ops";
+pub const FSYNC_LATENCY: &str = "tether_storage_fsync_seconds";
+pub const CLIENT_ERRORS: &str = "tether_client_errors_total";
+
+/// Bytes of an HTTP request head the endpoint reads.
+const HTTP_REQUEST_BYTES_MAX: usize = 8 * 1024;
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process-wide recorder once and returns its handle. Several in-process nodes
+/// (tests, embedding) share it.
+pub fn handle() -> &'static PrometheusHandle {
+    HANDLE.get_or_init(|| {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets(&[
+                1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0,
+            ])
+            .expect("static buckets are valid")
+            .build_recorder();
+        let handle = recorder.handle();
+        // Another recorder may already be installed by a host process; then ours only renders.
+        let _ = metrics::set_global_recorder(recorder);
+        describe();
+        handle
+    })
+}
+
+fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(EVENTS_PUBLISHED, "Entry events published");
+    describe_counter!(
+        EVENTS_ENQUEUED,
+        "Queue entries appended (one per matching queue)"
+    );
+    describe_counter!(EVENTS_DELIVERED, "Queue entries written to clients");
+    describe_counter!(EVENTS_REPLAYED, "Entries delivered flagged replayed");
+    describe_counter!(
+        EVENTS_REDELIVERED,
+        "Entries delivered flagged possible_duplicate"
+    );
+    describe_counter!(EVENTS_ACKED, "Queue entries acknowledged by clients");
+    describe_gauge!(QUEUES, "Subscription queues by state");
+    describe_gauge!(
+        PENDING_EVENTS,
+        "Queued entries not yet acknowledged, all queues"
+    );
+    describe_gauge!(CONNECTIONS, "Open client connections");
+    describe_counter!(QUEUES_EXPIRED, "Durable queues dropped by their timeout");
+    describe_histogram!(REPLAY_DURATION, "Time from ready to the live marker");
+    describe_histogram!(WRITE_BATCH_OPS, "Operations per storage group commit");
+    describe_histogram!(FSYNC_LATENCY, "Duration of a synced storage write");
+    describe_counter!(CLIENT_ERRORS, "Clients disconnected for an error, by code");
+}
+
+/// Serves `GET /metrics` on `addr` until the task is dropped. Returns the bound address.
+pub async fn serve(addr: SocketAddr) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    let handle = handle();
+    let listener = TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; HTTP_REQUEST_BYTES_MAX];
+                let mut n = 0;
+                while n < buf.len() {
+                    match sock.read(&mut buf[n..]).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(k) => n += k,
+                    }
+                    if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                        break;
+                    }
+                }
+                let head = String::from_utf8_lossy(&buf[..n]);
+                let response = if head.starts_with("GET /metrics ") {
+                    let body = handle.render();
+                    format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    )
+                } else {
+                    "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                        .to_string()
+                };
+                let _ = sock.write_all(response.as_bytes()).await;
+                let _ = sock.shutdown().await;
+            });
+        }
+    });
+    Ok((bound, task))
+}

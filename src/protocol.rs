@@ -1,0 +1,354 @@
+//! Wire messages of the client protocol.
+//!
+//! A session is one QUIC connection with two streams:
+//! - the **control stream**, a bidirectional stream opened by the client: [`ClientMsg`] frames
+//!   up, [`ServerMsg`] frames down. The first client frame is [`ClientMsg::Hello`]; the first
+//!   server frame is [`ServerMsg::Welcome`] (queue status and pending count, before any event)
+//!   or [`ServerMsg::Error`] followed by a close with the same code.
+//! - the **delivery stream**, a unidirectional stream opened by the server after the welcome:
+//!   [`Delivery`] frames carrying batches of queue entries and live markers, in offset order.
+//!
+//! Frames are length-prefixed CBOR (see `tether_transport::codec`). Queue entries travel as the
+//! exact bytes stored in the queue log (an encoded [`EventRecord`]) so the server never decodes
+//! or re-encodes an event on the replay path.
+
+use serde::{Deserialize, Serialize};
+pub use tether_transport::ErrorCode;
+
+/// Entry flag: the client's matching interest has `receive_values = false`, so a create or an
+/// update arrives as an invalidate without value.
+pub const FLAG_NO_VALUE: u8 = 0b0001;
+/// Wire flag: the entry was queued before the client said it was ready.
+pub const FLAG_REPLAYED: u8 = 0b0010;
+/// Wire flag: the entry was written to this durable id before and was not acknowledged.
+pub const FLAG_POSSIBLE_DUPLICATE: u8 = 0b0100;
+/// Flags a stored entry may carry (the rest are wire-only).
+pub const STORED_FLAGS_MASK: u8 = FLAG_NO_VALUE;
+
+/// The operation an entry event reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EventOp {
+    Create,
+    Update,
+    Destroy,
+    Invalidate,
+}
+
+impl EventOp {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventOp::Create => "create",
+            EventOp::Update => "update",
+            EventOp::Destroy => "destroy",
+            EventOp::Invalidate => "invalidate",
+        }
+    }
+}
+
+/// Cluster-unique id of an entry event: origin node, publisher session, sequence in the session.
+/// Publisher session numbers are persisted before use, so ids stay unique across restarts.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct EventId {
+    pub node: String,
+    pub session: u64,
+    pub seq: u64,
+}
+
+impl std::fmt::Display for EventId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}-{}", self.node, self.session, self.seq)
+    }
+}
+
+/// An entry event as stored in queue logs and shipped to clients.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventRecord {
+    pub id: EventId,
+    pub region: String,
+    pub key: String,
+    pub op: EventOp,
+    #[serde(with = "serde_bytes")]
+    pub value: Option<Vec<u8>>,
+}
+
+/// What a client wants to hear about in one region.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum InterestSpec {
+    /// One key.
+    Key(String),
+    /// A list of keys (registered as one key interest per key).
+    Keys(Vec<String>),
+    /// Keys matching a regular expression (whole-key match).
+    Regex(String),
+    /// Every key of the region.
+    AllKeys,
+}
+
+/// What the initial image of a registration contains.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ResultPolicy {
+    /// Keys and their current values (the default).
+    #[default]
+    KeysValues,
+    /// Keys only.
+    Keys,
+    /// No initial image.
+    None,
+}
+
+impl std::str::FromStr for ResultPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "keys-values" => Ok(ResultPolicy::KeysValues),
+            "keys" => Ok(ResultPolicy::Keys),
+            "none" => Ok(ResultPolicy::None),
+            other => Err(format!(
+                "unknown result policy {other:?} (expected keys-values, keys or none)"
+            )),
+        }
+    }
+}
+
+/// One publish operation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PublishOp {
+    Put {
+        region: String,
+        key: String,
+        #[serde(with = "serde_bytes")]
+        value: Vec<u8>,
+    },
+    Destroy {
+        region: String,
+        key: String,
+    },
+    Invalidate {
+        region: String,
+        key: String,
+    },
+}
+
+/// Durable identity presented in the hello.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DurableHello {
+    pub id: String,
+    pub timeout_secs: u64,
+}
+
+/// Client → server frames on the control stream.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ClientMsg {
+    Hello {
+        version: u32,
+        durable: Option<DurableHello>,
+        client: String,
+    },
+    Request {
+        id: u64,
+        body: RequestBody,
+    },
+    /// Cumulative: every offset up to and including `offset` has been processed.
+    Ack {
+        offset: u64,
+    },
+    Pong {
+        nonce: u64,
+    },
+}
+
+/// Requests; each gets one [`ServerMsg::Response`] with the same id.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RequestBody {
+    RegisterInterest {
+        region: String,
+        interest: InterestSpec,
+        durable: bool,
+        policy: ResultPolicy,
+        receive_values: bool,
+    },
+    UnregisterInterest {
+        region: String,
+        interest: InterestSpec,
+    },
+    Ready,
+    Publish {
+        ops: Vec<PublishOp>,
+    },
+    Get {
+        region: String,
+        key: String,
+    },
+    ListQueues,
+    CloseDurable {
+        durable_id: String,
+    },
+    Close {
+        keepalive: bool,
+    },
+}
+
+/// Queue status sent in the welcome, before any event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QueueStatus {
+    /// No queue existed for this durable id.
+    New,
+    /// The queue timed out while the client was away and was dropped (reported once).
+    Expired,
+    /// The queue was kept; `pending` events wait after the acked offset.
+    Resumed,
+    /// Not a durable client.
+    None,
+}
+
+impl QueueStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueStatus::New => "new",
+            QueueStatus::Expired => "expired",
+            QueueStatus::Resumed => "resumed",
+            QueueStatus::None => "none",
+        }
+    }
+}
+
+/// An error carried in a response or before a close.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{message} ({})", code.name())]
+pub struct WireError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl WireError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        WireError {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// Server → client frames on the control stream.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ServerMsg {
+    Welcome {
+        node_id: String,
+        session: u64,
+        queue: QueueStatus,
+        pending: Option<u64>,
+    },
+    Response {
+        id: u64,
+        result: Result<ResponseBody, WireError>,
+    },
+    Ping {
+        nonce: u64,
+    },
+    Error(WireError),
+}
+
+/// One key of an initial image.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InitialEntry {
+    pub key: String,
+    #[serde(with = "serde_bytes")]
+    pub value: Option<Vec<u8>>,
+}
+
+/// An interest as reported by `tether queues`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InterestInfo {
+    pub region: String,
+    pub kind: String,
+    pub spec: Option<String>,
+    pub durable: bool,
+}
+
+/// A queue as reported by `tether queues`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueReport {
+    pub durable_id: Option<String>,
+    pub state: String,
+    pub pending: u64,
+    pub acked_offset: u64,
+    pub end_offset: u64,
+    pub timeout_secs: u64,
+    pub role: String,
+    pub interests: Vec<InterestInfo>,
+}
+
+/// Successful responses.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ResponseBody {
+    Registered {
+        initial: Vec<InitialEntry>,
+    },
+    Unregistered {
+        removed: bool,
+    },
+    Ready {
+        replay_end: u64,
+    },
+    Published {
+        count: u64,
+    },
+    Value {
+        #[serde(with = "serde_bytes")]
+        value: Option<Vec<u8>>,
+    },
+    Queues {
+        queues: Vec<QueueReport>,
+    },
+    ClosedDurable {
+        durable_id: String,
+    },
+    Closed {
+        keepalive: bool,
+    },
+}
+
+/// One queue entry on the delivery stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireEntry {
+    pub offset: u64,
+    pub flags: u8,
+    /// An encoded [`EventRecord`], exactly as stored.
+    #[serde(with = "serde_bytes")]
+    pub record: Vec<u8>,
+}
+
+/// Borrowing twin of [`WireEntry`], so the server can encode straight from storage reads.
+/// Serializes to the same bytes as `WireEntry`.
+#[derive(Serialize)]
+pub struct WireEntryRef<'a> {
+    pub offset: u64,
+    pub flags: u8,
+    #[serde(with = "serde_bytes")]
+    pub record: &'a [u8],
+}
+
+/// Server → client frames on the delivery stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Delivery {
+    Events(Vec<WireEntry>),
+    /// The live marker: everything queued before ready has been delivered for these regions.
+    Live(Vec<String>),
+}
+
+/// Borrowing twin of [`Delivery::Events`]; serializes to the same bytes.
+#[derive(Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DeliveryRef<'a> {
+    Events(&'a [WireEntryRef<'a>]),
+}

@@ -1,0 +1,600 @@
+//! One task per client connection (control stream) and one per session (delivery stream).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tether_storage::Offset;
+use tether_transport::PROTOCOL_VERSION;
+use tether_transport::codec::{self, CodecError, FrameReader};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
+
+use super::{SessionHandle, Shared, internal, now_ms};
+use crate::core::{ConnectError, SessionId, Step};
+use crate::interest::Selector;
+use crate::limits::*;
+use crate::metrics as m;
+use crate::protocol::*;
+
+/// Liveness probes a session may have waiting at once.
+const PROBES_QUEUED_MAX: usize = 4;
+/// Connect attempts after taking a dead connection's durable id over.
+const TAKEOVER_ATTEMPTS_MAX: usize = 3;
+
+pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) {
+    while let Some(incoming) = endpoint.accept().await {
+        if shared.connections.load(Ordering::Relaxed) >= CONNECTIONS_PER_NODE_MAX {
+            incoming.refuse();
+            continue;
+        }
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            shared.connections.fetch_add(1, Ordering::Relaxed);
+            let _ = handle_connection(&shared, incoming).await;
+            shared.connections.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+}
+
+/// Ends a connection with an error the client can read: an error frame, then a close code.
+async fn refuse(conn: &quinn::Connection, send: &mut quinn::SendStream, err: WireError) {
+    metrics::counter!(m::CLIENT_ERRORS, "code" => err.code.name()).increment(1);
+    tracing::debug!(code = err.code.name(), message = %err.message, "closing client connection");
+    let _ = codec::write_frame(send, &ServerMsg::Error(err.clone())).await;
+    let _ = send.finish();
+    // Give the frame a moment to leave before the close discards stream data.
+    let _ = tokio::time::timeout(Duration::from_millis(200), send.stopped()).await;
+    conn.close(err.code.varint(), err.message.as_bytes());
+}
+
+fn codec_error(e: &CodecError) -> WireError {
+    WireError::new(e.code(), e.to_string())
+}
+
+async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> Result<(), ()> {
+    let deadline = Duration::from_millis(HANDSHAKE_TIMEOUT_MS);
+    let conn = match tokio::time::timeout(deadline, incoming).await {
+        Ok(Ok(c)) => c,
+        _ => return Err(()),
+    };
+    let (mut send, recv) = match tokio::time::timeout(deadline, conn.accept_bi()).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(_)) => return Err(()),
+        Err(_) => {
+            conn.close(
+                ErrorCode::HandshakeTimeout.varint(),
+                b"no control stream opened in time",
+            );
+            return Err(());
+        }
+    };
+    let mut reader = FrameReader::new(recv);
+    let hello = match tokio::time::timeout(deadline, reader.next::<ClientMsg>()).await {
+        Err(_) => {
+            refuse(
+                &conn,
+                &mut send,
+                WireError::new(ErrorCode::HandshakeTimeout, "no hello received in time"),
+            )
+            .await;
+            return Err(());
+        }
+        Ok(Err(e)) => {
+            refuse(&conn, &mut send, codec_error(&e)).await;
+            return Err(());
+        }
+        Ok(Ok(None)) => return Err(()),
+        Ok(Ok(Some(m))) => m,
+    };
+    let ClientMsg::Hello {
+        version, durable, ..
+    } = hello
+    else {
+        refuse(
+            &conn,
+            &mut send,
+            WireError::new(
+                ErrorCode::ProtocolViolation,
+                "the first frame must be a hello",
+            ),
+        )
+        .await;
+        return Err(());
+    };
+    if version != PROTOCOL_VERSION {
+        let msg = format!(
+            "unsupported protocol version {version}; this server speaks {PROTOCOL_VERSION}"
+        );
+        refuse(
+            &conn,
+            &mut send,
+            WireError::new(ErrorCode::UnsupportedVersion, msg),
+        )
+        .await;
+        return Err(());
+    }
+    let connected = match connect(shared, durable.as_ref()).await {
+        Ok(c) => c,
+        Err(e) => {
+            refuse(&conn, &mut send, e).await;
+            return Err(());
+        }
+    };
+    let session = connected.session;
+    let (probe_tx, probe_rx) = mpsc::channel(PROBES_QUEUED_MAX);
+    let (finished_tx, finished_rx) = watch::channel(false);
+    let wake = Arc::new(Notify::new());
+    shared
+        .sessions
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(
+            session,
+            SessionHandle {
+                wake: wake.clone(),
+                probe: probe_tx,
+                conn: Some(conn.clone()),
+                finished: finished_rx,
+            },
+        );
+    let welcome = ServerMsg::Welcome {
+        node_id: shared.node_id.clone(),
+        session,
+        queue: connected.status,
+        pending: connected.pending,
+    };
+    let keepalive = match codec::write_frame(&mut send, &welcome).await {
+        Err(_) => true,
+        Ok(()) => match conn.open_uni().await {
+            Err(_) => true,
+            Ok(delivery) => {
+                let delivery_task = tokio::spawn(deliver(shared.clone(), session, delivery, wake));
+                let keepalive =
+                    control_loop(shared, &conn, session, &mut reader, &mut send, probe_rx).await;
+                delivery_task.abort();
+                let _ = delivery_task.await;
+                keepalive
+            }
+        },
+    };
+    // Teardown: the delivery task has stopped, so no more delivered-mark writes for this queue.
+    let _ = shared
+        .apply(|core| {
+            let d = core.disconnect(now_ms(), session, keepalive);
+            Ok(((), d.batch))
+        })
+        .await;
+    shared
+        .sessions
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&session);
+    let _ = finished_tx.send(true);
+    Ok(())
+}
+
+/// Attaches a session, taking over a durable id whose old connection no longer answers.
+async fn connect(
+    shared: &Arc<Shared>,
+    durable: Option<&DurableHello>,
+) -> Result<crate::core::Connected, WireError> {
+    for _ in 0..TAKEOVER_ATTEMPTS_MAX {
+        let attempt = {
+            let mut core = shared.core();
+            match core.connect(durable) {
+                Ok(c) => {
+                    let batch = std::mem::take(&mut { c.batch.clone() });
+                    Ok((c, shared.writer.submit(batch, None)))
+                }
+                Err(e) => Err(e),
+            }
+        };
+        match attempt {
+            Ok((c, rx)) => {
+                super::wait_commit(rx).await?;
+                return Ok(c);
+            }
+            Err(ConnectError::Invalid(e)) => return Err(e),
+            Err(ConnectError::Attached(holder)) => {
+                let id = durable.map(|d| d.id.as_str()).unwrap_or_default();
+                if probe(shared, holder).await {
+                    return Err(WireError::new(
+                        ErrorCode::DuplicateDurableId,
+                        format!("durable id {id:?} is already connected to this server"),
+                    ));
+                }
+                tracing::info!(
+                    durable_id = id,
+                    "old connection did not answer a liveness probe; taking over"
+                );
+                let handle = {
+                    let sessions = shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
+                    sessions
+                        .get(&holder)
+                        .map(|h| (h.conn.clone(), h.finished.clone()))
+                };
+                if let Some((conn, mut finished)) = handle {
+                    if let Some(c) = conn {
+                        c.close(
+                            ErrorCode::Crashed.varint(),
+                            b"superseded by a new connection",
+                        );
+                    }
+                    let _ = tokio::time::timeout(Duration::from_secs(5), finished.wait_for(|d| *d))
+                        .await;
+                }
+            }
+        }
+    }
+    Err(WireError::new(
+        ErrorCode::DuplicateDurableId,
+        "durable id is busy; try again",
+    ))
+}
+
+/// Whether the session answers a ping within the probe deadline.
+async fn probe(shared: &Arc<Shared>, session: SessionId) -> bool {
+    let tx = {
+        let sessions = shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        match sessions.get(&session) {
+            Some(h) => h.probe.clone(),
+            None => return false,
+        }
+    };
+    let (answer_tx, answer_rx) = oneshot::channel();
+    if tx.try_send(answer_tx).is_err() {
+        // Probes pile up only while the session is busy answering: count it as alive.
+        return true;
+    }
+    matches!(
+        tokio::time::timeout(Duration::from_millis(LIVENESS_PROBE_TIMEOUT_MS), answer_rx).await,
+        Ok(Ok(()))
+    )
+}
+
+/// Reads the control stream until the session ends. Returns whether the queue is kept.
+async fn control_loop(
+    shared: &Arc<Shared>,
+    conn: &quinn::Connection,
+    session: SessionId,
+    reader: &mut FrameReader,
+    send: &mut quinn::SendStream,
+    mut probes: mpsc::Receiver<oneshot::Sender<()>>,
+) -> bool {
+    let mut next_nonce: u64 = 1;
+    let mut waiting: Vec<(u64, oneshot::Sender<()>)> = Vec::new();
+    loop {
+        let msg = tokio::select! {
+            m = reader.next::<ClientMsg>() => m,
+            Some(answer) = probes.recv() => {
+                let nonce = next_nonce;
+                next_nonce += 1;
+                waiting.push((nonce, answer));
+                if codec::write_frame(send, &ServerMsg::Ping { nonce }).await.is_err() {
+                    return true;
+                }
+                continue;
+            }
+        };
+        let msg = match msg {
+            Ok(Some(m)) => m,
+            // The stream ended or the connection dropped without a close request: a crash or
+            // a lost network, which keeps the queue.
+            Ok(None) => return true,
+            Err(CodecError::Stream(_)) => return true,
+            Err(e) => {
+                refuse(conn, send, codec_error(&e)).await;
+                return true;
+            }
+        };
+        match msg {
+            ClientMsg::Hello { .. } => {
+                refuse(
+                    conn,
+                    send,
+                    WireError::new(ErrorCode::ProtocolViolation, "hello sent twice"),
+                )
+                .await;
+                return true;
+            }
+            ClientMsg::Pong { nonce } => {
+                if let Some(i) = waiting.iter().position(|(n, _)| *n == nonce) {
+                    let (_, answer) = waiting.swap_remove(i);
+                    let _ = answer.send(());
+                }
+            }
+            ClientMsg::Ack { offset } => {
+                let result = {
+                    let mut core = shared.core();
+                    let acked_before = core
+                        .session(session)
+                        .and_then(|s| core.queue(s.queue))
+                        .map(|q| q.acked);
+                    core.ack(session, offset)
+                        .map(|b| (b, acked_before.unwrap_or(0)))
+                };
+                match result {
+                    Ok((Some(batch), before)) => {
+                        metrics::counter!(m::EVENTS_ACKED).increment(offset.saturating_sub(before));
+                        // Acks need no fsync of their own: a lost ack only means a redelivery
+                        // flagged possible_duplicate.
+                        drop(shared.writer.submit(batch, None));
+                    }
+                    Ok((None, _)) => {}
+                    Err(e) => {
+                        refuse(conn, send, e).await;
+                        return true;
+                    }
+                }
+            }
+            ClientMsg::Request { id, body } => {
+                let close = match &body {
+                    RequestBody::Close { keepalive } => Some(*keepalive),
+                    _ => None,
+                };
+                let result = request(shared, session, body).await;
+                if codec::write_frame(send, &ServerMsg::Response { id, result })
+                    .await
+                    .is_err()
+                {
+                    return true;
+                }
+                if let Some(keepalive) = close {
+                    let _ = send.finish();
+                    return keepalive;
+                }
+            }
+        }
+    }
+}
+
+async fn request(
+    shared: &Arc<Shared>,
+    session: SessionId,
+    body: RequestBody,
+) -> Result<ResponseBody, WireError> {
+    match body {
+        RequestBody::RegisterInterest {
+            region,
+            interest,
+            durable,
+            policy,
+            receive_values,
+        } => {
+            let selectors = shared
+                .apply(|core| core.register(session, &region, &interest, durable, receive_values))
+                .await?;
+            shared.wake(session);
+            let initial = initial_image(shared, &region, &selectors, policy).await?;
+            Ok(ResponseBody::Registered { initial })
+        }
+        RequestBody::UnregisterInterest { region, interest } => {
+            let removed = shared
+                .apply(|core| core.unregister(session, &region, &interest))
+                .await?;
+            Ok(ResponseBody::Unregistered { removed })
+        }
+        RequestBody::Ready => {
+            let replay_end = shared.core().ready(session)?;
+            shared.wake(session);
+            Ok(ResponseBody::Ready { replay_end })
+        }
+        RequestBody::Publish { ops } => {
+            let count = shared.publish(session, &ops).await?;
+            Ok(ResponseBody::Published { count })
+        }
+        RequestBody::Get { region, key } => Ok(ResponseBody::Value {
+            value: shared.get(&region, &key)?,
+        }),
+        RequestBody::ListQueues => Ok(ResponseBody::Queues {
+            queues: shared.core().queue_reports(),
+        }),
+        RequestBody::CloseDurable { durable_id } => {
+            shared
+                .apply(|core| Ok(((), core.close_durable(&durable_id)?)))
+                .await?;
+            Ok(ResponseBody::ClosedDurable { durable_id })
+        }
+        RequestBody::Close { keepalive } => Ok(ResponseBody::Closed { keepalive }),
+    }
+}
+
+/// The initial image of a registration, read from the region store.
+async fn initial_image(
+    shared: &Arc<Shared>,
+    region: &str,
+    selectors: &[Selector],
+    policy: ResultPolicy,
+) -> Result<Vec<InitialEntry>, WireError> {
+    if policy == ResultPolicy::None {
+        return Ok(Vec::new());
+    }
+    let store = shared.store.clone();
+    let region = region.to_string();
+    let selectors = selectors.to_vec();
+    tokio::task::spawn_blocking(move || {
+        let mut out = Vec::new();
+        let mut push = |key: &str, stored: &[u8]| {
+            let value = match policy {
+                ResultPolicy::KeysValues => super::decode_region_value(stored).map(<[u8]>::to_vec),
+                _ => None,
+            };
+            out.push(InitialEntry {
+                key: key.to_string(),
+                value,
+            });
+        };
+        let scan: Vec<crate::interest::Selector> = selectors
+            .iter()
+            .filter(|s| !matches!(s, Selector::Key(_)))
+            .cloned()
+            .collect();
+        for sel in &selectors {
+            if let Selector::Key(k) = sel {
+                if let Some(v) = store.region_get(&region, k).map_err(internal)? {
+                    push(k, &v);
+                }
+            }
+        }
+        if !scan.is_empty() {
+            let regexes: Vec<Option<regex::Regex>> = scan
+                .iter()
+                .map(|s| match s {
+                    Selector::Regex(r) => crate::interest::compile_regex(r).ok(),
+                    _ => None,
+                })
+                .collect();
+            let keys: std::collections::BTreeSet<String> = selectors
+                .iter()
+                .filter_map(|s| {
+                    if let Selector::Key(k) = s {
+                        Some(k.clone())
+                    } else {
+                        None
+                    }
+                })
+                .collect();
+            store
+                .region_scan(&region, &mut |key, v| {
+                    if keys.contains(key) {
+                        return;
+                    }
+                    let hit = scan.iter().zip(&regexes).any(|(s, re)| match (s, re) {
+                        (Selector::All, _) => true,
+                        (_, Some(re)) => re.is_match(key),
+                        _ => false,
+                    });
+                    if hit {
+                        push(key, v);
+                    }
+                })
+                .map_err(internal)?;
+        }
+        Ok(out)
+    })
+    .await
+    .map_err(internal)?
+}
+
+/// An entry read from storage, waiting in the frame arena.
+struct Pending {
+    offset: Offset,
+    flags: u8,
+    start: usize,
+    end: usize,
+}
+
+/// Reads committed entries and writes them to the delivery stream, in offset order, with the
+/// live marker between the last replayed entry and the first live one.
+async fn deliver(
+    shared: Arc<Shared>,
+    session: SessionId,
+    mut send: quinn::SendStream,
+    wake: Arc<Notify>,
+) {
+    let ready_at: Option<Instant> = None;
+    let mut ready_at = ready_at;
+    let mut arena: Vec<u8> = Vec::with_capacity(DELIVERY_FRAME_BODY_BYTES_MAX + VALUE_BYTES_MAX);
+    let mut pending: Vec<Pending> = Vec::new();
+    loop {
+        let (step, queue, bounds) = {
+            let mut core = shared.core();
+            let step = core.delivery_step(session);
+            let queue = core.session(session).map(|s| s.queue).unwrap_or(0);
+            (step, queue, core.flag_bounds(session))
+        };
+        if bounds.is_some() && ready_at.is_none() {
+            ready_at = Some(Instant::now());
+        }
+        match step {
+            Step::Idle => wake.notified().await,
+            Step::Live(regions) => {
+                if let Some(t) = ready_at {
+                    metrics::histogram!(m::REPLAY_DURATION).record(t.elapsed().as_secs_f64());
+                }
+                if codec::write_frame(&mut send, &Delivery::Live(regions))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            Step::Read { from, to } => {
+                let Some(bounds) = bounds else { return };
+                let store = shared.store.clone();
+                let mut a = std::mem::take(&mut arena);
+                let mut p = std::mem::take(&mut pending);
+                let read = tokio::task::spawn_blocking(move || {
+                    a.clear();
+                    p.clear();
+                    let r = store.read_entries(
+                        queue,
+                        from,
+                        to,
+                        DELIVERY_FRAME_BODY_BYTES_MAX,
+                        &mut |offset, flags, body| {
+                            let start = a.len();
+                            a.extend_from_slice(body);
+                            p.push(Pending {
+                                offset,
+                                flags,
+                                start,
+                                end: a.len(),
+                            });
+                        },
+                    );
+                    (r, a, p)
+                })
+                .await;
+                let Ok((result, a, p)) = read else { return };
+                arena = a;
+                pending = p;
+                if let Err(e) = result {
+                    tracing::error!(error = %e, "reading a queue failed");
+                    return;
+                }
+                let Some(last) = pending.last().map(|p| p.offset) else {
+                    // Committed entries must be readable; a gap means acked meanwhile.
+                    wake.notified().await;
+                    continue;
+                };
+                let (mut replayed, mut dups) = (0u64, 0u64);
+                let refs: Vec<WireEntryRef<'_>> = pending
+                    .iter()
+                    .map(|e| {
+                        let flags = (e.flags & STORED_FLAGS_MASK) | bounds.wire_flags(e.offset);
+                        replayed += u64::from(flags & FLAG_REPLAYED != 0);
+                        dups += u64::from(flags & FLAG_POSSIBLE_DUPLICATE != 0);
+                        WireEntryRef {
+                            offset: e.offset,
+                            flags,
+                            record: &arena[e.start..e.end],
+                        }
+                    })
+                    .collect();
+                let frame: Bytes = match codec::encode_frame(&DeliveryRef::Events(&refs)) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        tracing::error!(error = %e, "encoding a delivery frame failed");
+                        return;
+                    }
+                };
+                let mark = shared.core().will_send(session, last);
+                if let Some(batch) = mark {
+                    // The delivered mark reaches the WAL before the bytes reach the wire.
+                    if shared.store.write(&batch, false).is_err() {
+                        return;
+                    }
+                }
+                let n = pending.len() as u64;
+                if send.write_chunk(frame).await.is_err() {
+                    return;
+                }
+                metrics::counter!(m::EVENTS_DELIVERED).increment(n);
+                metrics::counter!(m::EVENTS_REPLAYED).increment(replayed);
+                metrics::counter!(m::EVENTS_REDELIVERED).increment(dups);
+            }
+        }
+    }
+}

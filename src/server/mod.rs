@@ -1,0 +1,512 @@
+//! The server node: thin tokio/quinn/RocksDB drivers around [`NodeCore`].
+//!
+//! - the **core** (`Mutex<NodeCore>`) decides everything; the lock is never held across an
+//!   `.await`;
+//! - the **writer** thread group-commits the core's batches in the order they were produced;
+//! - one **connection task** per client reads the control stream and answers requests;
+//! - one **delivery task** per session reads committed entries from storage and writes them to
+//!   the delivery stream, woken through a `Notify` when its queue grows or interest changes;
+//! - a **tick task** expires away queues and refreshes gauges.
+//!
+//! [`Node`] is also the embedding API: a host process starts one in-process and feeds it
+//! events through a [`Publisher`] without the network.
+
+mod conn;
+mod writer;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tether_storage::{Batch, RocksStore, Store};
+use tether_transport::tls::{self, TlsFiles};
+use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
+
+pub use writer::{GROUP_COMMIT_REQUESTS_MAX, Writer};
+
+use crate::config::{ServerConfig, validate_node_id};
+use crate::core::{NodeCore, SessionId};
+use crate::limits::*;
+use crate::metrics as m;
+use crate::protocol::*;
+
+pub use crate::core::{
+    REGION_TAG_INVALID, REGION_TAG_VALUE, decode_region_value, encode_region_value,
+};
+
+/// Errors starting or running a node.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("data directory {path}: {source}")]
+    DataDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Config(String),
+    #[error("storage: {0}")]
+    Storage(#[from] tether_storage::StorageError),
+    #[error("tls: {0}")]
+    Tls(#[from] tether_transport::tls::TlsError),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("recovery: {0}")]
+    Recovery(String),
+    #[error("{0}")]
+    Request(#[from] WireError),
+}
+
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// What the node keeps per live session, for waking its delivery and probing its liveness.
+struct SessionHandle {
+    wake: Arc<Notify>,
+    probe: mpsc::Sender<oneshot::Sender<()>>,
+    conn: Option<quinn::Connection>,
+    finished: watch::Receiver<bool>,
+}
+
+/// State shared by the node's tasks.
+pub(crate) struct Shared {
+    core: Mutex<NodeCore>,
+    store: Arc<dyn Store>,
+    writer: Writer,
+    write_permits: Semaphore,
+    sessions: Mutex<HashMap<SessionId, SessionHandle>>,
+    connections: AtomicUsize,
+    fatal: watch::Sender<Option<String>>,
+    node_id: String,
+}
+
+impl Shared {
+    fn core(&self) -> MutexGuard<'_, NodeCore> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wake(&self, session: SessionId) {
+        if let Some(h) = self
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&session)
+        {
+            h.wake.notify_one();
+        }
+    }
+
+    /// Commits a batch produced by the core and waits until it is durable.
+    async fn commit(&self, batch: Batch) -> Result<(), WireError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let _permit = self
+            .write_permits
+            .acquire()
+            .await
+            .map_err(|_| shutdown_error())?;
+        let rx = self.writer.submit(batch, None);
+        wait_commit(rx).await
+    }
+
+    /// Runs `f` on the core and submits its batch while still holding the lock, so commits
+    /// follow the core's order; then waits for durability.
+    async fn apply<T>(
+        &self,
+        f: impl FnOnce(&mut NodeCore) -> Result<(T, Batch), WireError>,
+    ) -> Result<T, WireError> {
+        let _permit = self
+            .write_permits
+            .acquire()
+            .await
+            .map_err(|_| shutdown_error())?;
+        let (value, rx) = {
+            let mut core = self.core();
+            let (value, batch) = f(&mut core)?;
+            if batch.is_empty() {
+                return Ok(value);
+            }
+            (value, self.writer.submit(batch, None))
+        };
+        wait_commit(rx).await?;
+        Ok(value)
+    }
+
+    /// Publishes operations for a session: validates, assigns offsets, commits, wakes the
+    /// sessions whose queues grew. Returns the number of events.
+    pub(crate) async fn publish(
+        self: &Arc<Self>,
+        session: SessionId,
+        ops: &[PublishOp],
+    ) -> Result<u64, WireError> {
+        let _permit = self
+            .write_permits
+            .acquire()
+            .await
+            .map_err(|_| shutdown_error())?;
+        let (count, enqueued, rx) = {
+            let mut core = self.core();
+            let store = self.store.clone();
+            let plan = core.publish(session, ops, &mut |region, key| {
+                matches!(store.region_get(region, key), Ok(Some(_)))
+            })?;
+            let shared = self.clone();
+            let (seq, appended) = (plan.seq, plan.appended);
+            let on_commit: writer::OnCommit = Box::new(move || {
+                let wake: Vec<SessionId> = {
+                    let mut core = shared.core();
+                    core.committed(seq, &appended);
+                    appended
+                        .iter()
+                        .filter_map(|(q, _)| core.attached_session(*q))
+                        .collect()
+                };
+                for s in wake {
+                    shared.wake(s);
+                }
+            });
+            (
+                plan.count,
+                plan.enqueued,
+                self.writer.submit(plan.batch, Some(on_commit)),
+            )
+        };
+        wait_commit(rx).await?;
+        metrics::counter!(m::EVENTS_PUBLISHED).increment(count);
+        metrics::counter!(m::EVENTS_ENQUEUED).increment(enqueued);
+        Ok(count)
+    }
+
+    /// Current value of a key (None when absent or invalidated).
+    pub(crate) fn get(&self, region: &str, key: &str) -> Result<Option<Vec<u8>>, WireError> {
+        let v = self.store.region_get(region, key).map_err(internal)?;
+        Ok(v.and_then(|v| decode_region_value(&v).map(<[u8]>::to_vec)))
+    }
+}
+
+fn shutdown_error() -> WireError {
+    WireError::new(ErrorCode::Shutdown, "the node is shutting down")
+}
+
+fn internal(e: impl std::fmt::Display) -> WireError {
+    WireError::new(ErrorCode::Internal, e.to_string())
+}
+
+async fn wait_commit(rx: oneshot::Receiver<Result<(), String>>) -> Result<(), WireError> {
+    match rx.await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(WireError::new(
+            ErrorCode::Internal,
+            format!("storage write failed: {e}"),
+        )),
+        Err(_) => Err(shutdown_error()),
+    }
+}
+
+/// A running node.
+pub struct Node {
+    shared: Arc<Shared>,
+    endpoint: quinn::Endpoint,
+    addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
+    ca: PathBuf,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// Publishes events into a node from the host process, without the network.
+pub struct Publisher {
+    shared: Arc<Shared>,
+    session: SessionId,
+}
+
+impl Publisher {
+    /// Publishes operations; returns once they are committed per the node's sync mode.
+    pub async fn publish(&self, ops: &[PublishOp]) -> Result<u64, WireError> {
+        self.shared.publish(self.session, ops).await
+    }
+
+    pub async fn put(
+        &self,
+        region: &str,
+        key: &str,
+        value: impl Into<Vec<u8>>,
+    ) -> Result<(), WireError> {
+        self.publish(&[PublishOp::Put {
+            region: region.into(),
+            key: key.into(),
+            value: value.into(),
+        }])
+        .await
+        .map(drop)
+    }
+
+    pub async fn destroy(&self, region: &str, key: &str) -> Result<(), WireError> {
+        self.publish(&[PublishOp::Destroy {
+            region: region.into(),
+            key: key.into(),
+        }])
+        .await
+        .map(drop)
+    }
+
+    pub async fn invalidate(&self, region: &str, key: &str) -> Result<(), WireError> {
+        self.publish(&[PublishOp::Invalidate {
+            region: region.into(),
+            key: key.into(),
+        }])
+        .await
+        .map(drop)
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        self.shared.core().disconnect(now_ms(), self.session, true);
+    }
+}
+
+fn node_id_for(data_dir: &Path, configured: Option<&str>) -> Result<String, NodeError> {
+    let file = data_dir.join("node-id");
+    let io = |source| NodeError::DataDir {
+        path: file.clone(),
+        source,
+    };
+    if let Some(id) = configured {
+        validate_node_id(id).map_err(NodeError::Config)?;
+        std::fs::write(&file, id).map_err(io)?;
+        return Ok(id.to_string());
+    }
+    match std::fs::read_to_string(&file) {
+        Ok(s) => {
+            let id = s.trim().to_string();
+            validate_node_id(&id)
+                .map_err(|e| NodeError::Config(format!("{}: {e}", file.display())))?;
+            Ok(id)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u128(
+                SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map(|d| d.as_nanos())
+                    .unwrap_or(0),
+            );
+            h.write_u32(std::process::id());
+            let id = format!("n{:08x}", h.finish() as u32);
+            std::fs::write(&file, &id).map_err(io)?;
+            Ok(id)
+        }
+        Err(e) => Err(io(e)),
+    }
+}
+
+impl Node {
+    /// Opens (or creates) the data directory, recovers every durable queue, and starts
+    /// accepting clients.
+    pub async fn start(config: ServerConfig) -> Result<Node, NodeError> {
+        tls::install_crypto_provider();
+        let data_dir = config.data_dir.clone();
+        std::fs::create_dir_all(&data_dir).map_err(|source| NodeError::DataDir {
+            path: data_dir.clone(),
+            source,
+        })?;
+        let node_id = node_id_for(&data_dir, config.node_id.as_deref())?;
+        let tls_files = match &config.tls {
+            Some(t) => TlsFiles {
+                ca: t.ca.clone(),
+                cert: t.cert.clone(),
+                key: t.key.clone(),
+            },
+            None => tls::ensure_dev_certs(&data_dir.join("tls"))?,
+        };
+        let server_config = tls::server_config(&tls_files)?;
+        let db_dir = data_dir.join("db");
+        let store: Arc<dyn Store> = Arc::new(
+            tokio::task::spawn_blocking(move || RocksStore::open(&db_dir))
+                .await
+                .map_err(|e| NodeError::Recovery(e.to_string()))??,
+        );
+        let queues = store.queues()?;
+        let recovered = queues.len();
+        let st = store.clone();
+        let (core, batch) = NodeCore::recover(node_id.clone(), now_ms(), queues, |k| {
+            st.state_get(k).ok().flatten()
+        })
+        .map_err(NodeError::Recovery)?;
+        store.write(&batch, true)?;
+        tracing::info!(node_id, queues = recovered, "recovered storage");
+        let (fatal, _) = watch::channel(None);
+        let fatal_tx = fatal.clone();
+        let writer = Writer::start(
+            store.clone(),
+            config.sync,
+            Box::new(move |e| {
+                let _ = fatal_tx.send(Some(e));
+            }),
+        );
+        let shared = Arc::new(Shared {
+            core: Mutex::new(core),
+            store,
+            writer,
+            write_permits: Semaphore::new(WRITER_QUEUE_REQUESTS_MAX),
+            sessions: Mutex::new(HashMap::new()),
+            connections: AtomicUsize::new(0),
+            fatal,
+            node_id,
+        });
+        let endpoint = tether_transport::endpoint::server_endpoint(config.listen, server_config)
+            .map_err(|source| NodeError::Listen {
+                addr: config.listen,
+                source,
+            })?;
+        let addr = endpoint.local_addr().map_err(|source| NodeError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+        let mut tasks = Vec::new();
+        let metrics_addr = match config.metrics {
+            Some(a) => {
+                let (bound, task) = m::serve(a)
+                    .await
+                    .map_err(|source| NodeError::Listen { addr: a, source })?;
+                tasks.push(task);
+                Some(bound)
+            }
+            None => {
+                m::handle();
+                None
+            }
+        };
+        tasks.push(tokio::spawn(conn::accept_loop(
+            shared.clone(),
+            endpoint.clone(),
+        )));
+        tasks.push(tokio::spawn(tick_loop(shared.clone())));
+        Ok(Node {
+            shared,
+            endpoint,
+            addr,
+            metrics_addr,
+            ca: tls_files.ca,
+            tasks,
+        })
+    }
+
+    /// The bound QUIC address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The bound metrics address, if enabled.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// The CA certificate clients should trust.
+    pub fn ca_file(&self) -> &Path {
+        &self.ca
+    }
+
+    pub fn node_id(&self) -> &str {
+        &self.shared.node_id
+    }
+
+    /// A publisher session for the host process (its own event-id session number).
+    pub async fn publisher(&self) -> Result<Publisher, NodeError> {
+        let session = self
+            .shared
+            .apply(|core| Ok(core.publisher_session()))
+            .await?;
+        Ok(Publisher {
+            shared: self.shared.clone(),
+            session,
+        })
+    }
+
+    /// The current value of a key.
+    pub fn get(&self, region: &str, key: &str) -> Result<Option<Vec<u8>>, NodeError> {
+        Ok(self.shared.get(region, key)?)
+    }
+
+    /// Every queue this node holds.
+    pub fn queues(&self) -> Vec<QueueReport> {
+        self.shared.core().queue_reports()
+    }
+
+    /// Resolves with the reason if storage fails (the node then refuses all work).
+    pub async fn failed(&self) -> String {
+        let mut rx = self.shared.fatal.subscribe();
+        loop {
+            if let Some(e) = rx.borrow().clone() {
+                return e;
+            }
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// Stops accepting, closes every session as after a client crash (durable queues are
+    /// kept), flushes storage.
+    pub async fn shutdown(self) {
+        self.endpoint
+            .close(ErrorCode::Shutdown.varint(), b"node shutting down");
+        let waiters: Vec<watch::Receiver<bool>> = self
+            .shared
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|h| h.finished.clone())
+            .collect();
+        for mut w in waiters {
+            let _ = tokio::time::timeout(Duration::from_secs(5), w.wait_for(|done| *done)).await;
+        }
+        for t in &self.tasks {
+            t.abort();
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        // Wait for everything submitted so far, then flush.
+        let _ = self.shared.commit(Batch::new()).await;
+        let flush = self.shared.writer.submit(Batch::new(), None);
+        let _ = flush.await;
+        let store = self.shared.store.clone();
+        let _ = tokio::task::spawn_blocking(move || store.flush()).await;
+    }
+}
+
+async fn tick_loop(shared: Arc<Shared>) {
+    let mut interval = tokio::time::interval(Duration::from_millis(EXPIRY_TICK_MS));
+    loop {
+        interval.tick().await;
+        let expired = shared
+            .apply(|core| {
+                let (batch, ids) = core.tick(now_ms());
+                Ok((ids, batch))
+            })
+            .await;
+        if let Ok(ids) = expired {
+            for id in &ids {
+                tracing::info!(durable_id = %id, "durable queue expired");
+            }
+            metrics::counter!(m::QUEUES_EXPIRED).increment(ids.len() as u64);
+        }
+        let c = shared.core().counts();
+        metrics::gauge!(m::QUEUES, "state" => "connected").set(c.attached as f64);
+        metrics::gauge!(m::QUEUES, "state" => "ready").set(c.ready as f64);
+        metrics::gauge!(m::QUEUES, "state" => "away").set(c.away as f64);
+        metrics::gauge!(m::PENDING_EVENTS).set(c.pending_total as f64);
+        metrics::gauge!(m::CONNECTIONS).set(shared.connections.load(Ordering::Relaxed) as f64);
+    }
+}

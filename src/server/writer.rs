@@ -1,0 +1,142 @@
+//! The storage writer: one thread that commits write requests in order, grouping whatever is
+//! waiting into one RocksDB write batch (group commit) with one fsync under `sync = batch`.
+//!
+//! Requests are submitted while the caller holds the core lock, so the commit order is the
+//! order in which the core assigned offsets. A failed write is fatal: the writer poisons
+//! itself, fails every later request and reports the failure; the node stops rather than
+//! continue on storage it cannot trust.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::Instant;
+
+use tether_storage::{Batch, Store};
+use tokio::sync::oneshot;
+
+use crate::config::SyncMode;
+use crate::metrics as m;
+
+/// Requests merged into one group commit at most.
+pub const GROUP_COMMIT_REQUESTS_MAX: usize = 1024;
+
+/// Runs after a request's batch is committed, on the writer thread, before its waiter wakes.
+pub type OnCommit = Box<dyn FnOnce() + Send>;
+
+struct Request {
+    batch: Batch,
+    on_commit: Option<OnCommit>,
+    done: Option<oneshot::Sender<Result<(), String>>>,
+}
+
+/// Handle to the writer thread.
+#[derive(Clone)]
+pub struct Writer {
+    tx: mpsc::Sender<Request>,
+    poisoned: Arc<AtomicBool>,
+}
+
+impl Writer {
+    /// Starts the writer thread. `on_fatal` is called once if a write fails.
+    pub fn start(
+        store: Arc<dyn Store>,
+        sync: SyncMode,
+        on_fatal: Box<dyn FnOnce(String) + Send>,
+    ) -> Self {
+        let (tx, rx) = mpsc::channel::<Request>();
+        let poisoned = Arc::new(AtomicBool::new(false));
+        let p = poisoned.clone();
+        std::thread::Builder::new()
+            .name("tether-writer".into())
+            .spawn(move || run(store, sync, rx, p, on_fatal))
+            .expect("spawn writer thread");
+        Writer { tx, poisoned }
+    }
+
+    /// Queues a batch; `on_commit` runs once it is committed. Returns a receiver that resolves
+    /// when the batch is durable per the sync mode. Never blocks.
+    pub fn submit(
+        &self,
+        batch: Batch,
+        on_commit: Option<OnCommit>,
+    ) -> oneshot::Receiver<Result<(), String>> {
+        let (done, rx) = oneshot::channel();
+        if self.poisoned.load(Ordering::Acquire) {
+            let _ = done.send(Err("storage failed earlier; the node is stopping".into()));
+            return rx;
+        }
+        if let Err(mpsc::SendError(req)) = self.tx.send(Request {
+            batch,
+            on_commit,
+            done: Some(done),
+        }) {
+            if let Some(d) = req.done {
+                let _ = d.send(Err("storage writer stopped".into()));
+            }
+        }
+        rx
+    }
+
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Acquire)
+    }
+}
+
+fn run(
+    store: Arc<dyn Store>,
+    sync: SyncMode,
+    rx: mpsc::Receiver<Request>,
+    poisoned: Arc<AtomicBool>,
+    on_fatal: Box<dyn FnOnce(String) + Send>,
+) {
+    let mut on_fatal = Some(on_fatal);
+    let mut group: Vec<Request> = Vec::new();
+    while let Ok(first) = rx.recv() {
+        group.push(first);
+        if sync != SyncMode::Always {
+            while group.len() < GROUP_COMMIT_REQUESTS_MAX {
+                match rx.try_recv() {
+                    Ok(r) => group.push(r),
+                    Err(_) => break,
+                }
+            }
+        }
+        let result = if poisoned.load(Ordering::Acquire) {
+            Err("storage failed earlier".to_string())
+        } else {
+            let mut merged = Batch::new();
+            for r in &mut group {
+                merged.extend(std::mem::take(&mut r.batch));
+            }
+            metrics::histogram!(m::WRITE_BATCH_OPS).record(merged.len() as f64);
+            let fsync = sync != SyncMode::None;
+            let t = Instant::now();
+            let r = if merged.is_empty() {
+                Ok(())
+            } else {
+                store.write(&merged, fsync)
+            };
+            if fsync && !merged.is_empty() {
+                metrics::histogram!(m::FSYNC_LATENCY).record(t.elapsed().as_secs_f64());
+            }
+            r.map_err(|e| e.to_string())
+        };
+        if let Err(e) = &result {
+            if !poisoned.swap(true, Ordering::AcqRel) {
+                tracing::error!(error = %e, "storage write failed; stopping the node");
+                if let Some(f) = on_fatal.take() {
+                    f(e.clone());
+                }
+            }
+        }
+        for r in group.drain(..) {
+            if result.is_ok() {
+                if let Some(f) = r.on_commit {
+                    f();
+                }
+            }
+            if let Some(d) = r.done {
+                let _ = d.send(result.clone());
+            }
+        }
+    }
+}

@@ -1,0 +1,25 @@
+//! The one error type of the storage crate.
+
+/// Everything that can go wrong in a [`crate::Store`] operation.
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    /// RocksDB reported an error (I/O, corruption detected by RocksDB, bad option...).
+    #[error("rocksdb: {0}")]
+    Rocks(#[from] rocksdb::Error),
+    /// A stored key or value does not have the expected layout (short, wrong length,
+    /// unknown field byte, non UTF-8 key...). Never a panic.
+    #[error("corrupt record: {0}")]
+    Corrupt(String),
+    /// The caller passed something the store refuses to encode (region name longer than
+    /// [`crate::MAX_REGION_NAME_BYTES`], key longer than [`crate::MAX_KEY_BYTES`], value
+    /// longer than [`crate::MAX_VALUE_BYTES`]). Nothing of the batch was applied.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A column family that `open` creates is missing (should be impossible).
+    #[error("missing column family {0}")]
+    MissingColumnFamily(&'static str),
+    /// The in-memory store's mutex was poisoned by a panic while it was held; its
+    /// content may be half-updated, so it refuses further work.
+    #[error("store lock poisoned")]
+    Poisoned,
+}

@@ -1,0 +1,382 @@
+//! [`RocksStore`]: the durable [`Store`] on RocksDB. Key layout is in [`crate::keys`] and
+//! described in the crate documentation.
+
+use std::path::Path;
+
+use rocksdb::{
+    BlockBasedOptions, Cache, ColumnFamily, ColumnFamilyDescriptor, DB, DBCompressionType,
+    FlushOptions, Options, ReadOptions, WriteBatch, WriteOptions,
+};
+
+use crate::batch::Op;
+use crate::keys::{self, META_FIELD_ACKED, META_FIELD_DELIVERED, META_FIELD_INFO};
+use crate::{Batch, Offset, QueueId, QueueMeta, StorageError, Store};
+
+/// Column family of queue entries.
+pub const CF_ENTRIES: &str = "entries";
+/// Column family of queue metadata.
+pub const CF_META: &str = "meta";
+/// Column family of region key/values.
+pub const CF_REGIONS: &str = "regions";
+/// Column family of the node-state map.
+pub const CF_STATE: &str = "state";
+const ALL_CFS: [&str; 4] = [CF_ENTRIES, CF_META, CF_REGIONS, CF_STATE];
+
+/// Shared LRU block cache for all column families, in bytes.
+pub const BLOCK_CACHE_BYTES: usize = 64 << 20;
+/// Block size of the `entries` column family, in bytes (large: entries are read in runs).
+pub const ENTRIES_BLOCK_SIZE_BYTES: usize = 32 << 10;
+/// Memtable size of the `entries` column family, in bytes.
+pub const ENTRIES_WRITE_BUFFER_BYTES: usize = 64 << 20;
+/// Memtable size of the small column families, in bytes.
+pub const SMALL_CF_WRITE_BUFFER_BYTES: usize = 8 << 20;
+/// A memtable of `entries` holding this many range tombstones (one per `set_acked`) is
+/// flushed, so reads never wade through an unbounded tombstone list.
+pub const MEMTABLE_MAX_RANGE_DELETIONS_COUNT: usize = 2000;
+/// Iterator readahead for `read_entries`, in bytes.
+pub const READ_AHEAD_BYTES: usize = 256 << 10;
+/// Bloom filter bits per key for the point-read column families (meta, regions, state).
+pub const BLOOM_BITS_PER_KEY: f64 = 10.0;
+
+/// Durable store on RocksDB (one DB, four column families). `Send + Sync`; all methods
+/// take `&self` and may be called from several threads.
+pub struct RocksStore {
+    db: DB,
+    _cache: Cache,
+}
+
+impl std::fmt::Debug for RocksStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RocksStore")
+            .field("path", &self.db.path())
+            .finish()
+    }
+}
+
+impl RocksStore {
+    /// Opens (creating if missing) the database in `dir`.
+    pub fn open(dir: &Path) -> Result<Self, StorageError> {
+        let cache = Cache::new_lru_cache(BLOCK_CACHE_BYTES);
+
+        let mut db_opts = Options::default();
+        db_opts.create_if_missing(true);
+        db_opts.create_missing_column_families(true);
+        db_opts.set_max_open_files(-1);
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        db_opts.increase_parallelism(i32::try_from(cores).unwrap_or(2).max(2));
+
+        let mut entries_table = BlockBasedOptions::default();
+        entries_table.set_block_size(ENTRIES_BLOCK_SIZE_BYTES);
+        entries_table.set_block_cache(&cache);
+        let mut entries_opts = Options::default();
+        entries_opts.set_compression_type(DBCompressionType::None);
+        entries_opts.set_write_buffer_size(ENTRIES_WRITE_BUFFER_BYTES);
+        entries_opts.set_block_based_table_factory(&entries_table);
+
+        let small = |compression: DBCompressionType| {
+            let mut table = BlockBasedOptions::default();
+            table.set_block_cache(&cache);
+            table.set_bloom_filter(BLOOM_BITS_PER_KEY, false);
+            let mut o = Options::default();
+            o.set_compression_type(compression);
+            o.set_write_buffer_size(SMALL_CF_WRITE_BUFFER_BYTES);
+            o.set_block_based_table_factory(&table);
+            o
+        };
+
+        let cfs = vec![
+            ColumnFamilyDescriptor::new(CF_ENTRIES, entries_opts),
+            ColumnFamilyDescriptor::new(CF_META, small(DBCompressionType::None)),
+            ColumnFamilyDescriptor::new(CF_REGIONS, small(DBCompressionType::Lz4)),
+            ColumnFamilyDescriptor::new(CF_STATE, small(DBCompressionType::None)),
+        ];
+        let db = DB::open_cf_descriptors(&db_opts, dir, cfs)?;
+        let store = RocksStore { db, _cache: cache };
+        // Not exposed by the rocksdb crate's Options; it is a mutable CF option, so set it
+        // on every open.
+        let limit = MEMTABLE_MAX_RANGE_DELETIONS_COUNT.to_string();
+        store.db.set_options_cf(
+            store.cf(CF_ENTRIES)?,
+            &[("memtable_max_range_deletions", &limit)],
+        )?;
+        tracing::debug!(path = %dir.display(), "opened rocksdb store");
+        Ok(store)
+    }
+
+    fn cf(&self, name: &'static str) -> Result<&ColumnFamily, StorageError> {
+        self.db
+            .cf_handle(name)
+            .ok_or(StorageError::MissingColumnFamily(name))
+    }
+
+    /// Highest stored offset of `queue`, by one bounded reverse seek.
+    fn last_offset(&self, queue: QueueId) -> Result<Option<Offset>, StorageError> {
+        let mut ro = ReadOptions::default();
+        ro.set_iterate_lower_bound(keys::entry_key(queue, 0).to_vec());
+        ro.set_iterate_upper_bound(keys::entry_key_after(queue, Offset::MAX).to_vec());
+        let mut it = self.db.raw_iterator_cf_opt(self.cf(CF_ENTRIES)?, ro);
+        it.seek_for_prev(keys::entry_key(queue, Offset::MAX));
+        let last = match it.key() {
+            Some(k) => Some(keys::decode_entry_key(k)?.1),
+            None => None,
+        };
+        it.status()?;
+        Ok(last)
+    }
+
+    /// Folds one `meta` record into `m`.
+    fn apply_meta_field(m: &mut QueueMeta, field: u8, value: &[u8]) -> Result<(), StorageError> {
+        match field {
+            META_FIELD_ACKED => m.acked = keys::decode_u64_value(value, "acked")?,
+            META_FIELD_DELIVERED => m.delivered = keys::decode_u64_value(value, "delivered")?,
+            META_FIELD_INFO => {
+                let (epoch, info) = keys::decode_info_value(value)?;
+                m.epoch = epoch;
+                m.info = info.to_vec();
+            }
+            other => return Err(StorageError::Corrupt(format!("unknown meta field {other}"))),
+        }
+        Ok(())
+    }
+
+    fn finish_meta(&self, queue: QueueId, mut m: QueueMeta) -> Result<QueueMeta, StorageError> {
+        m.end = self.last_offset(queue)?.unwrap_or(0).max(m.acked);
+        Ok(m)
+    }
+}
+
+impl Store for RocksStore {
+    fn write(&self, batch: &Batch, sync: bool) -> Result<(), StorageError> {
+        batch.validate()?;
+        if batch.is_empty() {
+            if sync {
+                self.db.flush_wal(true)?;
+            }
+            return Ok(());
+        }
+        let entries = self.cf(CF_ENTRIES)?;
+        let meta = self.cf(CF_META)?;
+        let regions = self.cf(CF_REGIONS)?;
+        let state = self.cf(CF_STATE)?;
+        let mut wb = WriteBatch::default();
+        for op in batch.ops() {
+            match op {
+                Op::Append {
+                    queue,
+                    offset,
+                    entry,
+                } => wb.put_cf(
+                    entries,
+                    keys::entry_key(*queue, *offset),
+                    keys::encode_entry_value(entry.flags, &entry.body),
+                ),
+                Op::PutQueueInfo { queue, epoch, info } => wb.put_cf(
+                    meta,
+                    keys::meta_key(*queue, META_FIELD_INFO),
+                    keys::encode_info_value(*epoch, info),
+                ),
+                Op::SetAcked { queue, acked } => {
+                    wb.delete_range_cf(
+                        entries,
+                        &keys::entry_key(*queue, 0)[..],
+                        &keys::entry_key_after(*queue, *acked)[..],
+                    );
+                    wb.put_cf(
+                        meta,
+                        keys::meta_key(*queue, META_FIELD_ACKED),
+                        acked.to_be_bytes(),
+                    );
+                }
+                Op::SetDelivered { queue, delivered } => wb.put_cf(
+                    meta,
+                    keys::meta_key(*queue, META_FIELD_DELIVERED),
+                    delivered.to_be_bytes(),
+                ),
+                Op::DropQueue { queue } => {
+                    wb.delete_range_cf(
+                        entries,
+                        &keys::entry_key(*queue, 0)[..],
+                        &keys::entry_key_after(*queue, Offset::MAX)[..],
+                    );
+                    for field in [META_FIELD_ACKED, META_FIELD_DELIVERED, META_FIELD_INFO] {
+                        wb.delete_cf(meta, keys::meta_key(*queue, field));
+                    }
+                }
+                Op::RegionPut { region, key, value } => {
+                    wb.put_cf(regions, keys::region_key(region, key)?, value)
+                }
+                Op::RegionDelete { region, key } => {
+                    wb.delete_cf(regions, keys::region_key(region, key)?)
+                }
+                Op::StatePut { key, value } => wb.put_cf(state, key.as_bytes(), value),
+            }
+        }
+        let mut wo = WriteOptions::default();
+        wo.set_sync(sync);
+        self.db.write_opt(wb, &wo)?;
+        Ok(())
+    }
+
+    fn queue_meta(&self, queue: QueueId) -> Result<Option<QueueMeta>, StorageError> {
+        let (lower, upper) = keys::meta_bounds(queue);
+        let mut ro = ReadOptions::default();
+        ro.set_iterate_lower_bound(lower.to_vec());
+        ro.set_iterate_upper_bound(upper.to_vec());
+        let mut it = self.db.raw_iterator_cf_opt(self.cf(CF_META)?, ro);
+        it.seek_to_first();
+        let mut found = None;
+        while let Some((k, v)) = it.item() {
+            let (q, field) = keys::decode_meta_key(k)?;
+            if q != queue {
+                return Err(StorageError::Corrupt(format!(
+                    "meta key of queue {q} in range of {queue}"
+                )));
+            }
+            Self::apply_meta_field(found.get_or_insert_with(QueueMeta::default), field, v)?;
+            it.next();
+        }
+        it.status()?;
+        drop(it);
+        found.map(|m| self.finish_meta(queue, m)).transpose()
+    }
+
+    fn queues(&self) -> Result<Vec<(QueueId, QueueMeta)>, StorageError> {
+        let mut grouped: Vec<(QueueId, QueueMeta)> = Vec::new();
+        {
+            let mut it = self
+                .db
+                .raw_iterator_cf_opt(self.cf(CF_META)?, ReadOptions::default());
+            it.seek_to_first();
+            while let Some((k, v)) = it.item() {
+                let (q, field) = keys::decode_meta_key(k)?;
+                if grouped.last().is_none_or(|(last, _)| *last != q) {
+                    grouped.push((q, QueueMeta::default()));
+                }
+                if let Some((_, m)) = grouped.last_mut() {
+                    Self::apply_meta_field(m, field, v)?;
+                }
+                it.next();
+            }
+            it.status()?;
+        }
+        grouped
+            .into_iter()
+            .map(|(q, m)| Ok((q, self.finish_meta(q, m)?)))
+            .collect()
+    }
+
+    fn read_entries(
+        &self,
+        queue: QueueId,
+        from: Offset,
+        to: Offset,
+        max_bytes: usize,
+        visit: &mut dyn FnMut(Offset, u8, &[u8]),
+    ) -> Result<usize, StorageError> {
+        if from > to {
+            return Ok(0);
+        }
+        let lower = keys::entry_key(queue, from);
+        let mut ro = ReadOptions::default();
+        ro.set_iterate_lower_bound(lower.to_vec());
+        ro.set_iterate_upper_bound(keys::entry_key_after(queue, to).to_vec());
+        ro.set_readahead_size(READ_AHEAD_BYTES);
+        let mut it = self.db.raw_iterator_cf_opt(self.cf(CF_ENTRIES)?, ro);
+        it.seek(lower);
+        let mut visited = 0usize;
+        let mut total = 0usize;
+        while let Some((k, v)) = it.item() {
+            let (_, offset) = keys::decode_entry_key(k)?;
+            let (flags, body) = keys::decode_entry_value(v)?;
+            visit(offset, flags, body);
+            visited += 1;
+            total = total.saturating_add(body.len());
+            if total >= max_bytes {
+                break;
+            }
+            it.next();
+        }
+        it.status()?;
+        Ok(visited)
+    }
+
+    fn region_get(&self, region: &str, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
+        let k = keys::region_key(region, key)?;
+        Ok(self.db.get_cf(self.cf(CF_REGIONS)?, k)?)
+    }
+
+    fn region_scan(
+        &self,
+        region: &str,
+        visit: &mut dyn FnMut(&str, &[u8]),
+    ) -> Result<(), StorageError> {
+        let prefix = keys::region_prefix(region)?;
+        let mut ro = ReadOptions::default();
+        ro.set_iterate_lower_bound(prefix.clone());
+        if let Some(upper) = keys::prefix_successor(&prefix) {
+            ro.set_iterate_upper_bound(upper);
+        }
+        let mut it = self.db.raw_iterator_cf_opt(self.cf(CF_REGIONS)?, ro);
+        it.seek(&prefix);
+        while let Some((k, v)) = it.item() {
+            let Some(key) = k.strip_prefix(&prefix[..]) else {
+                break;
+            };
+            let key = std::str::from_utf8(key).map_err(|_| {
+                StorageError::Corrupt(format!("non UTF-8 key in region {region:?}"))
+            })?;
+            visit(key, v);
+            it.next();
+        }
+        it.status()?;
+        Ok(())
+    }
+
+    fn state_get(&self, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
+        keys::check_key(key)?;
+        Ok(self.db.get_cf(self.cf(CF_STATE)?, key.as_bytes())?)
+    }
+
+    fn flush(&self) -> Result<(), StorageError> {
+        self.db.flush_wal(true)?;
+        let mut fo = FlushOptions::default();
+        fo.set_wait(true);
+        let cfs = ALL_CFS
+            .iter()
+            .map(|n| self.cf(n))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.db.flush_cfs_opt(&cfs, &fo)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn corrupt_records_are_errors_not_panics() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RocksStore::open(dir.path()).unwrap();
+        let entries = s.cf(CF_ENTRIES).unwrap();
+        let meta = s.cf(CF_META).unwrap();
+        s.db.put_cf(entries, keys::entry_key(1, 1), b"").unwrap();
+        s.db.put_cf(meta, keys::meta_key(2, META_FIELD_ACKED), b"short")
+            .unwrap();
+        s.db.put_cf(meta, keys::meta_key(3, 99), 0u64.to_be_bytes())
+            .unwrap();
+        s.db.put_cf(meta, keys::meta_key(4, META_FIELD_INFO), b"1234")
+            .unwrap();
+        fn corrupt<T>(r: Result<T, StorageError>) -> bool {
+            matches!(r, Err(StorageError::Corrupt(_)))
+        }
+        assert!(corrupt(s.read_entries(1, 0, 5, 100, &mut |_, _, _| {})));
+        assert!(corrupt(s.queue_meta(2)));
+        assert!(corrupt(s.queue_meta(3)));
+        assert!(corrupt(s.queue_meta(4)));
+        assert!(corrupt(s.queues()));
+        s.db.put_cf(s.cf(CF_REGIONS).unwrap(), [0u8, 1, b'r', 0xFF], b"v")
+            .unwrap();
+        assert!(corrupt(s.region_scan("r", &mut |_, _| {})));
+    }
+}

@@ -1,0 +1,173 @@
+//! Shared test harness: real nodes (RocksDB in a temp dir, QUIC+TLS on loopback port 0) and
+//! helpers to drive clients.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use tether::client::{Client, ClientBuilder, ClientEvent, Event, EventStream};
+use tether::config::ServerConfig;
+use tether::server::Node;
+
+/// Upper bound for anything a test waits on; a hang fails the test instead of stalling CI.
+pub const WAIT: Duration = Duration::from_secs(20);
+/// How long a test watches to assert that nothing arrives.
+pub const QUIET: Duration = Duration::from_millis(400);
+
+pub struct TestNode {
+    pub node: Option<Node>,
+    pub dir: tempfile::TempDir,
+}
+
+impl TestNode {
+    pub async fn start() -> TestNode {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let node = Node::start(ServerConfig::ephemeral(dir.path()))
+            .await
+            .expect("node starts");
+        TestNode {
+            node: Some(node),
+            dir,
+        }
+    }
+
+    pub fn node(&self) -> &Node {
+        self.node.as_ref().expect("running")
+    }
+
+    /// Stops the node cleanly and starts it again on the same data directory (new port).
+    pub async fn restart(&mut self) {
+        self.node.take().expect("running").shutdown().await;
+        self.node = Some(
+            Node::start(ServerConfig::ephemeral(self.dir.path()))
+                .await
+                .expect("node restarts"),
+        );
+    }
+
+    pub fn builder(&self) -> ClientBuilder {
+        ClientBuilder::new()
+            .server(self.node().addr())
+            .ca_file(self.node().ca_file())
+    }
+
+    pub async fn durable(&self, id: &str, timeout_secs: u64) -> Client {
+        self.builder()
+            .durable(id, timeout_secs)
+            .connect()
+            .await
+            .expect("durable client connects")
+    }
+
+    pub async fn plain(&self) -> Client {
+        self.builder().connect().await.expect("client connects")
+    }
+
+    pub async fn put(&self, region: &str, key: &str, value: &str) {
+        let p = self.node().publisher().await.expect("publisher");
+        p.put(region, key, value.as_bytes().to_vec())
+            .await
+            .expect("put");
+    }
+
+    /// Puts `key-{i}` = `v-{i}` for i in range.
+    pub async fn put_many(&self, region: &str, range: std::ops::Range<u32>) {
+        let p = self.node().publisher().await.expect("publisher");
+        for i in range {
+            p.put(region, &format!("key-{i}"), format!("v-{i}").into_bytes())
+                .await
+                .expect("put");
+        }
+    }
+
+    pub fn queue(&self, durable_id: &str) -> Option<tether::protocol::QueueReport> {
+        self.node()
+            .queues()
+            .into_iter()
+            .find(|q| q.durable_id.as_deref() == Some(durable_id))
+    }
+}
+
+/// Reads until `n` entry events arrived (live markers are kept too). Fails after [`WAIT`].
+pub async fn take_events(stream: &mut EventStream, n: usize) -> Vec<ClientEvent> {
+    let mut out = Vec::new();
+    let mut events = 0;
+    while events < n {
+        let ev = tokio::time::timeout(WAIT, stream.next())
+            .await
+            .unwrap_or_else(|_| panic!("timed out after {events} of {n} events: {out:?}"))
+            .unwrap_or_else(|| panic!("stream ended after {events} of {n} events: {out:?}"));
+        if matches!(ev, ClientEvent::Event(_)) {
+            events += 1;
+        }
+        out.push(ev);
+    }
+    out
+}
+
+/// Reads until the live marker of `region` arrived; returns everything before and including it.
+pub async fn until_live(stream: &mut EventStream, region: &str) -> Vec<ClientEvent> {
+    let mut out = Vec::new();
+    loop {
+        let ev = tokio::time::timeout(WAIT, stream.next())
+            .await
+            .unwrap_or_else(|_| panic!("no live marker for {region}; got {out:?}"))
+            .unwrap_or_else(|| panic!("stream ended before live; got {out:?}"));
+        let done = matches!(&ev, ClientEvent::Live { region: r } if r == region);
+        out.push(ev);
+        if done {
+            return out;
+        }
+    }
+}
+
+/// Everything that arrives within [`QUIET`].
+pub async fn drain_quiet(stream: &mut EventStream) -> Vec<ClientEvent> {
+    let mut out = Vec::new();
+    while let Ok(Some(ev)) = tokio::time::timeout(QUIET, stream.next()).await {
+        out.push(ev);
+    }
+    out
+}
+
+pub fn entries(evs: &[ClientEvent]) -> Vec<&Event> {
+    evs.iter()
+        .filter_map(|e| {
+            if let ClientEvent::Event(e) = e {
+                Some(e)
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+pub fn lives(evs: &[ClientEvent]) -> Vec<&str> {
+    evs.iter()
+        .filter_map(|e| {
+            if let ClientEvent::Live { region } = e {
+                Some(region.as_str())
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+pub fn keys(evs: &[ClientEvent]) -> Vec<String> {
+    entries(evs).iter().map(|e| e.key.clone()).collect()
+}
+
+pub fn value(e: &Event) -> Option<String> {
+    e.value
+        .as_ref()
+        .map(|v| String::from_utf8(v.clone()).expect("utf-8"))
+}
+
+/// Polls `f` until it returns true or [`WAIT`] passes.
+pub async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !f() {
+        assert!(start.elapsed() < WAIT, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

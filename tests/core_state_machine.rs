@@ -1,0 +1,319 @@
+//! Deterministic tests of the sans-IO node core, driven with explicit time and the in-memory
+//! storage twin (no network, no RocksDB): life cycle, offsets, expiry, and recovery.
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+use tether::core::{ConnectError, NodeCore, Step};
+use tether::protocol::{DurableHello, InterestSpec, PublishOp, QueueReport, QueueStatus};
+use tether::storage::{Batch, MemStore, Store};
+
+/// The core plus a store that every batch is applied to, as the real driver does.
+struct Sim {
+    core: NodeCore,
+    store: MemStore,
+}
+
+impl Sim {
+    fn new() -> Sim {
+        Sim {
+            core: NodeCore::new("n1"),
+            store: MemStore::new(),
+        }
+    }
+
+    fn apply(&self, b: Batch) {
+        self.store.write(&b, true).unwrap();
+    }
+
+    fn connect(&mut self, id: Option<&str>, timeout: u64) -> (u64, QueueStatus, Option<u64>) {
+        let hello = id.map(|id| DurableHello {
+            id: id.into(),
+            timeout_secs: timeout,
+        });
+        let c = self.core.connect(hello.as_ref()).expect("connect");
+        self.apply(c.batch);
+        (c.session, c.status, c.pending)
+    }
+
+    fn register(&mut self, s: u64, region: &str, spec: InterestSpec, durable: bool) {
+        let (_, b) = self.core.register(s, region, &spec, durable, true).unwrap();
+        self.apply(b);
+    }
+
+    fn put(&mut self, publisher: u64, region: &str, key: &str) -> u64 {
+        let store = &self.store;
+        let plan = self
+            .core
+            .publish(
+                publisher,
+                &[PublishOp::Put {
+                    region: region.into(),
+                    key: key.into(),
+                    value: b"v".to_vec(),
+                }],
+                &mut |r, k| store.region_get(r, k).unwrap().is_some(),
+            )
+            .unwrap();
+        self.store.write(&plan.batch, true).unwrap();
+        self.core.committed(plan.seq, &plan.appended);
+        plan.enqueued
+    }
+
+    /// Delivers everything deliverable to a session; returns (offset, flags) pairs and markers.
+    fn drain(&mut self, s: u64) -> (Vec<(u64, u8)>, Vec<String>) {
+        let (mut got, mut live) = (Vec::new(), Vec::new());
+        loop {
+            match self.core.delivery_step(s) {
+                Step::Idle => return (got, live),
+                Step::Live(r) => live.extend(r),
+                Step::Read { from, to } => {
+                    let q = self.core.session(s).unwrap().queue;
+                    let bounds = self.core.flag_bounds(s).unwrap();
+                    let mut last = 0;
+                    self.store
+                        .read_entries(q, from, to, usize::MAX, &mut |o, _, _| {
+                            got.push((o, bounds.wire_flags(o)));
+                            last = o;
+                        })
+                        .unwrap();
+                    if let Some(b) = self.core.will_send(s, last) {
+                        self.apply(b);
+                    }
+                }
+            }
+        }
+    }
+
+    fn disconnect(&mut self, now: u64, s: u64, keepalive: bool) {
+        let d = self.core.disconnect(now, s, keepalive);
+        self.apply(d.batch);
+    }
+
+    fn recover(&self, now: u64) -> NodeCore {
+        let (core, b) = NodeCore::recover("n1", now, self.store.queues().unwrap(), |k| {
+            self.store.state_get(k).unwrap()
+        })
+        .unwrap();
+        self.apply(b);
+        core
+    }
+}
+
+fn by_id(reports: Vec<QueueReport>) -> BTreeMap<String, QueueReport> {
+    reports
+        .into_iter()
+        .filter_map(|q| q.durable_id.clone().map(|id| (id, q)))
+        .collect()
+}
+
+#[test]
+fn durable_life_cycle_with_replay_flags() {
+    let mut sim = Sim::new();
+    let (p, _) = sim.core.publisher_session();
+    let (s, status, pending) = sim.connect(Some("X"), 300);
+    assert_eq!((status, pending), (QueueStatus::New, None));
+    sim.register(s, "R", InterestSpec::AllKeys, true);
+    assert_eq!(
+        sim.core.delivery_step(s),
+        Step::Idle,
+        "nothing before ready"
+    );
+    for k in ["a", "b", "c"] {
+        assert_eq!(sim.put(p, "R", k), 1);
+    }
+    assert_eq!(sim.core.ready(s).unwrap(), 3);
+    let (got, live) = sim.drain(s);
+    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), [1, 2, 3]);
+    assert!(
+        got.iter()
+            .all(|(_, f)| *f == tether::protocol::FLAG_REPLAYED)
+    );
+    assert_eq!(live, ["R"]);
+    sim.put(p, "R", "d");
+    let (got, live) = sim.drain(s);
+    assert_eq!(
+        (got, live.len()),
+        (vec![(4, 0)], 0),
+        "live event, no second marker"
+    );
+    // Ack 2, go away; 4 events remain and 3..4 were delivered: possible duplicates.
+    let b = sim.core.ack(s, 2).unwrap().unwrap();
+    sim.apply(b);
+    sim.disconnect(1_000, s, true);
+    sim.put(p, "R", "e");
+    let (s2, status, pending) = sim.connect(Some("X"), 300);
+    assert_eq!((status, pending), (QueueStatus::Resumed, Some(3)));
+    sim.core.ready(s2).unwrap();
+    let (got, _) = sim.drain(s2);
+    use tether::protocol::{FLAG_POSSIBLE_DUPLICATE as D, FLAG_REPLAYED as R};
+    assert_eq!(got, [(3, R | D), (4, R | D), (5, R)]);
+}
+
+#[test]
+fn acks_beyond_delivery_are_refused_and_duplicates_attached_ids_conflict() {
+    let mut sim = Sim::new();
+    let (s, ..) = sim.connect(Some("X"), 300);
+    assert!(sim.core.ack(s, 1).is_err());
+    assert_eq!(
+        sim.core
+            .connect(Some(&DurableHello {
+                id: "X".into(),
+                timeout_secs: 1
+            }))
+            .unwrap_err(),
+        ConnectError::Attached(s)
+    );
+}
+
+#[test]
+fn expiry_happens_once_at_the_timeout_and_is_reported_once() {
+    let mut sim = Sim::new();
+    let (s, ..) = sim.connect(Some("X"), 10);
+    sim.disconnect(5_000, s, true);
+    let (b, ids) = sim.core.tick(14_999);
+    assert!(ids.is_empty() && b.is_empty());
+    let (b, ids) = sim.core.tick(15_000);
+    assert_eq!(ids, ["X"]);
+    sim.apply(b);
+    // The expired id survives a restart and is reported once.
+    let mut core = sim.recover(20_000);
+    let c = core
+        .connect(Some(&DurableHello {
+            id: "X".into(),
+            timeout_secs: 10,
+        }))
+        .unwrap();
+    assert_eq!(c.status, QueueStatus::Expired);
+    core.disconnect(21_000, c.session, false);
+    let c = core
+        .connect(Some(&DurableHello {
+            id: "X".into(),
+            timeout_secs: 10,
+        }))
+        .unwrap();
+    assert_eq!(c.status, QueueStatus::New);
+}
+
+#[test]
+fn recovery_keeps_durable_state_and_drops_non_durable_queues() {
+    let mut sim = Sim::new();
+    let (p, _) = sim.core.publisher_session();
+    let (x, ..) = sim.connect(Some("X"), 300);
+    sim.register(x, "R", InterestSpec::Regex("D-.*".into()), true);
+    sim.register(x, "R", InterestSpec::Key("k".into()), false);
+    let (nd, ..) = sim.connect(None, 0);
+    sim.register(nd, "R", InterestSpec::AllKeys, false);
+    sim.put(p, "R", "D-1");
+    sim.put(p, "R", "k");
+    let before = by_id(sim.core.queue_reports());
+    // A crash: no disconnect. Recovery treats X as away since the restart.
+    let mut core = sim.recover(50_000);
+    let after = by_id(core.queue_reports());
+    assert_eq!(after["X"].pending, before["X"].pending);
+    assert_eq!(after["X"].end_offset, 2);
+    assert_eq!(after["X"].state, "away");
+    assert_eq!(
+        after["X"].interests.len(),
+        1,
+        "only durable interest survives"
+    );
+    assert_eq!(
+        core.queue_reports().len(),
+        1,
+        "the non-durable queue is gone"
+    );
+    // Timeout counts from the restart.
+    assert!(core.tick(50_000 + 299_999).1.is_empty());
+    assert_eq!(core.tick(50_000 + 300_000).1, ["X"]);
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Put(u8),
+    Ready,
+    Deliver,
+    Ack,
+    Away,
+    Back,
+    Restart,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..4).prop_map(Op::Put),
+        1 => Just(Op::Ready),
+        2 => Just(Op::Deliver),
+        1 => Just(Op::Ack),
+        1 => Just(Op::Away),
+        1 => Just(Op::Back),
+        1 => Just(Op::Restart),
+    ]
+}
+
+proptest! {
+    /// Any sequence of publishes, deliveries, acks, disconnects and restarts: every event is
+    /// delivered in offset order, none is lost, an event is delivered again only flagged as a
+    /// possible duplicate, and the pending count always equals end - acked.
+    #[test]
+    fn no_loss_and_flagged_redelivery(ops in proptest::collection::vec(op(), 1..80)) {
+        let mut sim = Sim::new();
+        let (mut p, _) = sim.core.publisher_session();
+        let (mut s, ..) = sim.connect(Some("X"), 300);
+        sim.register(s, "R", InterestSpec::AllKeys, true);
+        let mut attached = true;
+        let mut published = 0u64;
+        let mut delivered: Vec<u64> = Vec::new();
+        let mut last_seen = 0u64;
+        let mut acked = 0u64;
+        for op in ops {
+            match op {
+                Op::Put(k) => { sim.put(p, "R", &format!("k{k}")); published += 1; }
+                Op::Ready if attached => { sim.core.ready(s).unwrap(); }
+                Op::Deliver if attached => {
+                    let (got, _) = sim.drain(s);
+                    for (o, f) in got {
+                        if o <= last_seen {
+                            prop_assert!(f & tether::protocol::FLAG_POSSIBLE_DUPLICATE != 0, "unflagged redelivery of {}", o);
+                        }
+                        last_seen = last_seen.max(o);
+                        delivered.push(o);
+                    }
+                }
+                Op::Ack if attached => {
+                    let sent = sim.core.session(s).unwrap().sent;
+                    if let Some(b) = sim.core.ack(s, sent).unwrap() { sim.apply(b); }
+                    acked = acked.max(sent);
+                }
+                Op::Away if attached => { sim.disconnect(1, s, true); attached = false; }
+                Op::Back if !attached => {
+                    let (ns, status, pending) = sim.connect(Some("X"), 300);
+                    prop_assert_eq!(status, QueueStatus::Resumed);
+                    prop_assert_eq!(pending, Some(published - acked));
+                    s = ns; attached = true;
+                }
+                Op::Restart => {
+                    sim.core = sim.recover(2);
+                    let (np, _) = sim.core.publisher_session();
+                    p = np;
+                    let (ns, _, pending) = sim.connect(Some("X"), 300);
+                    prop_assert_eq!(pending, Some(published - acked));
+                    s = ns; attached = true;
+                }
+                _ => {}
+            }
+            let q = by_id(sim.core.queue_reports());
+            prop_assert_eq!(q["X"].pending, q["X"].end_offset - q["X"].acked_offset);
+            prop_assert_eq!(q["X"].end_offset, published);
+        }
+        // Finally everything not acked is delivered.
+        if !attached { let (ns, ..) = sim.connect(Some("X"), 300); s = ns; }
+        sim.core.ready(s).unwrap();
+        let (got, _) = sim.drain(s);
+        delivered.extend(got.iter().map(|g| g.0));
+        let mut unique = delivered.clone();
+        unique.sort();
+        unique.dedup();
+        prop_assert_eq!(unique, (1..=published).collect::<Vec<_>>());
+    }
+}

@@ -1,0 +1,303 @@
+//! TLS for Tether: dev certificate generation and quinn client/server configurations.
+//!
+//! Everything uses rustls' `ring` provider explicitly, so nothing depends on the process-wide
+//! default provider; [`install_crypto_provider`] is still offered for other rustls users.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+use crate::ALPN;
+
+/// Server name clients pass to `connect`; the dev server certificate carries it as a SAN.
+pub const SERVER_NAME: &str = "localhost";
+
+/// Idle timeout of a connection, in milliseconds.
+pub const IDLE_TIMEOUT_MS: u64 = 30_000;
+/// Interval between keep-alive packets, in milliseconds (well below [`IDLE_TIMEOUT_MS`]).
+pub const KEEP_ALIVE_INTERVAL_MS: u64 = 5_000;
+/// Per-stream receive window (flow-control credit), in bytes.
+pub const STREAM_RECEIVE_WINDOW_BYTES: u32 = 2 * 1024 * 1024;
+/// Per-connection receive window, in bytes.
+pub const CONNECTION_RECEIVE_WINDOW_BYTES: u32 = 16 * 1024 * 1024;
+/// Per-connection send window, in bytes.
+pub const SEND_WINDOW_BYTES: u64 = 16 * 1024 * 1024;
+/// Requested UDP socket send and receive buffer size, in bytes (the OS may cap it).
+pub const UDP_SOCKET_BUFFER_BYTES: usize = 4 * 1024 * 1024;
+/// Maximum number of concurrent bidirectional streams a peer may open.
+pub const MAX_CONCURRENT_BIDI_STREAMS: u32 = 8;
+/// Maximum number of concurrent unidirectional streams a peer may open.
+pub const MAX_CONCURRENT_UNI_STREAMS: u32 = 8;
+
+/// File name of the dev CA certificate inside the certificate directory.
+pub const CA_CERT_FILE: &str = "ca.pem";
+/// File name of the dev CA private key inside the certificate directory.
+pub const CA_KEY_FILE: &str = "ca.key";
+/// File name of the dev server certificate inside the certificate directory.
+pub const SERVER_CERT_FILE: &str = "server.pem";
+/// File name of the dev server private key inside the certificate directory.
+pub const SERVER_KEY_FILE: &str = "server.key";
+/// Unix permission bits of generated private key files.
+pub const KEY_FILE_MODE: u32 = 0o600;
+/// Subject alternative names of the dev server certificate.
+pub const DEV_SERVER_SANS: [&str; 3] = [SERVER_NAME, "127.0.0.1", "::1"];
+/// Common name of the dev CA.
+pub const DEV_CA_COMMON_NAME: &str = "Tether dev CA";
+
+/// Paths of a CA certificate and a server certificate with its key, all PEM.
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    /// CA certificate that clients trust.
+    pub ca: PathBuf,
+    /// Server certificate (chain), signed by `ca`.
+    pub cert: PathBuf,
+    /// Server private key (PKCS#8, SEC1 or PKCS#1).
+    pub key: PathBuf,
+}
+
+/// Errors building TLS material or configurations.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory concerned.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A PEM file could not be parsed or held nothing usable.
+    #[error("{path}: {message}")]
+    Pem {
+        /// The file concerned (empty for in-memory PEM).
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// Certificate generation failed.
+    #[error("certificate generation: {0}")]
+    Rcgen(#[from] rcgen::Error),
+    /// rustls rejected the configuration (bad key, unusable certificate, ...).
+    #[error("rustls: {0}")]
+    Rustls(#[from] rustls::Error),
+    /// The rustls configuration cannot be used for QUIC.
+    #[error("QUIC TLS configuration: {0}")]
+    Quic(String),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TlsError + '_ {
+    move |source| TlsError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Installs rustls' `ring` provider as the process default. Idempotent: an already installed
+/// provider is left in place.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The quinn transport settings shared by clients and servers (the constants of this module).
+pub fn transport_config() -> quinn::TransportConfig {
+    let mut t = quinn::TransportConfig::default();
+    t.max_idle_timeout(Some(
+        quinn::IdleTimeout::try_from(Duration::from_millis(IDLE_TIMEOUT_MS))
+            .expect("IDLE_TIMEOUT_MS fits a QUIC varint"),
+    ))
+    .keep_alive_interval(Some(Duration::from_millis(KEEP_ALIVE_INTERVAL_MS)))
+    .stream_receive_window(quinn::VarInt::from_u32(STREAM_RECEIVE_WINDOW_BYTES))
+    .receive_window(quinn::VarInt::from_u32(CONNECTION_RECEIVE_WINDOW_BYTES))
+    .send_window(SEND_WINDOW_BYTES)
+    .max_concurrent_bidi_streams(quinn::VarInt::from_u32(MAX_CONCURRENT_BIDI_STREAMS))
+    .max_concurrent_uni_streams(quinn::VarInt::from_u32(MAX_CONCURRENT_UNI_STREAMS));
+    t
+}
+
+fn read_file(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(io_err(path))
+}
+
+fn parse_certs(pem: &[u8], path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError::Pem {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+    if certs.is_empty() {
+        return Err(TlsError::Pem {
+            path: path.to_path_buf(),
+            message: "no CERTIFICATE section".into(),
+        });
+    }
+    Ok(certs)
+}
+
+fn parse_key(pem: &[u8], path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_slice(pem).map_err(|e| TlsError::Pem {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+/// Server configuration from `files.cert` (chain) and `files.key`, with Tether's ALPN and
+/// [`transport_config`]. TLS 1.3 only, no client authentication.
+pub fn server_config(files: &TlsFiles) -> Result<quinn::ServerConfig, TlsError> {
+    let certs = parse_certs(&read_file(&files.cert)?, &files.cert)?;
+    let key = parse_key(&read_file(&files.key)?, &files.key)?;
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)?;
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    let quic = QuicServerConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
+    let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(quic));
+    cfg.transport_config(Arc::new(transport_config()));
+    Ok(cfg)
+}
+
+/// Client configuration trusting only the CA certificate(s) in the PEM file `ca_pem`.
+pub fn client_config(ca_pem: &Path) -> Result<quinn::ClientConfig, TlsError> {
+    let pem = read_file(ca_pem)?;
+    client_config_inner(&pem, ca_pem)
+}
+
+/// Client configuration trusting only the CA certificate(s) in the PEM text `ca_pem`.
+pub fn client_config_from_pem(ca_pem: &[u8]) -> Result<quinn::ClientConfig, TlsError> {
+    client_config_inner(ca_pem, Path::new(""))
+}
+
+fn client_config_inner(pem: &[u8], path: &Path) -> Result<quinn::ClientConfig, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in parse_certs(pem, path)? {
+        roots.add(cert)?;
+    }
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    let quic = QuicClientConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
+    let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
+    cfg.transport_config(Arc::new(transport_config()));
+    Ok(cfg)
+}
+
+fn ca_params() -> Result<rcgen::CertificateParams, TlsError> {
+    let mut p = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    p.distinguished_name = rcgen::DistinguishedName::new();
+    p.distinguished_name
+        .push(rcgen::DnType::CommonName, DEV_CA_COMMON_NAME);
+    p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    p.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::CrlSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    Ok(p)
+}
+
+fn server_params() -> Result<rcgen::CertificateParams, TlsError> {
+    let sans: Vec<String> = DEV_SERVER_SANS.iter().map(|s| s.to_string()).collect();
+    let mut p = rcgen::CertificateParams::new(sans)?;
+    p.distinguished_name = rcgen::DistinguishedName::new();
+    p.distinguished_name
+        .push(rcgen::DnType::CommonName, SERVER_NAME);
+    p.is_ca = rcgen::IsCa::ExplicitNoCa;
+    p.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature];
+    p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    p.use_authority_key_identifier_extension = true;
+    Ok(p)
+}
+
+/// Writes `contents` to `path` atomically (temp file + rename), with `mode` on Unix.
+fn write_file(path: &Path, contents: &[u8], mode: Option<u32>) -> Result<(), TlsError> {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    if let Some(mode) = mode {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.mode(mode);
+    }
+    #[cfg(not(unix))]
+    let _ = mode;
+    let mut f = opts.open(&tmp).map_err(io_err(&tmp))?;
+    f.write_all(contents).map_err(io_err(&tmp))?;
+    f.sync_all().map_err(io_err(&tmp))?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(io_err(path))
+}
+
+/// Generates into `dir` (created if missing), on first call, a dev CA (`ca.pem`, `ca.key`) and a
+/// server certificate signed by it (`server.pem`, `server.key`) with SANs `localhost`,
+/// `127.0.0.1` and `::1`. Existing files are reused unchanged: if the CA exists but the server
+/// files are missing, a new server certificate is signed by the existing CA. Key files get
+/// mode [`KEY_FILE_MODE`].
+pub fn ensure_dev_certs(dir: &Path) -> Result<TlsFiles, TlsError> {
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let ca_cert = dir.join(CA_CERT_FILE);
+    let ca_key = dir.join(CA_KEY_FILE);
+    let files = TlsFiles {
+        ca: ca_cert.clone(),
+        cert: dir.join(SERVER_CERT_FILE),
+        key: dir.join(SERVER_KEY_FILE),
+    };
+    if files.cert.exists() && files.key.exists() && ca_cert.exists() {
+        return Ok(files);
+    }
+
+    let params = ca_params()?;
+    let ca_key_pair = if ca_cert.exists() && ca_key.exists() {
+        let pem = std::fs::read_to_string(&ca_key).map_err(io_err(&ca_key))?;
+        rcgen::KeyPair::from_pem(&pem)?
+    } else {
+        let kp = rcgen::KeyPair::generate()?;
+        let cert = params.self_signed(&kp)?;
+        write_file(&ca_key, kp.serialize_pem().as_bytes(), Some(KEY_FILE_MODE))?;
+        write_file(&ca_cert, cert.pem().as_bytes(), None)?;
+        tracing::info!(dir = %dir.display(), "generated dev CA");
+        kp
+    };
+    let issuer = rcgen::Issuer::new(params, ca_key_pair);
+
+    let server_kp = rcgen::KeyPair::generate()?;
+    let server_cert = server_params()?.signed_by(&server_kp, &issuer)?;
+    write_file(
+        &files.key,
+        server_kp.serialize_pem().as_bytes(),
+        Some(KEY_FILE_MODE),
+    )?;
+    write_file(&files.cert, server_cert.pem().as_bytes(), None)?;
+    tracing::info!(dir = %dir.display(), "generated dev server certificate");
+    Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_config_builds() {
+        let _ = transport_config();
+    }
+
+    #[test]
+    fn bad_pem_is_an_error() {
+        assert!(matches!(
+            client_config_from_pem(b"not pem"),
+            Err(TlsError::Pem { .. })
+        ));
+    }
+}
