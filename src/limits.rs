@@ -43,8 +43,6 @@ pub const DELIVERY_FRAME_BODY_BYTES_MAX: usize = 256 * 1024;
 pub const EXPIRED_IDS_REMEMBERED_MAX: usize = 100_000;
 /// How often the node looks for away queues whose durable timeout has passed, in milliseconds.
 pub const EXPIRY_TICK_MS: u64 = 200;
-/// Client-side: processed event ids remembered for duplicate suppression.
-pub const CLIENT_DEDUP_IDS_MAX: usize = 1_000_000;
 /// Client-side default acknowledgement interval, in milliseconds.
 pub const ACK_INTERVAL_MS_DEFAULT: u64 = 100;
 /// Publish operations and acks waiting for the storage writer before new ones wait.

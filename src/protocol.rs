@@ -317,38 +317,23 @@ pub enum ResponseBody {
     },
 }
 
-/// One queue entry on the delivery stream.
+/// One queue entry on the delivery stream. Borrows its record, so the server encodes straight
+/// from its storage reads and the client decodes without copying the frame.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireEntry {
+pub struct WireEntry<'a> {
     pub offset: u64,
     pub flags: u8,
     /// An encoded [`EventRecord`], exactly as stored.
-    #[serde(with = "serde_bytes")]
-    pub record: Vec<u8>,
-}
-
-/// Borrowing twin of [`WireEntry`], so the server can encode straight from storage reads.
-/// Serializes to the same bytes as `WireEntry`.
-#[derive(Serialize)]
-pub struct WireEntryRef<'a> {
-    pub offset: u64,
-    pub flags: u8,
-    #[serde(with = "serde_bytes")]
+    #[serde(borrow, with = "serde_bytes")]
     pub record: &'a [u8],
 }
 
 /// Server → client frames on the delivery stream.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum Delivery {
-    Events(Vec<WireEntry>),
+pub enum Delivery<'a> {
+    #[serde(borrow)]
+    Events(Vec<WireEntry<'a>>),
     /// The live marker: everything queued before ready has been delivered for these regions.
     Live(Vec<String>),
-}
-
-/// Borrowing twin of [`Delivery::Events`]; serializes to the same bytes.
-#[derive(Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum DeliveryRef<'a> {
-    Events(&'a [WireEntryRef<'a>]),
 }

@@ -11,8 +11,7 @@
 //! processed offset is acked every `ack_interval`. Events whose id was already processed are
 //! dropped ([`DedupState`], shareable across reconnects in one process).
 
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::hash::{Hash, Hasher};
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -25,11 +24,12 @@ use tether_transport::codec::{self, FrameReader};
 use tether_transport::{PROTOCOL_VERSION, tls};
 use tokio::sync::{Mutex as AsyncMutex, mpsc, oneshot};
 
-use crate::limits::{ACK_INTERVAL_MS_DEFAULT, CLIENT_DEDUP_IDS_MAX, DURABLE_TIMEOUT_SECS_DEFAULT};
+use crate::limits::{ACK_INTERVAL_MS_DEFAULT, DURABLE_TIMEOUT_SECS_DEFAULT};
 use crate::protocol::*;
 
-/// Events buffered between the delivery stream and the application.
-pub const CLIENT_EVENT_BUFFER_EVENTS: usize = 65_536;
+/// Delivery frames buffered between the delivery stream and the application (each holds at
+/// most `DELIVERY_FRAME_BODY_BYTES_MAX` of records); beyond it QUIC flow control pushes back.
+pub const CLIENT_BUFFERED_FRAMES_MAX: usize = 32;
 /// How long to wait for a server's welcome, in milliseconds.
 pub const CONNECT_TIMEOUT_MS: u64 = 10_000;
 
@@ -86,38 +86,43 @@ pub trait Listener: Send {
     fn after_region_live(&mut self, _region: &str) {}
 }
 
-/// Event ids already processed, bounded FIFO. Clone it into the builder of a reconnecting
-/// client of the same process so redelivered events are dropped.
+/// What this process has already processed of one durable queue, so events redelivered
+/// after a reconnect (flagged `possible_duplicate`) are dropped instead of shown twice.
+///
+/// A queue entry keeps its offset and its event id when it is redelivered, and offsets are
+/// never reused within a queue's life, so "already processed" is "offset at or below the
+/// highest offset processed": O(1), no per-event set. The state resets itself when the server
+/// reports the queue `new` or `expired` (offsets start again) or when it is handed to a client
+/// with another durable id. Clone it into the builder of a reconnecting client.
 #[derive(Clone, Default)]
 pub struct DedupState(Arc<Mutex<DedupInner>>);
 
 #[derive(Default)]
 struct DedupInner {
-    set: HashSet<u64>,
-    order: VecDeque<u64>,
-}
-
-fn id_hash(id: &EventId) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    id.hash(&mut h);
-    h.finish()
+    durable_id: Option<String>,
+    processed_through: u64,
 }
 
 impl DedupState {
-    /// Records an id; false if it was already there.
-    fn insert(&self, id: &EventId) -> bool {
-        let h = id_hash(id);
+    /// Binds the state to the session that just connected.
+    fn attach(&self, durable_id: Option<&str>, status: QueueStatus) {
         let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if !d.set.insert(h) {
-            return false;
+        if d.durable_id.as_deref() != durable_id || status != QueueStatus::Resumed {
+            d.durable_id = durable_id.map(str::to_string);
+            d.processed_through = 0;
         }
-        d.order.push_back(h);
-        if d.order.len() > CLIENT_DEDUP_IDS_MAX {
-            if let Some(old) = d.order.pop_front() {
-                d.set.remove(&old);
-            }
-        }
-        true
+    }
+
+    fn processed(&self, offset: u64) {
+        let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        d.processed_through = d.processed_through.max(offset);
+    }
+
+    fn processed_through(&self) -> u64 {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .processed_through
     }
 }
 
@@ -290,9 +295,16 @@ impl ClientBuilder {
             acked: AtomicU64::new(0),
             conn: conn.clone(),
         });
-        let (events_tx, events_rx) = mpsc::channel(CLIENT_EVENT_BUFFER_EVENTS);
+        self.dedup
+            .attach(self.durable.as_ref().map(|d| d.id.as_str()), status);
+        let (events_tx, events_rx) = mpsc::channel(CLIENT_BUFFERED_FRAMES_MAX);
         let control = tokio::spawn(control_task(inner.clone(), reader));
-        let delivery = tokio::spawn(delivery_task(conn.clone(), events_tx, self.dedup.clone()));
+        let delivery = tokio::spawn(delivery_task(
+            conn.clone(),
+            inner.clone(),
+            events_tx,
+            self.dedup.clone(),
+        ));
         let acker = tokio::spawn(ack_task(inner.clone(), self.ack_interval));
         Ok(Client {
             inner,
@@ -410,47 +422,48 @@ async fn control_task(inner: Arc<Inner>, mut reader: FrameReader) {
         .clear();
 }
 
-async fn delivery_task(conn: quinn::Connection, tx: mpsc::Sender<Incoming>, dedup: DedupState) {
+async fn delivery_task(
+    conn: quinn::Connection,
+    inner: Arc<Inner>,
+    tx: mpsc::Sender<Vec<ClientEvent>>,
+    dedup: DedupState,
+) {
     let Ok(recv) = conn.accept_uni().await else {
         return;
     };
     let mut reader = FrameReader::new(recv);
-    while let Ok(Some(frame)) = reader.next::<Delivery>().await {
-        match frame {
-            Delivery::Live(regions) => {
-                for region in regions {
-                    if tx
-                        .send(Incoming::Show(ClientEvent::Live { region }))
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
-                }
-            }
-            Delivery::Events(entries) => {
+    while let Ok(Some(frame)) = reader.next_raw().await {
+        let batch = match codec::decode_body::<Delivery<'_>>(&frame) {
+            Ok(Delivery::Live(regions)) => regions
+                .into_iter()
+                .map(|region| ClientEvent::Live { region })
+                .collect(),
+            Ok(Delivery::Events(entries)) => {
+                let seen = dedup.processed_through();
+                let mut out = Vec::with_capacity(entries.len());
                 for e in entries {
-                    let Ok(rec) = codec::decode_body::<EventRecord>(&e.record) else {
-                        tracing::warn!(offset = e.offset, "undecodable event record");
-                        continue;
-                    };
                     let dup = e.flags & FLAG_POSSIBLE_DUPLICATE != 0;
-                    // Every id is remembered; only flagged events can be duplicates.
-                    if !dedup.insert(&rec.id) && dup {
-                        // Not shown again, but counted as processed so it is acked.
-                        if tx.send(Incoming::Duplicate(e.offset)).await.is_err() {
-                            return;
-                        }
+                    if dup && e.offset <= seen {
+                        // Processed by this process before: not shown again, but acked. Such
+                        // entries form a prefix of the replay, so acking them skips nothing.
+                        inner.processed.fetch_max(e.offset, Ordering::AcqRel);
                         continue;
                     }
-                    let no_value = e.flags & FLAG_NO_VALUE != 0;
+                    let Ok(rec) = codec::decode_body::<EventRecord>(e.record) else {
+                        tracing::warn!(offset = e.offset, "undecodable event record");
+                        conn.close(
+                            ErrorCode::MalformedFrame.varint(),
+                            b"undecodable event record",
+                        );
+                        return;
+                    };
                     let (op, value) = match rec.op {
-                        EventOp::Create | EventOp::Update if no_value => {
+                        EventOp::Create | EventOp::Update if e.flags & FLAG_NO_VALUE != 0 => {
                             (EventOp::Invalidate, None)
                         }
                         op => (op, rec.value),
                     };
-                    let ev = Event {
+                    out.push(ClientEvent::Event(Event {
                         region: rec.region,
                         key: rec.key,
                         op,
@@ -459,25 +472,23 @@ async fn delivery_task(conn: quinn::Connection, tx: mpsc::Sender<Incoming>, dedu
                         event_id: rec.id,
                         replayed: e.flags & FLAG_REPLAYED != 0,
                         possible_duplicate: dup,
-                    };
-                    if tx
-                        .send(Incoming::Show(ClientEvent::Event(ev)))
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
+                    }));
                 }
+                out
             }
+            Err(e) => {
+                tracing::warn!(error = %e, "undecodable delivery frame");
+                conn.close(
+                    ErrorCode::MalformedFrame.varint(),
+                    b"undecodable delivery frame",
+                );
+                return;
+            }
+        };
+        if !batch.is_empty() && tx.send(batch).await.is_err() {
+            return;
         }
     }
-}
-
-/// What the delivery task hands to the stream.
-enum Incoming {
-    Show(ClientEvent),
-    /// A redelivered event this process already processed: acked, never shown.
-    Duplicate(u64),
 }
 
 async fn ack_task(inner: Arc<Inner>, every: Duration) {
@@ -499,7 +510,7 @@ pub struct Client {
     status: QueueStatus,
     pending: Option<u64>,
     durable: bool,
-    events: Mutex<Option<mpsc::Receiver<Incoming>>>,
+    events: Mutex<Option<mpsc::Receiver<Vec<ClientEvent>>>>,
     dedup: DedupState,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -560,7 +571,9 @@ impl Client {
             .ok_or_else(|| ClientError::Usage("the event stream was already taken".into()))?;
         Ok(EventStream {
             rx,
+            buffered: VecDeque::new(),
             inner: self.inner.clone(),
+            dedup: self.dedup.clone(),
             last: None,
         })
     }
@@ -773,8 +786,10 @@ impl Region<'_> {
 
 /// The events of a client, in order. Ends when the connection closes.
 pub struct EventStream {
-    rx: mpsc::Receiver<Incoming>,
+    rx: mpsc::Receiver<Vec<ClientEvent>>,
+    buffered: VecDeque<ClientEvent>,
     inner: Arc<Inner>,
+    dedup: DedupState,
     /// Offset of the event yielded last: processed once the next one is asked for.
     last: Option<u64>,
 }
@@ -783,31 +798,29 @@ impl EventStream {
     fn mark_processed(&mut self) {
         if let Some(o) = self.last.take() {
             self.inner.processed.fetch_max(o, Ordering::AcqRel);
+            self.dedup.processed(o);
         }
     }
 
     /// The next event; None once the connection is gone.
     pub async fn next(&mut self) -> Option<ClientEvent> {
-        std::future::poll_fn(|cx| Pin::new(&mut *self).poll_next_event(cx)).await
+        std::future::poll_fn(|cx| self.poll_next_event(cx)).await
     }
 
     fn poll_next_event(&mut self, cx: &mut Context<'_>) -> Poll<Option<ClientEvent>> {
         self.mark_processed();
-        loop {
+        if self.buffered.is_empty() {
             match self.rx.poll_recv(cx) {
-                Poll::Ready(Some(Incoming::Duplicate(offset))) => {
-                    self.inner.processed.fetch_max(offset, Ordering::AcqRel);
-                }
-                Poll::Ready(Some(Incoming::Show(ev))) => {
-                    if let ClientEvent::Event(e) = &ev {
-                        self.last = Some(e.offset);
-                    }
-                    return Poll::Ready(Some(ev));
-                }
+                Poll::Ready(Some(batch)) => self.buffered.extend(batch),
                 Poll::Ready(None) => return Poll::Ready(None),
                 Poll::Pending => return Poll::Pending,
             }
         }
+        let ev = self.buffered.pop_front();
+        if let Some(ClientEvent::Event(e)) = &ev {
+            self.last = Some(e.offset);
+        }
+        Poll::Ready(ev)
     }
 
     /// Marks the last yielded event processed without waiting for the next one.

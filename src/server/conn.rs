@@ -560,20 +560,20 @@ async fn deliver(
                     continue;
                 };
                 let (mut replayed, mut dups) = (0u64, 0u64);
-                let refs: Vec<WireEntryRef<'_>> = pending
+                let refs: Vec<WireEntry<'_>> = pending
                     .iter()
                     .map(|e| {
                         let flags = (e.flags & STORED_FLAGS_MASK) | bounds.wire_flags(e.offset);
                         replayed += u64::from(flags & FLAG_REPLAYED != 0);
                         dups += u64::from(flags & FLAG_POSSIBLE_DUPLICATE != 0);
-                        WireEntryRef {
+                        WireEntry {
                             offset: e.offset,
                             flags,
                             record: &arena[e.start..e.end],
                         }
                     })
                     .collect();
-                let frame: Bytes = match codec::encode_frame(&DeliveryRef::Events(&refs)) {
+                let frame: Bytes = match codec::encode_frame(&Delivery::Events(refs)) {
                     Ok(f) => f,
                     Err(e) => {
                         tracing::error!(error = %e, "encoding a delivery frame failed");

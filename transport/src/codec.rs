@@ -65,7 +65,7 @@ pub fn encode_body<T: serde::Serialize>(msg: &T) -> Result<Vec<u8>, CodecError> 
 /// Decodes one CBOR value from `body`, which must contain exactly that value.
 ///
 /// Never panics, whatever the input: bad input gives [`CodecError::Malformed`].
-pub fn decode_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, CodecError> {
+pub fn decode_body<'a, T: serde::Deserialize<'a>>(body: &'a [u8]) -> Result<T, CodecError> {
     serde_cbor::from_slice(body).map_err(|e| CodecError::Malformed(e.to_string()))
 }
 
