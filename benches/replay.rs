@@ -16,6 +16,11 @@ use tether::protocol::{PublishOp, ResultPolicy};
 use tether::server::Node;
 use tether::storage::{Batch, Entry, RocksStore, Store};
 
+/// The server is allocation-heavy on its hot paths (one record per event on the client side,
+/// frames on the server side); mimalloc roughly halves allocator time there.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Publish operations per request.
 const PUBLISH_BATCH_OPS: usize = 1000;
 /// Concurrent publish requests in flight.
@@ -120,6 +125,23 @@ async fn main() {
         .find(|q| q.durable_id.as_deref() == Some("bench"))
         .unwrap();
     assert_eq!(q.pending, n, "every event queued");
+
+    // Extra replays for profiling (TETHER_BENCH_EXTRA_REPLAYS): drain everything, then vanish
+    // without acking, so the queue stays whole for the measured replay below.
+    for _ in 0..env_u64("TETHER_BENCH_EXTRA_REPLAYS", 0) {
+        let c = builder
+            .clone()
+            .durable("bench", 3600)
+            .connect()
+            .await
+            .unwrap();
+        let mut events = c.events().unwrap();
+        c.ready_for_events().await.unwrap();
+        while let Some(ClientEvent::Event(_)) = events.next().await {}
+        drop(events);
+        c.crash();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
 
     // Replay.
     let t = Instant::now();

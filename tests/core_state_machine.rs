@@ -12,12 +12,14 @@ use tether::storage::{Batch, MemStore, Store};
 struct Sim {
     core: NodeCore,
     store: MemStore,
+    now: u64,
 }
 
 impl Sim {
     fn new() -> Sim {
         Sim {
             core: NodeCore::new("n1"),
+            now: 0,
             store: MemStore::new(),
         }
     }
@@ -46,6 +48,7 @@ impl Sim {
         let plan = self
             .core
             .publish(
+                self.now,
                 publisher,
                 &[PublishOp::Put {
                     region: region.into(),
@@ -148,6 +151,31 @@ fn durable_life_cycle_with_replay_flags() {
     let (got, _) = sim.drain(s2);
     use tether::protocol::{FLAG_POSSIBLE_DUPLICATE as D, FLAG_REPLAYED as R};
     assert_eq!(got, [(3, R | D), (4, R | D), (5, R)]);
+}
+
+#[test]
+fn oldest_unacked_age_follows_acks() {
+    let mut sim = Sim::new();
+    let (p, _) = sim.core.publisher_session();
+    let (s, ..) = sim.connect(Some("X"), 300);
+    sim.register(s, "R", InterestSpec::AllKeys, true);
+    sim.core.ready(s).unwrap();
+    sim.now = 1_000;
+    sim.put(p, "R", "a");
+    sim.now = 5_000;
+    sim.put(p, "R", "b");
+    assert_eq!(sim.core.counts(6_000).oldest_unacked_age_ms, 5_000);
+    sim.drain(s);
+    let b = sim.core.ack(s, 1).unwrap().unwrap();
+    sim.apply(b);
+    assert_eq!(
+        sim.core.counts(6_000).oldest_unacked_age_ms,
+        1_000,
+        "now dated by the second entry"
+    );
+    let b = sim.core.ack(s, 2).unwrap().unwrap();
+    sim.apply(b);
+    assert_eq!(sim.core.counts(6_000).oldest_unacked_age_ms, 0);
 }
 
 #[test]

@@ -92,9 +92,48 @@ pub struct Queue {
     pub epoch: u64,
     pub interests: BTreeMap<(String, Selector), Registration>,
     pub state: QueueState,
+    /// Enqueue-time checkpoints `(offset, wall ms)`: entries from `offset` on were enqueued at or
+    /// after that time. The first one dates the oldest unacknowledged entry (to within
+    /// `ENQUEUE_CHECKPOINT_INTERVAL_MS`).
+    pub checkpoints: VecDeque<(Offset, u64)>,
 }
 
+/// Spacing of a queue's enqueue-time checkpoints, in milliseconds.
+pub const ENQUEUE_CHECKPOINT_INTERVAL_MS: u64 = 1_000;
+/// Checkpoints kept per queue; beyond it the oldest-unacked age is over-estimated, never under.
+pub const ENQUEUE_CHECKPOINTS_PER_QUEUE_MAX: usize = 256;
+
 impl Queue {
+    fn note_append(&mut self, now_ms: u64) {
+        let due = self
+            .checkpoints
+            .back()
+            .is_none_or(|&(_, t)| now_ms >= t.saturating_add(ENQUEUE_CHECKPOINT_INTERVAL_MS));
+        if due && self.checkpoints.len() < ENQUEUE_CHECKPOINTS_PER_QUEUE_MAX {
+            self.checkpoints.push_back((self.end, now_ms));
+        }
+    }
+
+    fn note_ack(&mut self) {
+        if self.acked >= self.end {
+            self.checkpoints.clear();
+            return;
+        }
+        while self.checkpoints.len() >= 2 && self.checkpoints[1].0 <= self.acked + 1 {
+            self.checkpoints.pop_front();
+        }
+    }
+
+    /// Age of the oldest unacknowledged entry, if any.
+    pub fn oldest_unacked_age_ms(&self, now_ms: u64) -> Option<u64> {
+        if self.pending() == 0 {
+            return None;
+        }
+        self.checkpoints
+            .front()
+            .map(|&(_, t)| now_ms.saturating_sub(t))
+    }
+
     pub fn pending(&self) -> u64 {
         self.end - self.acked
     }
@@ -186,6 +225,7 @@ pub struct QueueCounts {
     pub ready: u64,
     pub away: u64,
     pub pending_total: u64,
+    pub oldest_unacked_age_ms: u64,
 }
 
 /// The session and its queue, borrowed from the core's maps separately so the index stays free.
@@ -210,7 +250,8 @@ fn invalid(msg: impl Into<String>) -> WireError {
     WireError::new(ErrorCode::InvalidArgument, msg)
 }
 
-fn validate_region(region: &str) -> Result<(), WireError> {
+/// Validates a region name against its limits.
+pub fn validate_region(region: &str) -> Result<(), WireError> {
     if region.is_empty() {
         return Err(invalid("region name is empty"));
     }
@@ -308,6 +349,12 @@ impl NodeCore {
                 epoch: meta.epoch,
                 interests: BTreeMap::new(),
                 state: QueueState::Away { since_ms },
+                // Enqueue times are not stored: ages count from the restart.
+                checkpoints: if meta.end > meta.acked {
+                    VecDeque::from([(meta.acked + 1, now_ms)])
+                } else {
+                    VecDeque::new()
+                },
             };
             for (region, sel, reg) in info.interests {
                 core.index.insert(&region, &sel, id, reg.receive_values);
@@ -486,6 +533,7 @@ impl NodeCore {
             epoch: 1,
             interests: BTreeMap::new(),
             state: QueueState::Attached(session),
+            checkpoints: VecDeque::new(),
         };
         q.persist_info(batch);
         self.queues.insert(id, q);
@@ -615,6 +663,7 @@ impl NodeCore {
     /// uncommitted plans are tracked here. All ops are validated before any takes effect.
     pub fn publish(
         &mut self,
+        now_ms: u64,
         session: SessionId,
         ops: &[PublishOp],
         exists: &mut dyn FnMut(&str, &str) -> bool,
@@ -730,6 +779,7 @@ impl NodeCore {
                     ));
                 }
                 q.end += 1;
+                q.note_append(now_ms);
                 let flags = if wants_values { 0 } else { FLAG_NO_VALUE };
                 plan.batch.append(
                     qid,
@@ -824,6 +874,7 @@ impl NodeCore {
             return Ok(None);
         }
         q.acked = offset;
+        q.note_ack();
         let mut b = Batch::new();
         b.set_acked(q.id, offset);
         Ok(Some(b))
@@ -956,10 +1007,13 @@ impl NodeCore {
     }
 
     /// Queue counts for metrics.
-    pub fn counts(&self) -> QueueCounts {
+    pub fn counts(&self, now_ms: u64) -> QueueCounts {
         let mut c = QueueCounts::default();
         for q in self.queues.values() {
             c.pending_total += q.pending();
+            c.oldest_unacked_age_ms = c
+                .oldest_unacked_age_ms
+                .max(q.oldest_unacked_age_ms(now_ms).unwrap_or(0));
             match q.state {
                 QueueState::Away { .. } => c.away += 1,
                 QueueState::Attached(s) => {

@@ -48,8 +48,29 @@ async fn refuse(conn: &quinn::Connection, send: &mut quinn::SendStream, err: Wir
     conn.close(err.code.varint(), err.message.as_bytes());
 }
 
+/// Longest error message sent back to a client, in bytes. Decode errors can quote the
+/// client's own bytes; they are cut and made printable so an error never echoes a payload.
+pub const ERROR_MESSAGE_BYTES_MAX: usize = 256;
+
+fn printable_message(text: &str) -> String {
+    let mut out = String::new();
+    for c in text.chars() {
+        let c = if c.is_control() || c == char::REPLACEMENT_CHARACTER {
+            '?'
+        } else {
+            c
+        };
+        if out.len() + c.len_utf8() > ERROR_MESSAGE_BYTES_MAX - 3 {
+            out.push_str("...");
+            break;
+        }
+        out.push(c);
+    }
+    out
+}
+
 fn codec_error(e: &CodecError) -> WireError {
-    WireError::new(e.code(), e.to_string())
+    WireError::new(e.code(), printable_message(&e.to_string()))
 }
 
 async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> Result<(), ()> {

@@ -157,7 +157,7 @@ impl Shared {
         let (count, enqueued, rx) = {
             let mut core = self.core();
             let store = self.store.clone();
-            let plan = core.publish(session, ops, &mut |region, key| {
+            let plan = core.publish(now_ms(), session, ops, &mut |region, key| {
                 matches!(store.region_get(region, key), Ok(Some(_)))
             })?;
             let shared = self.clone();
@@ -189,6 +189,9 @@ impl Shared {
 
     /// Current value of a key (None when absent or invalidated).
     pub(crate) fn get(&self, region: &str, key: &str) -> Result<Option<Vec<u8>>, WireError> {
+        crate::core::validate_region(region)?;
+        crate::interest::validate_key(key)
+            .map_err(|e| WireError::new(ErrorCode::InvalidArgument, e))?;
         let v = self.store.region_get(region, key).map_err(internal)?;
         Ok(v.and_then(|v| decode_region_value(&v).map(<[u8]>::to_vec)))
     }
@@ -502,11 +505,12 @@ async fn tick_loop(shared: Arc<Shared>) {
             }
             metrics::counter!(m::QUEUES_EXPIRED).increment(ids.len() as u64);
         }
-        let c = shared.core().counts();
+        let c = shared.core().counts(now_ms());
         metrics::gauge!(m::QUEUES, "state" => "connected").set(c.attached as f64);
         metrics::gauge!(m::QUEUES, "state" => "ready").set(c.ready as f64);
         metrics::gauge!(m::QUEUES, "state" => "away").set(c.away as f64);
         metrics::gauge!(m::PENDING_EVENTS).set(c.pending_total as f64);
+        metrics::gauge!(m::OLDEST_UNACKED_AGE).set(c.oldest_unacked_age_ms as f64 / 1e3);
         metrics::gauge!(m::CONNECTIONS).set(shared.connections.load(Ordering::Relaxed) as f64);
     }
 }
