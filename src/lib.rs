@@ -29,7 +29,7 @@
 //! while let Some(ev) = events.next().await {
 //!     match ev {
 //!         ClientEvent::Event(e) => println!("{} {} replayed={}", e.key, e.op.as_str(), e.replayed),
-//!         ClientEvent::Live { region } => println!("{region} is live"),
+//!         ClientEvent::Live { regions } => println!("live: {regions:?}"),
 //!     }
 //! }
 //! client.close(true).await?;
@@ -47,3 +47,8 @@ pub mod server;
 
 pub use tether_storage as storage;
 pub use tether_transport as transport;
+
+/// The README's Rust examples, compiled as doc tests so they stay true to the API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme_examples {}

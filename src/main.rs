@@ -13,7 +13,7 @@ use tether::config::{
     FileConfig, ServerConfig, SyncMode, parse_addr, parse_metrics, validate_node_id,
 };
 use tether::limits::{DURABLE_TIMEOUT_SECS_DEFAULT, PUBLISH_OPS_PER_REQUEST_MAX};
-use tether::protocol::{EventOp, PublishOp, QueueStatus, ResultPolicy};
+use tether::protocol::{EventOp, PublishOp, ResultPolicy};
 use tether::server::Node;
 
 /// The server is allocation-heavy on its hot paths (one record per event on the client side,
@@ -229,7 +229,6 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let is_server = matches!(cli.command, Command::Server(_));
     let result = runtime.block_on(run(cli.command));
     let code = match result {
         Ok(()) => 0,
@@ -240,25 +239,7 @@ fn main() {
     };
     // Do not wait for stray tasks (a crashed subscriber's connection, say).
     runtime.shutdown_timeout(Duration::from_millis(100));
-    if is_server {
-        // The node has stopped and flushed storage, but the database may still be closing on
-        // the storage writer thread. A normal exit runs C++ static destructors under RocksDB's
-        // threads, which then abort ("pthread lock: Invalid argument", SIGABRT instead of exit
-        // status 0). Leave without running them.
-        exit_immediately(code);
-    }
     std::process::exit(code);
-}
-
-/// Ends the process now: flushes stdio, skips atexit handlers and static destructors.
-fn exit_immediately(code: i32) -> ! {
-    let _ = std::io::stdout().flush();
-    let _ = std::io::stderr().flush();
-    unsafe extern "C" {
-        fn _exit(status: i32) -> !;
-    }
-    // SAFETY: `_exit` is the POSIX function of that signature; it never returns.
-    unsafe { _exit(code) }
 }
 
 async fn run(cmd: Command) -> Result<(), Fail> {
@@ -497,25 +478,9 @@ async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
     if a.all_keys {
         interests.push(Interest::all_keys());
     }
-    // The server announces `live` per region the queue has interest in. A session that
-    // registers nothing on a queue that holds no kept interest (non-durable, new or expired)
-    // has nothing to replay and would never see a live marker: print it for --region here.
-    // A resumed queue whose kept interest is gone (it was all non-durable) is in the same case
-    // when nothing is pending.
-    let mut announce_live = interests.is_empty() && (!durable || !a.no_ready);
-    if announce_live {
-        announce_live = match c.queue_status() {
-            QueueStatus::None | QueueStatus::New | QueueStatus::Expired => true,
-            QueueStatus::Resumed => {
-                c.pending() == Some(0)
-                    && c.queues().await?.iter().any(|q| {
-                        q.durable_id.is_some()
-                            && q.durable_id == a.durable_id
-                            && q.interests.is_empty()
-                    })
-            }
-        };
-    }
+    // A non-durable client has nothing to replay: with no interest to register it is live at
+    // once (with interest, the server's marker follows the registration).
+    let announce_live = interests.is_empty() && !durable;
     let mut events = c.events()?;
     for i in interests {
         let i = i
@@ -570,8 +535,15 @@ async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
                 lost = true;
                 break;
             }
-            Some(Some(ClientEvent::Live { region })) => {
-                emit(json!({"type":"live","region":region}));
+            Some(Some(ClientEvent::Live { regions })) => {
+                // The marker that ends the replay lists no region when the queue had no
+                // interest: the session is live all the same, for the subscriber's region.
+                if regions.is_empty() {
+                    emit(json!({"type":"live","region":a.region}));
+                }
+                for region in &regions {
+                    emit(json!({"type":"live","region":region}));
+                }
                 if a.exit_on_live {
                     break;
                 }

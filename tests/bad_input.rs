@@ -228,20 +228,7 @@ impl Raw {
     }
 }
 
-impl Raw {
-    /// Only the close: the connection ends with the application code `code` within [`PROMPT`].
-    async fn expect_close(self, code: ErrorCode) {
-        let reason = timeout(PROMPT, self.conn.closed())
-            .await
-            .unwrap_or_else(|_| panic!("connection not closed within {PROMPT:?}"));
-        match reason {
-            quinn::ConnectionError::ApplicationClosed(c) => {
-                assert_eq!(c.error_code, code.varint(), "close code: {c:?}")
-            }
-            other => panic!("expected an application close with {code}, got {other:?}"),
-        }
-    }
-}
+impl Raw {}
 
 fn hello_msg(version: u32, durable: Option<DurableHello>) -> ClientMsg {
     ClientMsg::Hello {

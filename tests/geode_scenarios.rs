@@ -430,7 +430,7 @@ async fn b7_reconnect_after_closing_from_the_live_callback() {
             .unwrap()
             .unwrap()
         {
-            ClientEvent::Live { region } => l.after_region_live(&region),
+            ClientEvent::Live { regions } => regions.iter().for_each(|r| l.after_region_live(r)),
             ClientEvent::Event(_) => {}
         }
     }
@@ -662,6 +662,30 @@ async fn d2_first_connect_is_new_then_the_count_is_exact() {
         (c.queue_status(), c.pending()),
         (QueueStatus::Resumed, Some(10)),
         "exact, no marker counted"
+    );
+}
+
+/// Geode answers -2 (no queue) after the primary restarts while the client is away; Tether
+/// keeps the queue on disk: `resumed` with the exact count, and the events replay.
+#[tokio::test]
+async fn d3_server_restart_keeps_the_queue_and_the_exact_count() {
+    let mut n = TestNode::start().await;
+    let c = n.durable("X", 300).await;
+    c.region("R").register(Interest::all_keys()).await.unwrap();
+    c.ready_for_events().await.unwrap();
+    c.close(true).await.unwrap();
+    n.put_many("R", 0..10).await;
+    n.restart().await;
+    let c = n.durable("X", 300).await;
+    assert_eq!(
+        (c.queue_status(), c.pending()),
+        (QueueStatus::Resumed, Some(10))
+    );
+    c.ready_for_events().await.unwrap();
+    let got = until_live(&mut c.events().unwrap(), "R").await;
+    assert_eq!(
+        keys(&got),
+        (0..10).map(|i| format!("key-{i}")).collect::<Vec<_>>()
     );
 }
 

@@ -71,9 +71,12 @@ pub struct Event {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ClientEvent {
     Event(Event),
-    /// Everything queued before ready has been delivered for this region (once per session).
+    /// The live marker: everything queued before ready has been delivered. The first marker of
+    /// a session ends the replay and lists the regions the queue had interest in (none if it
+    /// had none); a region that gets interest later gets a marker of its own. Each region is
+    /// announced once per session.
     Live {
-        region: String,
+        regions: Vec<String>,
     },
 }
 
@@ -434,10 +437,7 @@ async fn delivery_task(
     let mut reader = FrameReader::new(recv);
     while let Ok(Some(frame)) = reader.next_raw().await {
         let batch = match codec::decode_body::<Delivery<'_>>(&frame) {
-            Ok(Delivery::Live(regions)) => regions
-                .into_iter()
-                .map(|region| ClientEvent::Live { region })
-                .collect(),
+            Ok(Delivery::Live(regions)) => vec![ClientEvent::Live { regions }],
             Ok(Delivery::Events(entries)) => {
                 let seen = dedup.processed_through();
                 let mut out = Vec::with_capacity(entries.len());
@@ -832,7 +832,11 @@ impl EventStream {
     pub async fn run_listener(mut self, listener: &mut dyn Listener) {
         while let Some(ev) = self.next().await {
             match &ev {
-                ClientEvent::Live { region } => listener.after_region_live(region),
+                ClientEvent::Live { regions } => {
+                    for r in regions {
+                        listener.after_region_live(r);
+                    }
+                }
                 ClientEvent::Event(e) => match e.op {
                     EventOp::Create => listener.after_create(e),
                     EventOp::Update => listener.after_update(e),

@@ -54,6 +54,8 @@ pub struct Cursor {
     pub announced: BTreeSet<String>,
     /// Set when regions may need a live marker (at ready, after a registration).
     pub live_check: bool,
+    /// Whether the marker that ends the replay has been sent.
+    pub live_sent: bool,
 }
 
 impl Cursor {
@@ -64,6 +66,7 @@ impl Cursor {
             dup_until,
             announced: BTreeSet::new(),
             live_check: true,
+            live_sent: false,
         }
     }
 
@@ -99,7 +102,10 @@ impl Cursor {
                 .filter(|r| !self.announced.contains(*r))
                 .map(str::to_string)
                 .collect();
-            if !due.is_empty() {
+            // The first marker ends the replay even when no region has interest (it then lists
+            // none); later ones announce regions that got interest since.
+            if !due.is_empty() || !self.live_sent {
+                self.live_sent = true;
                 self.announced.extend(due.iter().cloned());
                 return Step::Live(due);
             }
@@ -171,9 +177,14 @@ mod tests {
     }
 
     #[test]
-    fn no_marker_without_interest() {
-        let mut c = Cursor::new(0, 0, 0);
-        assert_eq!(c.step(0, 0, Vec::new), Step::Idle);
+    fn replay_end_is_marked_even_without_interest() {
+        let mut c = Cursor::new(0, 2, 0);
+        assert_eq!(c.step(2, 0, Vec::new), Step::Read { from: 1, to: 2 });
+        c.sent(2);
+        assert_eq!(c.step(2, 0, Vec::new), Step::Live(vec![]));
+        assert_eq!(c.step(2, 0, Vec::new), Step::Idle);
+        c.live_check = true; // interest registered later: its region gets its marker
+        assert_eq!(c.step(2, 0, || vec!["R"]), Step::Live(vec!["R".into()]));
     }
 
     #[test]

@@ -28,6 +28,9 @@ use crate::protocol::*;
 /// Identifies a connection (and a publisher: event ids carry it). Persisted before use.
 pub type SessionId = u64;
 
+/// The queue id of a session that has no queue (queue ids start at 1).
+pub const NO_QUEUE: QueueId = 0;
+
 /// State keys of the node in the storage `state` map.
 pub const STATE_NEXT_QUEUE_ID: &str = "node/next-queue-id";
 pub const STATE_NEXT_SESSION_ID: &str = "node/next-session-id";
@@ -416,13 +419,14 @@ impl NodeCore {
     pub fn connect(&mut self, durable: Option<&DurableHello>) -> Result<Connected, ConnectError> {
         let mut batch = Batch::new();
         let Some(hello) = durable else {
+            // A non-durable client gets its queue with its first interest (publishers and admin
+            // connections never hold one).
             let session = self.alloc_session(&mut batch);
-            let queue = self.create_queue(None, 0, session, &mut batch);
             self.sessions.insert(
                 session,
                 Session {
                     id: session,
-                    queue,
+                    queue: NO_QUEUE,
                     durable: false,
                     next_seq: 1,
                     // A non-durable client has nothing to replay: it is ready from the start.
@@ -548,7 +552,7 @@ impl NodeCore {
             id,
             Session {
                 id,
-                queue: 0,
+                queue: NO_QUEUE,
                 durable: false,
                 next_seq: 1,
                 cursor: None,
@@ -578,13 +582,25 @@ impl NodeCore {
     ) -> Result<(Vec<Selector>, Batch), WireError> {
         validate_region(region)?;
         let selectors = Selector::from_spec(spec).map_err(invalid)?;
-        let (s, q) = session_queue(&mut self.sessions, &mut self.queues, session)?;
-        if durable && !s.durable {
+        let (is_durable, qid) = match self.sessions.get(&session) {
+            Some(s) => (s.durable, s.queue),
+            None => return Err(WireError::new(ErrorCode::NotFound, "no such session")),
+        };
+        if durable && !is_durable {
             return Err(WireError::new(
                 ErrorCode::InvalidArgument,
                 "durable interest is only for durable clients (connect with a durable id)",
             ));
         }
+        let mut batch = Batch::new();
+        if qid == NO_QUEUE {
+            let q = self.create_queue(None, 0, session, &mut batch);
+            self.sessions
+                .get_mut(&session)
+                .expect("checked above")
+                .queue = q;
+        }
+        let (s, q) = session_queue(&mut self.sessions, &mut self.queues, session)?;
         let new = selectors
             .iter()
             .filter(|sel| {
@@ -613,7 +629,6 @@ impl NodeCore {
         if let Some(c) = s.cursor.as_mut() {
             c.live_check = true;
         }
-        let mut batch = Batch::new();
         if durable_changed {
             q.persist_info(&mut batch);
         }
@@ -629,6 +644,13 @@ impl NodeCore {
     ) -> Result<(bool, Batch), WireError> {
         validate_region(region)?;
         let selectors = Selector::from_spec(spec).map_err(invalid)?;
+        if self
+            .sessions
+            .get(&session)
+            .is_some_and(|s| s.queue == NO_QUEUE)
+        {
+            return Ok((false, Batch::new()));
+        }
         let (_, q) = session_queue(&mut self.sessions, &mut self.queues, session)?;
         let mut removed = false;
         let mut durable_changed = false;
@@ -648,6 +670,9 @@ impl NodeCore {
 
     /// The client is ready: everything queued so far is replayed, then the live marker.
     pub fn ready(&mut self, session: SessionId) -> Result<Offset, WireError> {
+        if let Some(c) = self.sessions.get(&session).and_then(|s| s.cursor.as_ref()) {
+            return Ok(c.replay_end); // ready twice, or a non-durable client: harmless
+        }
         let (s, q) = session_queue(&mut self.sessions, &mut self.queues, session)?;
         if let Some(c) = &s.cursor {
             return Ok(c.replay_end); // ready twice is harmless
@@ -860,16 +885,17 @@ impl NodeCore {
 
     /// A cumulative ack. Acks beyond what this session was sent are a protocol violation.
     pub fn ack(&mut self, session: SessionId, offset: Offset) -> Result<Option<Batch>, WireError> {
-        let (s, q) = session_queue(&mut self.sessions, &mut self.queues, session)?;
-        if offset > s.sent {
+        let sent = self.sessions.get(&session).map_or(0, |s| s.sent);
+        if offset > sent {
             return Err(WireError::new(
                 ErrorCode::ProtocolViolation,
-                format!(
-                    "ack of offset {offset} beyond the last delivered offset {}",
-                    s.sent
-                ),
+                format!("ack of offset {offset} beyond the last delivered offset {sent}"),
             ));
         }
+        if offset == 0 {
+            return Ok(None);
+        }
+        let (_, q) = session_queue(&mut self.sessions, &mut self.queues, session)?;
         if offset <= q.acked {
             return Ok(None);
         }

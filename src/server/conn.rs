@@ -19,6 +19,9 @@ use crate::protocol::*;
 
 /// Liveness probes a session may have waiting at once.
 const PROBES_QUEUED_MAX: usize = 4;
+/// How long the server waits for a closing client to close the connection after the final
+/// answer, in milliseconds.
+const CLOSE_LINGER_MS: u64 = 2_000;
 /// Connect attempts after taking a dead connection's durable id over.
 const TAKEOVER_ATTEMPTS_MAX: usize = 3;
 
@@ -363,6 +366,11 @@ async fn control_loop(
                 }
                 if let Some(keepalive) = close {
                     let _ = send.finish();
+                    // The client closes the connection once it has read the answer; closing
+                    // first could discard the answer in flight.
+                    let _ =
+                        tokio::time::timeout(Duration::from_millis(CLOSE_LINGER_MS), conn.closed())
+                            .await;
                     return keepalive;
                 }
             }

@@ -25,7 +25,7 @@ use tether_storage::{Batch, RocksStore, Store};
 use tether_transport::tls::{self, TlsFiles};
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
 
-pub use writer::{GROUP_COMMIT_REQUESTS_MAX, Writer};
+pub use writer::{GROUP_COMMIT_REQUESTS_MAX, Writer, WriterThread};
 
 use crate::config::{ServerConfig, validate_node_id};
 use crate::core::{NodeCore, SessionId};
@@ -82,6 +82,8 @@ pub(crate) struct Shared {
     core: Mutex<NodeCore>,
     store: Arc<dyn Store>,
     writer: Writer,
+    /// After `writer`: dropping the shared state closes the channel, then joins the thread.
+    _writer_thread: WriterThread,
     write_permits: Semaphore,
     sessions: Mutex<HashMap<SessionId, SessionHandle>>,
     connections: AtomicUsize,
@@ -103,20 +105,6 @@ impl Shared {
         {
             h.wake.notify_one();
         }
-    }
-
-    /// Commits a batch produced by the core and waits until it is durable.
-    async fn commit(&self, batch: Batch) -> Result<(), WireError> {
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let _permit = self
-            .write_permits
-            .acquire()
-            .await
-            .map_err(|_| shutdown_error())?;
-        let rx = self.writer.submit(batch, None);
-        wait_commit(rx).await
     }
 
     /// Runs `f` on the core and submits its batch while still holding the lock, so commits
@@ -351,7 +339,7 @@ impl Node {
         tracing::info!(node_id, queues = recovered, "recovered storage");
         let (fatal, _) = watch::channel(None);
         let fatal_tx = fatal.clone();
-        let writer = Writer::start(
+        let (writer, writer_thread) = Writer::start(
             store.clone(),
             config.sync,
             Box::new(move |e| {
@@ -362,6 +350,7 @@ impl Node {
             core: Mutex::new(core),
             store,
             writer,
+            _writer_thread: WriterThread::new(writer_thread),
             write_permits: Semaphore::new(WRITER_QUEUE_REQUESTS_MAX),
             sessions: Mutex::new(HashMap::new()),
             connections: AtomicUsize::new(0),
@@ -480,14 +469,44 @@ impl Node {
             t.abort();
         }
         let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
-        // Wait for everything submitted so far, then flush.
-        let _ = self.shared.commit(Batch::new()).await;
-        let flush = self.shared.writer.submit(Batch::new(), None);
-        let _ = flush.await;
+        // Everything submitted so far is committed once this empty request is.
+        let _ = self.shared.writer.submit(Batch::new(), None).await;
         let store = self.shared.store.clone();
         let _ = tokio::task::spawn_blocking(move || store.flush()).await;
+        // Close the database before returning: the writer thread ends when the last handle on
+        // the shared state goes, and RocksDB must not be open while the process exits.
+        let start = std::time::Instant::now();
+        while Arc::strong_count(&self.shared) > 1
+            && start.elapsed() < Duration::from_secs(SHUTDOWN_DRAIN_SECS)
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if Arc::strong_count(&self.shared) > 1 {
+            tracing::warn!(
+                "a publisher or session still holds the node; storage stays open until it is dropped"
+            );
+        }
+        // Dropping the last handle joins the writer thread and closes the database.
+        let shared = self.shared.clone();
+        drop(self);
+        let _ = tokio::task::spawn_blocking(move || drop(shared)).await;
     }
 }
+
+impl Drop for Node {
+    /// A node dropped without [`Node::shutdown`] stops its tasks; its storage closes once the
+    /// runtime has dropped the sessions that still hold it.
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.endpoint
+            .close(ErrorCode::Shutdown.varint(), b"node dropped");
+    }
+}
+
+/// How long shutdown waits for sessions and tasks to let go of the node, in seconds.
+pub const SHUTDOWN_DRAIN_SECS: u64 = 5;
 
 async fn tick_loop(shared: Arc<Shared>) {
     let mut interval = tokio::time::interval(Duration::from_millis(EXPIRY_TICK_MS));

@@ -36,20 +36,21 @@ pub struct Writer {
 }
 
 impl Writer {
-    /// Starts the writer thread. `on_fatal` is called once if a write fails.
+    /// Starts the writer thread. `on_fatal` is called once if a write fails. The thread ends
+    /// (dropping its handle on the store) once every `Writer` clone is dropped.
     pub fn start(
         store: Arc<dyn Store>,
         sync: SyncMode,
         on_fatal: Box<dyn FnOnce(String) + Send>,
-    ) -> Self {
+    ) -> (Self, std::thread::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel::<Request>();
         let poisoned = Arc::new(AtomicBool::new(false));
         let p = poisoned.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("tether-writer".into())
             .spawn(move || run(store, sync, rx, p, on_fatal))
             .expect("spawn writer thread");
-        Writer { tx, poisoned }
+        (Writer { tx, poisoned }, thread)
     }
 
     /// Queues a batch; `on_commit` runs once it is committed. Returns a receiver that resolves
@@ -136,6 +137,28 @@ fn run(
             }
             if let Some(d) = r.done {
                 let _ = d.send(result.clone());
+            }
+        }
+    }
+}
+
+/// Joins the writer thread when dropped. Declared after the [`Writer`] in its owner, so the
+/// channel is closed first and the thread finishes its queue, drops its handle on the store and
+/// exits: RocksDB is closed by the time the owner is gone, never while the process exits.
+pub struct WriterThread(Option<std::thread::JoinHandle<()>>);
+
+impl WriterThread {
+    pub fn new(handle: std::thread::JoinHandle<()>) -> Self {
+        WriterThread(Some(handle))
+    }
+}
+
+impl Drop for WriterThread {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            // The last owner may be a commit callback running on the writer thread itself.
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
             }
         }
     }

@@ -112,7 +112,8 @@ pub async fn until_live(stream: &mut EventStream, region: &str) -> Vec<ClientEve
             .await
             .unwrap_or_else(|_| panic!("no live marker for {region}; got {out:?}"))
             .unwrap_or_else(|| panic!("stream ended before live; got {out:?}"));
-        let done = matches!(&ev, ClientEvent::Live { region: r } if r == region);
+        let done =
+            matches!(&ev, ClientEvent::Live { regions } if regions.iter().any(|r| r == region));
         out.push(ev);
         if done {
             return out;
@@ -141,15 +142,18 @@ pub fn entries(evs: &[ClientEvent]) -> Vec<&Event> {
         .collect()
 }
 
+/// The regions announced by the live markers among `evs`.
 pub fn lives(evs: &[ClientEvent]) -> Vec<&str> {
     evs.iter()
         .filter_map(|e| {
-            if let ClientEvent::Live { region } = e {
-                Some(region.as_str())
+            if let ClientEvent::Live { regions } = e {
+                Some(regions)
             } else {
                 None
             }
         })
+        .flatten()
+        .map(String::as_str)
         .collect()
 }
 
