@@ -5,7 +5,8 @@
 //! same run it measures the machine's own limits on the same data: a RocksDB scan of the same
 //! entries and a raw quinn stream transfer of the same bytes; the replay is reported against
 //! the slower of the two (the pipeline's bottleneck). Settings: TETHER_BENCH_EVENTS (default
-//! 1,000,000), TETHER_BENCH_VALUE_BYTES (default 128).
+//! 1,000,000), TETHER_BENCH_VALUE_BYTES (default 128), TETHER_BENCH_ROUNDS (default 3: every
+//! phase is measured that many times and the median reported).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -83,19 +84,23 @@ async fn main() {
         .server(node.addr())
         .ca_file(node.ca_file());
 
-    // The durable client registers, then goes away.
-    let c = builder
-        .clone()
-        .durable("bench", 3600)
-        .connect()
-        .await
-        .unwrap();
-    c.region("bench")
-        .register(Interest::all_keys().policy(ResultPolicy::None))
-        .await
-        .unwrap();
-    c.ready_for_events().await.unwrap();
-    c.close(true).await.unwrap();
+    // One durable client per measured round registers, then goes away: each round replays a
+    // queue of its own (with acks flowing, as in production).
+    let rounds = env_u64("TETHER_BENCH_ROUNDS", 3).max(1);
+    for round in 0..rounds {
+        let c = builder
+            .clone()
+            .durable(format!("bench-{round}"), 3600)
+            .connect()
+            .await
+            .unwrap();
+        c.region("bench")
+            .register(Interest::all_keys().policy(ResultPolicy::None))
+            .await
+            .unwrap();
+        c.ready_for_events().await.unwrap();
+        c.close(true).await.unwrap();
+    }
 
     // Publish throughput (over the network, acknowledged after group commit).
     let publisher = Arc::new(builder.clone().connect().await.unwrap());
@@ -119,63 +124,52 @@ async fn main() {
         inflight.join_next().await.unwrap().unwrap();
     }
     let publish = t.elapsed();
-    let q = node
-        .queues()
-        .into_iter()
-        .find(|q| q.durable_id.as_deref() == Some("bench"))
-        .unwrap();
-    assert_eq!(q.pending, n, "every event queued");
+    assert!(
+        node.queues().iter().all(|q| q.pending == n),
+        "every event queued"
+    );
 
-    // Extra replays for profiling (TETHER_BENCH_EXTRA_REPLAYS): drain everything, then vanish
-    // without acking, so the queue stays whole for the measured replay below.
-    for _ in 0..env_u64("TETHER_BENCH_EXTRA_REPLAYS", 0) {
+    // Replay, one queue per round (the machine is noisy); medians are reported.
+    let (mut statuses, mut firsts, mut lives) = (Vec::new(), Vec::new(), Vec::new());
+    let mut bytes = 0u64;
+    for round in 0..rounds {
+        let t = Instant::now();
         let c = builder
             .clone()
-            .durable("bench", 3600)
+            .durable(format!("bench-{round}"), 3600)
             .connect()
             .await
             .unwrap();
+        statuses.push(t.elapsed());
+        assert_eq!(c.pending(), Some(n));
         let mut events = c.events().unwrap();
+        let t = Instant::now();
         c.ready_for_events().await.unwrap();
-        while let Some(ClientEvent::Event(_)) = events.next().await {}
-        drop(events);
-        c.crash();
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
-
-    // Replay.
-    let t = Instant::now();
-    let c = builder
-        .clone()
-        .durable("bench", 3600)
-        .connect()
-        .await
-        .unwrap();
-    let status = t.elapsed();
-    assert_eq!(c.pending(), Some(n));
-    let mut events = c.events().unwrap();
-    let t = Instant::now();
-    c.ready_for_events().await.unwrap();
-    let mut first = None;
-    let mut count = 0u64;
-    let mut bytes = 0u64;
-    loop {
-        match events.next().await.expect("stream open") {
-            ClientEvent::Event(e) => {
-                if first.is_none() {
-                    first = Some(t.elapsed());
+        let mut first = None;
+        let mut count = 0u64;
+        bytes = 0;
+        loop {
+            match events.next().await.expect("stream open") {
+                ClientEvent::Event(e) => {
+                    if first.is_none() {
+                        first = Some(t.elapsed());
+                    }
+                    count += 1;
+                    bytes += e.value.as_ref().map_or(0, |v| v.len() as u64);
                 }
-                count += 1;
-                bytes += e.value.as_ref().map_or(0, |v| v.len() as u64);
+                ClientEvent::Live { .. } => break,
             }
-            ClientEvent::Live { .. } => break,
         }
+        lives.push(t.elapsed());
+        firsts.push(first.expect("events"));
+        assert_eq!(count, n, "every event replayed");
+        events.commit();
+        c.close(true).await.unwrap();
     }
-    let live = t.elapsed();
-    assert_eq!(count, n, "every event replayed");
-    events.commit();
-    c.close(true).await.unwrap();
     node.shutdown().await;
+    let status = median(&mut statuses);
+    let first = median(&mut firsts);
+    let live = median(&mut lives);
 
     // Baseline 1: RocksDB scan of the same entries (same record sizes), same read path.
     let record_len = {
@@ -237,17 +231,21 @@ async fn main() {
 
     // Baseline 2: raw quinn transfer of the same bytes (records plus ~12 B framing each).
     let wire_bytes = n * (record_len as u64 + 12);
-    let transfer = quinn_transfer(dir.path(), wire_bytes).await;
+    let mut transfers = Vec::new();
+    for _ in 0..rounds {
+        transfers.push(quinn_transfer(dir.path(), wire_bytes).await);
+    }
+    let transfer = median(&mut transfers);
 
     let rows = [
         row(
-            "publish (network, group commit)",
+            "publish (fan-out to rounds queues)",
             publish,
             n,
             n * size as u64,
         ),
         row("reconnect -> status", status, 0, 0),
-        row("ready -> first event", first.unwrap(), 0, 0),
+        row("ready -> first event", first, 0, 0),
         row("ready -> live (replay)", live, n, bytes),
         row("baseline: rocksdb scan", scan, n, scanned_bytes),
         row("baseline: quinn transfer", transfer, n, wire_bytes),
@@ -270,7 +268,7 @@ async fn main() {
         n as f64 / publish.as_secs_f64()
     );
     println!("status_ms={:.3}", status.as_secs_f64() * 1e3);
-    println!("first_event_ms={:.3}", first.unwrap().as_secs_f64() * 1e3);
+    println!("first_event_ms={:.3}", first.as_secs_f64() * 1e3);
     println!("ready_to_live_ms={:.1}", live.as_secs_f64() * 1e3);
     println!("baseline_scan_ms={:.1}", scan.as_secs_f64() * 1e3);
     println!("baseline_quinn_ms={:.1}", transfer.as_secs_f64() * 1e3);
@@ -282,10 +280,21 @@ async fn main() {
         "replay_vs_quinn_ratio={:.2}",
         live.as_secs_f64() / transfer.as_secs_f64()
     );
+    // The strict limit: the slower of the two stages, as if they ran on cores of their own.
     println!(
         "replay_vs_limit_ratio={:.2}",
         live.as_secs_f64() / limit.as_secs_f64()
     );
+    // On this machine the stages share its cores: reading and sending the same bytes once.
+    println!(
+        "replay_vs_scan_plus_transfer_ratio={:.2}",
+        live.as_secs_f64() / (scan + transfer).as_secs_f64()
+    );
+}
+
+fn median(v: &mut [Duration]) -> Duration {
+    v.sort();
+    v[v.len() / 2]
 }
 
 /// Sends `total` bytes over one unidirectional QUIC stream on loopback, with Tether's TLS and

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use tether_storage::Offset;
 use tether_transport::PROTOCOL_VERSION;
 use tether_transport::codec::{self, CodecError, FrameReader};
@@ -506,6 +506,12 @@ async fn initial_image(
     .map_err(internal)?
 }
 
+/// Body bytes of a session's first delivery frame; each next frame doubles it up to
+/// `DELIVERY_FRAME_BODY_BYTES_MAX`.
+const FIRST_DELIVERY_FRAME_BODY_BYTES: usize = 8 * 1024;
+/// CBOR bytes a wire entry adds to its record (map header, field names, offset, flags).
+const WIRE_ENTRY_OVERHEAD_BYTES: usize = 40;
+
 /// An entry read from storage, waiting in the frame arena.
 struct Pending {
     offset: Offset,
@@ -522,10 +528,12 @@ async fn deliver(
     mut send: quinn::SendStream,
     wake: Arc<Notify>,
 ) {
-    let ready_at: Option<Instant> = None;
-    let mut ready_at = ready_at;
+    let mut ready_at: Option<Instant> = None;
     let mut arena: Vec<u8> = Vec::with_capacity(DELIVERY_FRAME_BODY_BYTES_MAX + VALUE_BYTES_MAX);
     let mut pending: Vec<Pending> = Vec::new();
+    let mut out = BytesMut::new();
+    // Small first frames get the first events out fast; larger ones then carry the bulk.
+    let mut frame_budget = FIRST_DELIVERY_FRAME_BODY_BYTES;
     loop {
         let (step, queue, bounds) = {
             let mut core = shared.core();
@@ -561,7 +569,7 @@ async fn deliver(
                         queue,
                         from,
                         to,
-                        DELIVERY_FRAME_BODY_BYTES_MAX,
+                        frame_budget,
                         &mut |offset, flags, body| {
                             let start = a.len();
                             a.extend_from_slice(body);
@@ -602,13 +610,14 @@ async fn deliver(
                         }
                     })
                     .collect();
-                let frame: Bytes = match codec::encode_frame(&Delivery::Events(refs)) {
-                    Ok(f) => f,
-                    Err(e) => {
-                        tracing::error!(error = %e, "encoding a delivery frame failed");
-                        return;
-                    }
-                };
+                // Records plus a few bytes of CBOR per entry: one allocation, no regrowth.
+                out.reserve(arena.len() + pending.len() * WIRE_ENTRY_OVERHEAD_BYTES + 16);
+                if let Err(e) = codec::encode_frame_into(&Delivery::Events(refs), &mut out) {
+                    tracing::error!(error = %e, "encoding a delivery frame failed");
+                    return;
+                }
+                let frame: Bytes = out.split().freeze();
+                frame_budget = (frame_budget * 2).min(DELIVERY_FRAME_BODY_BYTES_MAX);
                 let mark = shared.core().will_send(session, last);
                 if let Some(batch) = mark {
                     // The delivered mark reaches the WAL before the bytes reach the wire.
