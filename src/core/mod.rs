@@ -184,6 +184,19 @@ pub struct Session {
     pub sent: Offset,
 }
 
+impl Session {
+    fn new(id: SessionId, queue: QueueId, durable: bool, cursor: Option<Cursor>) -> Self {
+        Session {
+            id,
+            queue,
+            durable,
+            next_seq: 1,
+            cursor,
+            sent: 0,
+        }
+    }
+}
+
 /// Result of a successful connect.
 #[derive(Debug)]
 pub struct Connected {
@@ -422,18 +435,10 @@ impl NodeCore {
             // A non-durable client gets its queue with its first interest (publishers and admin
             // connections never hold one).
             let session = self.alloc_session(&mut batch);
-            self.sessions.insert(
-                session,
-                Session {
-                    id: session,
-                    queue: NO_QUEUE,
-                    durable: false,
-                    next_seq: 1,
-                    // A non-durable client has nothing to replay: it is ready from the start.
-                    cursor: Some(Cursor::new(0, 0, 0)),
-                    sent: 0,
-                },
-            );
+            // A non-durable client has nothing to replay: it is ready from the start.
+            let cursor = Some(Cursor::new(0, 0, 0));
+            self.sessions
+                .insert(session, Session::new(session, NO_QUEUE, false, cursor));
             return Ok(Connected {
                 session,
                 status: QueueStatus::None,
@@ -466,17 +471,8 @@ impl NodeCore {
             q.state = QueueState::Attached(session);
             q.persist_info(&mut batch);
             let pending = q.pending();
-            self.sessions.insert(
-                session,
-                Session {
-                    id: session,
-                    queue: qid,
-                    durable: true,
-                    next_seq: 1,
-                    cursor: None,
-                    sent: 0,
-                },
-            );
+            self.sessions
+                .insert(session, Session::new(session, qid, true, None));
             return Ok(Connected {
                 session,
                 status: QueueStatus::Resumed,
@@ -499,17 +495,8 @@ impl NodeCore {
             &mut batch,
         );
         self.durable.insert(hello.id.clone(), qid);
-        self.sessions.insert(
-            session,
-            Session {
-                id: session,
-                queue: qid,
-                durable: true,
-                next_seq: 1,
-                cursor: None,
-                sent: 0,
-            },
-        );
+        self.sessions
+            .insert(session, Session::new(session, qid, true, None));
         Ok(Connected {
             session,
             status,
@@ -548,17 +535,8 @@ impl NodeCore {
     pub fn publisher_session(&mut self) -> (SessionId, Batch) {
         let mut batch = Batch::new();
         let id = self.alloc_session(&mut batch);
-        self.sessions.insert(
-            id,
-            Session {
-                id,
-                queue: NO_QUEUE,
-                durable: false,
-                next_seq: 1,
-                cursor: None,
-                sent: 0,
-            },
-        );
+        self.sessions
+            .insert(id, Session::new(id, NO_QUEUE, false, None));
         (id, batch)
     }
 
