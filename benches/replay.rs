@@ -184,7 +184,9 @@ async fn main() {
             op: tether::protocol::EventOp::Update,
             value: Some(value_of(size, 0)),
         };
-        tether::transport::codec::encode_body(&rec).unwrap().len()
+        tether::transport::codec::encode_body_packed(&rec)
+            .unwrap()
+            .len()
     };
     let store = RocksStore::open(&dir.path().join("baseline")).unwrap();
     let body: Arc<[u8]> = vec![7u8; record_len].into();

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use tether_storage::{Batch, Entry, Offset, QueueId, QueueMeta};
-use tether_transport::codec::{decode_body, encode_body};
+use tether_transport::codec::{decode_body, encode_body, encode_body_packed};
 
 pub use cursor::{Cursor, FlagBounds, Step};
 
@@ -764,7 +764,7 @@ impl NodeCore {
                     _ => None,
                 },
             };
-            let body: Arc<[u8]> = encode_body(&record).expect("records encode").into();
+            let body: Arc<[u8]> = encode_body_packed(&record).expect("records encode").into();
             self.index.matches(region, key, &mut scratch);
             for (&qid, &wants_values) in scratch.iter() {
                 let Some(q) = self.queues.get_mut(&qid) else {

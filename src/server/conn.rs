@@ -612,7 +612,7 @@ async fn deliver(
                     .collect();
                 // Records plus a few bytes of CBOR per entry: one allocation, no regrowth.
                 out.reserve(arena.len() + pending.len() * WIRE_ENTRY_OVERHEAD_BYTES + 16);
-                if let Err(e) = codec::encode_frame_into(&Delivery::Events(refs), &mut out) {
+                if let Err(e) = codec::encode_frame_packed_into(&Delivery::Events(refs), &mut out) {
                     tracing::error!(error = %e, "encoding a delivery frame failed");
                     return;
                 }

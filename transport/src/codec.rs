@@ -62,6 +62,14 @@ pub fn encode_body<T: serde::Serialize>(msg: &T) -> Result<Vec<u8>, CodecError> 
     serde_cbor::to_vec(msg).map_err(|e| CodecError::Malformed(format!("encode: {e}")))
 }
 
+/// Encodes `msg` as *packed* CBOR: struct fields and enum variants by index instead of by
+/// name. Smaller and faster to decode; [`decode_body`] reads both forms. Used for event
+/// records (stored and shipped as is) and delivery frames, so for those types the order of
+/// fields and variants is part of the format: only append.
+pub fn encode_body_packed<T: serde::Serialize>(msg: &T) -> Result<Vec<u8>, CodecError> {
+    serde_cbor::ser::to_vec_packed(msg).map_err(|e| CodecError::Malformed(format!("encode: {e}")))
+}
+
 /// Decodes one CBOR value from `body`, which must contain exactly that value.
 ///
 /// Never panics, whatever the input: bad input gives [`CodecError::Malformed`].
@@ -85,9 +93,29 @@ pub fn encode_frame_into<T: serde::Serialize>(
     msg: &T,
     buf: &mut BytesMut,
 ) -> Result<(), CodecError> {
+    frame_into(msg, buf, false)
+}
+
+/// [`encode_frame_into`] with a packed body (see [`encode_body_packed`]).
+pub fn encode_frame_packed_into<T: serde::Serialize>(
+    msg: &T,
+    buf: &mut BytesMut,
+) -> Result<(), CodecError> {
+    frame_into(msg, buf, true)
+}
+
+fn frame_into<T: serde::Serialize>(
+    msg: &T,
+    buf: &mut BytesMut,
+    packed: bool,
+) -> Result<(), CodecError> {
     let start = buf.len();
     buf.put_u32(0);
-    let res = serde_cbor::to_writer((&mut *buf).writer(), msg);
+    let mut ser = serde_cbor::Serializer::new(serde_cbor::ser::IoWrite::new((&mut *buf).writer()));
+    if packed {
+        ser = ser.packed_format();
+    }
+    let res = msg.serialize(&mut ser);
     if let Err(e) = res {
         buf.truncate(start);
         return Err(CodecError::Malformed(format!("encode: {e}")));
