@@ -51,3 +51,37 @@ lint: deps
 
 clean:
 	rm -rf target
+
+# Fuzzing (cargo-fuzz; nightly features through RUSTC_BOOTSTRAP=1 on stable). Each target runs
+# FUZZ_SECS seconds from the seeds in fuzz/corpus/<target> (read only); new inputs go to
+# fuzz/corpus-run/<target> and crashes to fuzz/artifacts/<target>. The fuzz build reuses the main
+# build's RocksDB library when there is one (FUZZ_REUSE_ROCKSDB=0 builds it again).
+FUZZ_SECS ?= 60
+FUZZ_TARGETS ?= frame_decoder handshake session
+FUZZ_SANITIZER ?= none
+FUZZ_TARGET_DIR ?= $(HOME)/.cache/tether-fuzz-target
+FUZZ_REUSE_ROCKSDB ?= 1
+FUZZ_ROCKSDB_LIB := $(patsubst %/librocksdb.a,%,$(firstword $(wildcard $(TARGET_DIR)/release/build/librocksdb-sys-*/out/librocksdb.a)))
+# Long crash-safety run: kill -9 rounds per sync mode, and the seed (printed to replay a failure).
+CRASH_ROUNDS ?= 50
+CRASH_SEED ?= $(shell date +%s)
+
+.PHONY: fuzz fuzz-deps crash-test
+
+fuzz-deps: deps
+	@command -v cargo-fuzz >/dev/null 2>&1 || $(CARGO) install cargo-fuzz --locked
+
+fuzz: fuzz-deps
+	@set -e; \
+	if [ "$(FUZZ_REUSE_ROCKSDB)" = 1 ] && [ -n "$(FUZZ_ROCKSDB_LIB)" ]; then \
+	  export ROCKSDB_LIB_DIR="$(FUZZ_ROCKSDB_LIB)" ROCKSDB_STATIC=1; fi; \
+	for t in $(FUZZ_TARGETS); do \
+	  mkdir -p fuzz/corpus-run/$$t; \
+	  echo "== fuzz $$t for $(FUZZ_SECS) s"; \
+	  RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="$(FUZZ_TARGET_DIR)" $(CARGO) fuzz run -a -s $(FUZZ_SANITIZER) $$t \
+	    fuzz/corpus-run/$$t fuzz/corpus/$$t -- -max_total_time=$(FUZZ_SECS) -max_len=4096 -timeout=10; \
+	done
+
+crash-test: deps
+	TETHER_CRASH_ROUNDS=$(CRASH_ROUNDS) TETHER_CRASH_SEED=$(CRASH_SEED) \
+	  $(CARGO) test --release --test crash_safety -- --nocapture

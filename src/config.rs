@@ -32,6 +32,99 @@ impl std::str::FromStr for SyncMode {
     }
 }
 
+/// What a node does when a publish would grow a subscription queue past its entry limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum QueueFullPolicy {
+    /// The publisher waits (up to `queue-full-block-ms`) for the client to ack, then is refused.
+    Block,
+    /// The publish is refused at once with `queue-full`; nothing of it is applied.
+    #[default]
+    Reject,
+    /// The full queue is dropped with its interest; its client is disconnected with
+    /// `queue-full` and sees `expired` on its next connection. The publish goes ahead.
+    DropQueue,
+}
+
+impl std::str::FromStr for QueueFullPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "block" => Ok(QueueFullPolicy::Block),
+            "reject" => Ok(QueueFullPolicy::Reject),
+            "drop-queue" => Ok(QueueFullPolicy::DropQueue),
+            other => Err(format!(
+                "unknown queue-full policy {other:?} (expected block, reject or drop-queue)"
+            )),
+        }
+    }
+}
+
+/// Upper bound of `queue-full-block-ms`, in milliseconds.
+pub const QUEUE_FULL_BLOCK_MS_MAX: u64 = 60_000;
+/// Default of `queue-full-block-ms`, in milliseconds.
+pub const QUEUE_FULL_BLOCK_MS_DEFAULT: u64 = 5_000;
+
+/// The limits a node enforces that operators may change (`[limits]` in the TOML file).
+/// Defaults come from `crate::limits`.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Limits {
+    /// Entries one queue may hold beyond its acked offset.
+    pub queue_entries_max: u64,
+    pub queue_full_policy: QueueFullPolicy,
+    /// How long a publish waits under the `block` policy, in milliseconds.
+    pub queue_full_block_ms: u64,
+    /// Concurrent client connections.
+    pub connections_max: usize,
+    /// Time a new connection has to send its hello, in milliseconds.
+    pub handshake_timeout_ms: u64,
+    /// Events a session may have on the wire beyond its acked offset.
+    pub inflight_events_max: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        use crate::limits::*;
+        Limits {
+            queue_entries_max: QUEUE_ENTRIES_MAX,
+            queue_full_policy: QueueFullPolicy::Reject,
+            queue_full_block_ms: QUEUE_FULL_BLOCK_MS_DEFAULT,
+            connections_max: CONNECTIONS_PER_NODE_MAX,
+            handshake_timeout_ms: HANDSHAKE_TIMEOUT_MS,
+            inflight_events_max: INFLIGHT_EVENTS_PER_SESSION_MAX,
+        }
+    }
+}
+
+impl Limits {
+    /// Checks every value; the message names the setting.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("queue-entries-max", self.queue_entries_max),
+            ("connections-max", self.connections_max as u64),
+            ("handshake-timeout-ms", self.handshake_timeout_ms),
+            ("inflight-events-max", self.inflight_events_max),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(format!("limits.{name} must be at least 1"));
+            }
+        }
+        if self.queue_full_block_ms > QUEUE_FULL_BLOCK_MS_MAX {
+            return Err(format!(
+                "limits.queue-full-block-ms must be at most {QUEUE_FULL_BLOCK_MS_MAX}"
+            ));
+        }
+        if self.handshake_timeout_ms > QUEUE_FULL_BLOCK_MS_MAX {
+            return Err(format!(
+                "limits.handshake-timeout-ms must be at most {QUEUE_FULL_BLOCK_MS_MAX}"
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Server certificate files; without them a dev CA and certificate are generated into
 /// `<data-dir>/tls/`.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
@@ -53,6 +146,7 @@ pub struct ServerConfig {
     pub node_id: Option<String>,
     pub sync: SyncMode,
     pub tls: Option<TlsConfig>,
+    pub limits: Limits,
 }
 
 /// Default client/peer address.
@@ -71,6 +165,7 @@ impl Default for ServerConfig {
             node_id: None,
             sync: SyncMode::Batch,
             tls: None,
+            limits: Limits::default(),
         }
     }
 }
@@ -97,6 +192,7 @@ pub struct FileConfig {
     pub node_id: Option<String>,
     pub sync: Option<SyncMode>,
     pub tls: Option<TlsConfig>,
+    pub limits: Option<Limits>,
 }
 
 impl FileConfig {
@@ -149,6 +245,32 @@ mod tests {
         assert_eq!(c.sync, Some(SyncMode::Always));
         assert!(toml::from_str::<FileConfig>("lisen = \"x\"").is_err());
         assert!(toml::from_str::<FileConfig>("sync = \"sometimes\"").is_err());
+    }
+
+    #[test]
+    fn limits_parse_with_defaults_and_validate() {
+        let c: FileConfig =
+            toml::from_str("[limits]\nqueue-entries-max = 5\nqueue-full-policy = \"drop-queue\"\n")
+                .unwrap();
+        let l = c.limits.unwrap();
+        assert_eq!(
+            (l.queue_entries_max, l.queue_full_policy),
+            (5, QueueFullPolicy::DropQueue)
+        );
+        assert_eq!(l.connections_max, crate::limits::CONNECTIONS_PER_NODE_MAX);
+        assert!(l.validate().is_ok());
+        assert!(toml::from_str::<FileConfig>("[limits]\nqueue-full-policy = \"wait\"\n").is_err());
+        assert!(toml::from_str::<FileConfig>("[limits]\nqueue-size = 1\n").is_err());
+        let zero = Limits {
+            inflight_events_max: 0,
+            ..Limits::default()
+        };
+        assert!(zero.validate().unwrap_err().contains("inflight-events-max"));
+        let long = Limits {
+            queue_full_block_ms: QUEUE_FULL_BLOCK_MS_MAX + 1,
+            ..Limits::default()
+        };
+        assert!(long.validate().is_err());
     }
 
     #[test]

@@ -79,6 +79,12 @@ struct ServerArgs {
     /// always, batch (fsync once per group commit) or none.
     #[arg(long)]
     sync: Option<String>,
+    /// Entries a subscription queue may hold beyond its acked offset.
+    #[arg(long)]
+    queue_entries_max: Option<u64>,
+    /// What a publish to a full queue does: block, reject or drop-queue.
+    #[arg(long)]
+    queue_full_policy: Option<String>,
 }
 
 #[derive(Args, Clone)]
@@ -363,6 +369,14 @@ async fn server(a: ServerArgs) -> Result<(), Fail> {
         None => file.sync.unwrap_or_default(),
     };
     cfg.tls = file.tls;
+    cfg.limits = file.limits.unwrap_or_default();
+    if let Some(n) = a.queue_entries_max {
+        cfg.limits.queue_entries_max = n;
+    }
+    if let Some(p) = a.queue_full_policy {
+        cfg.limits.queue_full_policy = p.parse()?;
+    }
+    cfg.limits.validate()?;
     let node = Node::start(cfg).await?;
     emit(json!({
         "type": "listening",

@@ -22,6 +22,9 @@ pub const QUEUES_EXPIRED: &str = "tether_queues_expired_total";
 pub const REPLAY_DURATION: &str = "tether_replay_duration_seconds";
 pub const WRITE_BATCH_OPS: &str = "tether_storage_write_batch_ops";
 pub const FSYNC_LATENCY: &str = "tether_storage_fsync_seconds";
+pub const PUBLISH_REJECTED: &str = "tether_publish_rejected_total";
+pub const PUBLISH_BLOCKED: &str = "tether_publish_blocked_total";
+pub const QUEUES_DROPPED_FULL: &str = "tether_queues_dropped_full_total";
 pub const CLIENT_ERRORS: &str = "tether_client_errors_total";
 
 /// Bytes of an HTTP request head the endpoint reads.
@@ -75,6 +78,15 @@ fn describe() {
     describe_histogram!(REPLAY_DURATION, "Time from ready to the live marker");
     describe_histogram!(WRITE_BATCH_OPS, "Operations per storage group commit");
     describe_histogram!(FSYNC_LATENCY, "Duration of a synced storage write");
+    describe_counter!(PUBLISH_REJECTED, "Publishes refused, by reason");
+    describe_counter!(
+        PUBLISH_BLOCKED,
+        "Times a publish waited for a full queue to drain"
+    );
+    describe_counter!(
+        QUEUES_DROPPED_FULL,
+        "Queues dropped by the drop-queue policy"
+    );
     describe_counter!(CLIENT_ERRORS, "Clients disconnected for an error, by code");
 }
 

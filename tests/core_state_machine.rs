@@ -179,6 +179,33 @@ fn oldest_unacked_age_follows_acks() {
 }
 
 #[test]
+fn inflight_window_limits_replay_reads() {
+    let mut sim = Sim::new();
+    sim.core = NodeCore::new("n1").with_limits(tether::config::Limits {
+        inflight_events_max: 5,
+        ..Default::default()
+    });
+    let (p, _) = sim.core.publisher_session();
+    let (s, ..) = sim.connect(Some("X"), 300);
+    sim.register(s, "R", InterestSpec::AllKeys, true);
+    sim.disconnect(0, s, true);
+    for i in 0..20 {
+        sim.put(p, "R", &format!("k{i}"));
+    }
+    let (s, ..) = sim.connect(Some("X"), 300);
+    sim.core.ready(s).unwrap();
+    let (got, _) = sim.drain(s);
+    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5]);
+    let b = sim.core.ack(s, 5).unwrap().unwrap();
+    sim.apply(b);
+    let (got, _) = sim.drain(s);
+    assert_eq!(
+        got.iter().map(|g| g.0).collect::<Vec<_>>(),
+        [6, 7, 8, 9, 10]
+    );
+}
+
+#[test]
 fn acks_beyond_delivery_are_refused_and_duplicates_attached_ids_conflict() {
     let mut sim = Sim::new();
     let (s, ..) = sim.connect(Some("X"), 300);

@@ -492,7 +492,8 @@ async fn delivery_task(
 }
 
 async fn ack_task(inner: Arc<Inner>, every: Duration) {
-    let mut interval = tokio::time::interval(every);
+    // The first ack goes out one interval after connecting, not whenever this task first runs.
+    let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     loop {
         interval.tick().await;
         if inner.flush_ack().await.is_err() {

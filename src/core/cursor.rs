@@ -5,7 +5,6 @@ use std::collections::BTreeSet;
 
 use tether_storage::Offset;
 
-use crate::limits::INFLIGHT_EVENTS_PER_SESSION_MAX;
 use crate::protocol::{FLAG_POSSIBLE_DUPLICATE, FLAG_REPLAYED};
 
 /// What a session's delivery driver should do next.
@@ -93,6 +92,7 @@ impl Cursor {
         &mut self,
         visible_end: Offset,
         acked: Offset,
+        inflight_max: u64,
         regions: impl FnOnce() -> Vec<&'a str>,
     ) -> Step {
         if self.live_check && self.replay_done() {
@@ -110,7 +110,7 @@ impl Cursor {
                 return Step::Live(due);
             }
         }
-        let window_end = acked.saturating_add(INFLIGHT_EVENTS_PER_SESSION_MAX);
+        let window_end = acked.saturating_add(inflight_max);
         // Never cross the replay boundary in one read: the live marker goes between.
         let mut to = visible_end.min(window_end);
         if self.next <= self.replay_end {
@@ -140,51 +140,61 @@ impl Cursor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limits::INFLIGHT_EVENTS_PER_SESSION_MAX;
+
+    /// The in-flight window the tests use.
+    const W: u64 = INFLIGHT_EVENTS_PER_SESSION_MAX;
 
     #[test]
     fn replay_then_live_then_tail() {
         let mut c = Cursor::new(2, 5, 3);
-        assert_eq!(c.step(5, 2, || vec!["R"]), Step::Read { from: 3, to: 5 });
+        assert_eq!(c.step(5, 2, W, || vec!["R"]), Step::Read { from: 3, to: 5 });
         assert_eq!(c.wire_flags(3), FLAG_REPLAYED | FLAG_POSSIBLE_DUPLICATE);
         assert_eq!(c.wire_flags(4), FLAG_REPLAYED);
         c.sent(5);
-        assert_eq!(c.step(5, 2, || vec!["R"]), Step::Live(vec!["R".into()]));
-        assert_eq!(c.step(5, 2, || vec!["R"]), Step::Idle);
-        assert_eq!(c.step(7, 2, || vec!["R"]), Step::Read { from: 6, to: 7 });
+        assert_eq!(c.step(5, 2, W, || vec!["R"]), Step::Live(vec!["R".into()]));
+        assert_eq!(c.step(5, 2, W, || vec!["R"]), Step::Idle);
+        assert_eq!(c.step(7, 2, W, || vec!["R"]), Step::Read { from: 6, to: 7 });
         assert_eq!(c.wire_flags(6), 0);
     }
 
     #[test]
     fn read_stops_at_replay_end_even_when_more_is_visible() {
         let mut c = Cursor::new(0, 2, 0);
-        assert_eq!(c.step(10, 0, || vec!["R"]), Step::Read { from: 1, to: 2 });
+        assert_eq!(
+            c.step(10, 0, W, || vec!["R"]),
+            Step::Read { from: 1, to: 2 }
+        );
         c.sent(2);
-        assert_eq!(c.step(10, 0, || vec!["R"]), Step::Live(vec!["R".into()]));
-        assert_eq!(c.step(10, 0, || vec!["R"]), Step::Read { from: 3, to: 10 });
+        assert_eq!(c.step(10, 0, W, || vec!["R"]), Step::Live(vec!["R".into()]));
+        assert_eq!(
+            c.step(10, 0, W, || vec!["R"]),
+            Step::Read { from: 3, to: 10 }
+        );
     }
 
     #[test]
     fn empty_replay_is_live_at_once_and_new_regions_get_one_marker() {
         let mut c = Cursor::new(0, 0, 0);
-        assert_eq!(c.step(0, 0, || vec!["A"]), Step::Live(vec!["A".into()]));
+        assert_eq!(c.step(0, 0, W, || vec!["A"]), Step::Live(vec!["A".into()]));
         c.live_check = true; // a registration in a new region
         assert_eq!(
-            c.step(0, 0, || vec!["A", "B"]),
+            c.step(0, 0, W, || vec!["A", "B"]),
             Step::Live(vec!["B".into()])
         );
         c.live_check = true;
-        assert_eq!(c.step(0, 0, || vec!["A", "B"]), Step::Idle);
+        assert_eq!(c.step(0, 0, W, || vec!["A", "B"]), Step::Idle);
     }
 
     #[test]
     fn replay_end_is_marked_even_without_interest() {
         let mut c = Cursor::new(0, 2, 0);
-        assert_eq!(c.step(2, 0, Vec::new), Step::Read { from: 1, to: 2 });
+        assert_eq!(c.step(2, 0, W, Vec::new), Step::Read { from: 1, to: 2 });
         c.sent(2);
-        assert_eq!(c.step(2, 0, Vec::new), Step::Live(vec![]));
-        assert_eq!(c.step(2, 0, Vec::new), Step::Idle);
+        assert_eq!(c.step(2, 0, W, Vec::new), Step::Live(vec![]));
+        assert_eq!(c.step(2, 0, W, Vec::new), Step::Idle);
         c.live_check = true; // interest registered later: its region gets its marker
-        assert_eq!(c.step(2, 0, || vec!["R"]), Step::Live(vec!["R".into()]));
+        assert_eq!(c.step(2, 0, W, || vec!["R"]), Step::Live(vec!["R".into()]));
     }
 
     #[test]
@@ -193,16 +203,16 @@ mod tests {
         c.live_check = false;
         let far = INFLIGHT_EVENTS_PER_SESSION_MAX + 10;
         assert_eq!(
-            c.step(far, 0, Vec::new),
+            c.step(far, 0, W, Vec::new),
             Step::Read {
                 from: 1,
                 to: INFLIGHT_EVENTS_PER_SESSION_MAX
             }
         );
         c.sent(INFLIGHT_EVENTS_PER_SESSION_MAX);
-        assert_eq!(c.step(far, 0, Vec::new), Step::Idle);
+        assert_eq!(c.step(far, 0, W, Vec::new), Step::Idle);
         assert_eq!(
-            c.step(far, 5, Vec::new),
+            c.step(far, 5, W, Vec::new),
             Step::Read {
                 from: INFLIGHT_EVENTS_PER_SESSION_MAX + 1,
                 to: INFLIGHT_EVENTS_PER_SESSION_MAX + 5

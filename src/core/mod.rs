@@ -21,6 +21,7 @@ use tether_transport::codec::{decode_body, encode_body, encode_body_packed};
 
 pub use cursor::{Cursor, FlagBounds, Step};
 
+use crate::config::{Limits, QueueFullPolicy};
 use crate::interest::{InterestIndex, Registration, Selector, validate_key};
 use crate::limits::*;
 use crate::protocol::*;
@@ -225,6 +226,10 @@ pub struct PublishPlan {
     pub enqueued: u64,
     /// Write sequence of this plan, for [`NodeCore::committed`].
     pub seq: u64,
+    /// Queues dropped because they were full (`drop-queue` policy).
+    pub dropped_queues: u64,
+    /// Sessions attached to dropped queues: the driver disconnects them.
+    pub dropped_sessions: Vec<SessionId>,
 }
 
 /// What [`NodeCore::disconnect`] did.
@@ -262,6 +267,15 @@ fn session_queue<'a>(
     Ok((s, q))
 }
 
+/// The region and key an operation targets.
+fn op_target(op: &PublishOp) -> (&str, &str) {
+    match op {
+        PublishOp::Put { region, key, .. }
+        | PublishOp::Destroy { region, key }
+        | PublishOp::Invalidate { region, key } => (region, key),
+    }
+}
+
 fn invalid(msg: impl Into<String>) -> WireError {
     WireError::new(ErrorCode::InvalidArgument, msg)
 }
@@ -295,6 +309,9 @@ pub struct NodeCore {
     overlay: HashMap<(String, String), (bool, u64)>,
     write_seq: u64,
     scratch: BTreeMap<QueueId, bool>,
+    /// Pass-1 matches of a publish: (op index, queue, wants values).
+    match_scratch: Vec<(usize, QueueId, bool)>,
+    limits: Limits,
 }
 
 impl NodeCore {
@@ -313,6 +330,8 @@ impl NodeCore {
             overlay: HashMap::new(),
             write_seq: 0,
             scratch: BTreeMap::new(),
+            match_scratch: Vec::new(),
+            limits: Limits::default(),
         }
     }
 
@@ -388,6 +407,16 @@ impl NodeCore {
 
     pub fn node_id(&self) -> &str {
         &self.node_id
+    }
+
+    /// Applies operator limits (`[limits]`); the defaults come from `crate::limits`.
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
     }
 
     fn remember_expired(&mut self, id: String) {
@@ -663,7 +692,8 @@ impl NodeCore {
 
     /// Turns publish operations into events, appends them to every matching queue and updates
     /// the region store. `exists(region, key)` reads the committed region store; keys written by
-    /// uncommitted plans are tracked here. All ops are validated before any takes effect.
+    /// uncommitted plans are tracked here. Every op is validated and every full queue found
+    /// before anything takes effect, so a refused publish changes nothing.
     pub fn publish(
         &mut self,
         now_ms: u64,
@@ -678,38 +708,76 @@ impl NodeCore {
             ));
         }
         for op in ops {
-            let (region, key) = match op {
-                PublishOp::Put { region, key, value } => {
-                    if value.len() > VALUE_BYTES_MAX {
-                        return Err(WireError::new(
-                            ErrorCode::LimitExceeded,
-                            format!(
-                                "value of {} bytes exceeds the limit of {VALUE_BYTES_MAX} bytes",
-                                value.len()
-                            ),
-                        ));
-                    }
-                    (region, key)
+            if let PublishOp::Put { value, .. } = op {
+                if value.len() > VALUE_BYTES_MAX {
+                    return Err(WireError::new(
+                        ErrorCode::LimitExceeded,
+                        format!(
+                            "value of {} bytes exceeds the limit of {VALUE_BYTES_MAX} bytes",
+                            value.len()
+                        ),
+                    ));
                 }
-                PublishOp::Destroy { region, key } | PublishOp::Invalidate { region, key } => {
-                    (region, key)
-                }
-            };
+            }
+            let (region, key) = op_target(op);
             validate_region(region)?;
             validate_key(key).map_err(invalid)?;
         }
         if !self.sessions.contains_key(&session) {
             return Err(WireError::new(ErrorCode::NotFound, "no such session"));
         }
+        // Pass 1: match every op, and count the entries each queue would receive.
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let mut matches = std::mem::take(&mut self.match_scratch);
+        matches.clear();
+        let mut growth: BTreeMap<QueueId, u64> = BTreeMap::new();
+        for (i, op) in ops.iter().enumerate() {
+            let (region, key) = op_target(op);
+            self.index.matches(region, key, &mut scratch);
+            for (&q, &values) in scratch.iter() {
+                matches.push((i, q, values));
+                *growth.entry(q).or_default() += 1;
+            }
+        }
+        self.scratch = scratch;
+        let max = self.limits.queue_entries_max;
+        let full: Vec<QueueId> = growth
+            .iter()
+            .filter(|(q, n)| self.queues.get(q).is_some_and(|q| q.pending() + **n > max))
+            .map(|(q, _)| *q)
+            .collect();
+        let mut plan = PublishPlan::default();
+        if let Some(&first) = full.first() {
+            if self.limits.queue_full_policy != QueueFullPolicy::DropQueue {
+                self.match_scratch = matches;
+                let who = self.queues[&first]
+                    .durable_id
+                    .as_deref()
+                    .unwrap_or("a non-durable client");
+                return Err(WireError::new(
+                    ErrorCode::QueueFull,
+                    format!("the queue of {who} is full ({max} entries); nothing was published"),
+                ));
+            }
+            for qid in full {
+                if let Some(s) = self.attached_session(qid) {
+                    plan.dropped_sessions.push(s);
+                }
+                if let Some(id) = self.queues[&qid].durable_id.clone() {
+                    self.remember_expired(id);
+                }
+                self.drop_queue(qid, &mut plan.batch);
+                plan.dropped_queues += 1;
+            }
+            self.persist_expired(&mut plan.batch);
+        }
+        // Pass 2: events, region store, appends.
         self.write_seq += 1;
         let seq = self.write_seq;
-        let mut plan = PublishPlan {
-            seq,
-            ..Default::default()
-        };
+        plan.seq = seq;
         let mut last: BTreeMap<QueueId, Offset> = BTreeMap::new();
-        let mut scratch = std::mem::take(&mut self.scratch);
-        for op in ops {
+        let mut m = 0;
+        for (i, op) in ops.iter().enumerate() {
             let (region, key, kind, value) = match op {
                 PublishOp::Put { region, key, value } => (region, key, None, Some(value)),
                 PublishOp::Destroy { region, key } => (region, key, Some(EventOp::Destroy), None),
@@ -741,9 +809,12 @@ impl NodeCore {
                     self.overlay.insert(ok, (false, seq));
                 }
                 EventOp::Invalidate => {
-                    // The key stays; its value is gone until the next put.
-                    plan.batch
-                        .region_put(region, key, encode_region_value(None));
+                    // An existing key stays, its value gone until the next put; an absent key
+                    // stays absent (the event is still published, like a destroy of one).
+                    if existed {
+                        plan.batch
+                            .region_put(region, key, encode_region_value(None));
+                    }
                     self.overlay.insert(ok, (existed, seq));
                 }
             }
@@ -765,22 +836,13 @@ impl NodeCore {
                 },
             };
             let body: Arc<[u8]> = encode_body_packed(&record).expect("records encode").into();
-            self.index.matches(region, key, &mut scratch);
-            for (&qid, &wants_values) in scratch.iter() {
+            while m < matches.len() && matches[m].0 == i {
+                let (_, qid, wants_values) = matches[m];
+                m += 1;
+                // A queue dropped above (drop-queue policy) is gone.
                 let Some(q) = self.queues.get_mut(&qid) else {
                     continue;
                 };
-                if q.pending() >= QUEUE_ENTRIES_MAX {
-                    // Refuse rather than lose: nothing of this plan has been applied to storage.
-                    self.scratch = scratch;
-                    return Err(WireError::new(
-                        ErrorCode::LimitExceeded,
-                        format!(
-                            "queue of {} is full ({QUEUE_ENTRIES_MAX} entries)",
-                            q.durable_id.as_deref().unwrap_or("a client")
-                        ),
-                    ));
-                }
                 q.end += 1;
                 q.note_append(now_ms);
                 let flags = if wants_values { 0 } else { FLAG_NO_VALUE };
@@ -797,7 +859,7 @@ impl NodeCore {
             }
             plan.count += 1;
         }
-        self.scratch = scratch;
+        self.match_scratch = matches;
         plan.appended = last.into_iter().collect();
         Ok(plan)
     }
@@ -831,7 +893,12 @@ impl NodeCore {
         let Some(c) = s.cursor.as_mut() else {
             return Step::Idle;
         };
-        c.step(q.visible_end, q.acked, || q.regions())
+        c.step(
+            q.visible_end,
+            q.acked,
+            self.limits.inflight_events_max,
+            || q.regions(),
+        )
     }
 
     /// The wire-flag bounds of a ready session.

@@ -27,7 +27,7 @@ const TAKEOVER_ATTEMPTS_MAX: usize = 3;
 
 pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) {
     while let Some(incoming) = endpoint.accept().await {
-        if shared.connections.load(Ordering::Relaxed) >= CONNECTIONS_PER_NODE_MAX {
+        if shared.connections.load(Ordering::Relaxed) >= shared.limits.connections_max {
             incoming.refuse();
             continue;
         }
@@ -77,7 +77,7 @@ fn codec_error(e: &CodecError) -> WireError {
 }
 
 async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> Result<(), ()> {
-    let deadline = Duration::from_millis(HANDSHAKE_TIMEOUT_MS);
+    let deadline = Duration::from_millis(shared.limits.handshake_timeout_ms);
     let conn = match tokio::time::timeout(deadline, incoming).await {
         Ok(Ok(c)) => c,
         _ => return Err(()),
@@ -343,7 +343,15 @@ async fn control_loop(
                         metrics::counter!(m::EVENTS_ACKED).increment(offset.saturating_sub(before));
                         // Acks need no fsync of their own: a lost ack only means a redelivery
                         // flagged possible_duplicate.
-                        drop(shared.writer.submit(batch, None));
+                        // The in-flight window may have been what held delivery back.
+                        shared.wake(session);
+                        let space = shared.clone();
+                        drop(
+                            shared.writer.submit(
+                                batch,
+                                Some(Box::new(move || space.space.notify_waiters())),
+                            ),
+                        );
                     }
                     Ok((None, _)) => {}
                     Err(e) => {

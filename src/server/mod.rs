@@ -27,7 +27,7 @@ use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
 
 pub use writer::{GROUP_COMMIT_REQUESTS_MAX, Writer, WriterThread};
 
-use crate::config::{ServerConfig, validate_node_id};
+use crate::config::{Limits, QueueFullPolicy, ServerConfig, validate_node_id};
 use crate::core::{NodeCore, SessionId};
 use crate::limits::*;
 use crate::metrics as m;
@@ -87,6 +87,9 @@ pub(crate) struct Shared {
     write_permits: Semaphore,
     sessions: Mutex<HashMap<SessionId, SessionHandle>>,
     connections: AtomicUsize,
+    /// Notified when acks free queue space (publishers blocked by a full queue wait on it).
+    pub(crate) space: Notify,
+    pub(crate) limits: Limits,
     fatal: watch::Sender<Option<String>>,
     node_id: String,
 }
@@ -137,12 +140,50 @@ impl Shared {
         session: SessionId,
         ops: &[PublishOp],
     ) -> Result<u64, WireError> {
+        let block = Duration::from_millis(self.limits.queue_full_block_ms);
+        let deadline = tokio::time::Instant::now() + block;
+        loop {
+            // Armed before the attempt, so an ack that frees space meanwhile is not missed.
+            let space = self.space.notified();
+            tokio::pin!(space);
+            space.as_mut().enable();
+            match self.try_publish(session, ops).await {
+                Err(e) if e.code == ErrorCode::QueueFull => {
+                    let blocking = self.limits.queue_full_policy == QueueFullPolicy::Block;
+                    if !blocking || tokio::time::timeout_at(deadline, space).await.is_err() {
+                        metrics::counter!(m::PUBLISH_REJECTED, "reason" => "queue-full")
+                            .increment(1);
+                        return Err(if blocking {
+                            WireError::new(
+                                ErrorCode::QueueFull,
+                                format!(
+                                    "{} (waited {} ms for space)",
+                                    e.message,
+                                    block.as_millis()
+                                ),
+                            )
+                        } else {
+                            e
+                        });
+                    }
+                    metrics::counter!(m::PUBLISH_BLOCKED).increment(1);
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn try_publish(
+        self: &Arc<Self>,
+        session: SessionId,
+        ops: &[PublishOp],
+    ) -> Result<u64, WireError> {
         let _permit = self
             .write_permits
             .acquire()
             .await
             .map_err(|_| shutdown_error())?;
-        let (count, enqueued, rx) = {
+        let (count, enqueued, dropped, rx) = {
             let mut core = self.core();
             let store = self.store.clone();
             let plan = core.publish(now_ms(), session, ops, &mut |region, key| {
@@ -163,16 +204,41 @@ impl Shared {
                     shared.wake(s);
                 }
             });
+            metrics::counter!(m::QUEUES_DROPPED_FULL).increment(plan.dropped_queues);
             (
                 plan.count,
                 plan.enqueued,
+                plan.dropped_sessions,
                 self.writer.submit(plan.batch, Some(on_commit)),
             )
         };
         wait_commit(rx).await?;
+        // Clients whose queue was dropped for being full learn it now, and `expired` on their
+        // next connection.
+        for s in dropped {
+            self.disconnect_session(
+                s,
+                ErrorCode::QueueFull,
+                "your queue was full and has been dropped; reconnect to start a new one",
+            );
+        }
         metrics::counter!(m::EVENTS_PUBLISHED).increment(count);
         metrics::counter!(m::EVENTS_ENQUEUED).increment(enqueued);
         Ok(count)
+    }
+
+    /// Closes a session's connection with an error code.
+    fn disconnect_session(&self, session: SessionId, code: ErrorCode, why: &str) {
+        if let Some(h) = self
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&session)
+        {
+            if let Some(c) = &h.conn {
+                c.close(code.varint(), why.as_bytes());
+            }
+        }
     }
 
     /// Current value of a key (None when absent or invalidated).
@@ -307,6 +373,7 @@ impl Node {
     /// accepting clients.
     pub async fn start(config: ServerConfig) -> Result<Node, NodeError> {
         tls::install_crypto_provider();
+        config.limits.validate().map_err(NodeError::Config)?;
         let data_dir = config.data_dir.clone();
         std::fs::create_dir_all(&data_dir).map_err(|source| NodeError::DataDir {
             path: data_dir.clone(),
@@ -335,6 +402,7 @@ impl Node {
             st.state_get(k).ok().flatten()
         })
         .map_err(NodeError::Recovery)?;
+        let core = core.with_limits(config.limits.clone());
         store.write(&batch, true)?;
         tracing::info!(node_id, queues = recovered, "recovered storage");
         let (fatal, _) = watch::channel(None);
@@ -354,6 +422,8 @@ impl Node {
             write_permits: Semaphore::new(WRITER_QUEUE_REQUESTS_MAX),
             sessions: Mutex::new(HashMap::new()),
             connections: AtomicUsize::new(0),
+            space: Notify::new(),
+            limits: config.limits.clone(),
             fatal,
             node_id,
         });
@@ -482,6 +552,9 @@ impl Node {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         if Arc::strong_count(&self.shared) > 1 {
+            // Something still holds the store: stop RocksDB's background threads so the process
+            // can exit safely anyway (nothing writes after the flush above).
+            self.shared.store.quiesce();
             tracing::warn!(
                 "a publisher or session still holds the node; storage stays open until it is dropped"
             );
@@ -518,6 +591,9 @@ async fn tick_loop(shared: Arc<Shared>) {
                 Ok((ids, batch))
             })
             .await;
+        // Blocked publishers re-check at least this often (queues also shrink by expiry, drops
+        // and closes, not only by acks).
+        shared.space.notify_waiters();
         if let Ok(ids) = expired {
             for id in &ids {
                 tracing::info!(durable_id = %id, "durable queue expired");

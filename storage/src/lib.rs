@@ -86,4 +86,7 @@ pub trait Store: Send + Sync + 'static {
     fn state_get(&self, key: &str) -> Result<Option<Vec<u8>>, StorageError>;
     /// Flush memtables / sync WAL (used at clean shutdown).
     fn flush(&self) -> Result<(), StorageError>;
+    /// Stops background work (flushes, compactions) and waits for it, so the process may exit
+    /// even while a handle on the store is still alive. Call after the last write.
+    fn quiesce(&self) {}
 }

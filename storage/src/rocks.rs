@@ -337,6 +337,10 @@ impl Store for RocksStore {
         Ok(self.db.get_cf(self.cf(CF_STATE)?, key.as_bytes())?)
     }
 
+    fn quiesce(&self) {
+        self.db.cancel_all_background_work(true);
+    }
+
     fn flush(&self) -> Result<(), StorageError> {
         self.db.flush_wal(true)?;
         let mut fo = FlushOptions::default();

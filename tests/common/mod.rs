@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use tether::client::{Client, ClientBuilder, ClientEvent, Event, EventStream};
-use tether::config::ServerConfig;
+use tether::config::{Limits, ServerConfig};
 use tether::server::Node;
 
 /// Upper bound for anything a test waits on; a hang fails the test instead of stalling CI.
@@ -13,20 +13,33 @@ pub const WAIT: Duration = Duration::from_secs(20);
 /// How long a test watches to assert that nothing arrives.
 pub const QUIET: Duration = Duration::from_millis(400);
 
+fn config(dir: &std::path::Path, limits: &Limits) -> ServerConfig {
+    let mut c = ServerConfig::ephemeral(dir);
+    c.limits = limits.clone();
+    c
+}
+
 pub struct TestNode {
     pub node: Option<Node>,
     pub dir: tempfile::TempDir,
+    pub limits: Limits,
 }
 
 impl TestNode {
     pub async fn start() -> TestNode {
+        Self::start_with(Limits::default()).await
+    }
+
+    /// A node with these operator limits.
+    pub async fn start_with(limits: Limits) -> TestNode {
         let dir = tempfile::tempdir().expect("tempdir");
-        let node = Node::start(ServerConfig::ephemeral(dir.path()))
+        let node = Node::start(config(dir.path(), &limits))
             .await
             .expect("node starts");
         TestNode {
             node: Some(node),
             dir,
+            limits,
         }
     }
 
@@ -37,11 +50,10 @@ impl TestNode {
     /// Stops the node cleanly and starts it again on the same data directory (new port).
     pub async fn restart(&mut self) {
         self.node.take().expect("running").shutdown().await;
-        self.node = Some(
-            Node::start(ServerConfig::ephemeral(self.dir.path()))
-                .await
-                .expect("node restarts"),
-        );
+        let node = Node::start(config(self.dir.path(), &self.limits))
+            .await
+            .expect("node restarts");
+        self.node = Some(node);
     }
 
     pub fn builder(&self) -> ClientBuilder {

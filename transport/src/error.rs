@@ -39,11 +39,14 @@ pub enum ErrorCode {
     HandshakeTimeout = 13,
     /// The client simulated a crash (closed without a clean goodbye).
     Crashed = 14,
+    /// A subscription queue is full: the publish was refused (or blocked past its timeout), or
+    /// the queue was dropped under the `drop-queue` policy.
+    QueueFull = 15,
 }
 
 impl ErrorCode {
     /// Every code, in numeric order.
-    pub const ALL: [ErrorCode; 15] = [
+    pub const ALL: [ErrorCode; 16] = [
         ErrorCode::Ok,
         ErrorCode::ClosedByPeer,
         ErrorCode::Internal,
@@ -59,6 +62,7 @@ impl ErrorCode {
         ErrorCode::Shutdown,
         ErrorCode::HandshakeTimeout,
         ErrorCode::Crashed,
+        ErrorCode::QueueFull,
     ];
 
     /// The numeric value.
@@ -99,6 +103,7 @@ impl ErrorCode {
             ErrorCode::Shutdown => "shutdown",
             ErrorCode::HandshakeTimeout => "handshake-timeout",
             ErrorCode::Crashed => "crashed",
+            ErrorCode::QueueFull => "queue-full",
         }
     }
 
@@ -150,7 +155,7 @@ mod tests {
             assert_eq!(ErrorCode::from_varint(c.varint()), Some(c));
             assert_eq!(ErrorCode::from_name(c.name()), Some(c));
         }
-        assert_eq!(ErrorCode::from_u32(15), None);
+        assert_eq!(ErrorCode::from_u32(ErrorCode::ALL.len() as u32), None);
         assert_eq!(ErrorCode::DuplicateDurableId.name(), "duplicate-durable-id");
         assert_eq!(
             ErrorCode::from_varint(quinn::VarInt::from_u64(1 << 40).unwrap()),

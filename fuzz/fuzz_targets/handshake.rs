@@ -1,0 +1,7 @@
+//! cargo-fuzz target `handshake`: see `fuzz/harness.rs` (shared with `tests/fuzz_corpus.rs`).
+#![no_main]
+
+#[path = "../harness.rs"]
+mod harness;
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| harness::handshake(data));

@@ -1,0 +1,234 @@
+//! Operator limits on a real node: queue-full policies (reject, block, drop-queue), the
+//! in-flight window, connections per node, and the handshake timeout.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use tether::client::{ClientError, Interest};
+use tether::config::{Limits, QueueFullPolicy};
+use tether::protocol::{ErrorCode, QueueStatus};
+
+fn limits(queue_entries_max: u64, policy: QueueFullPolicy) -> Limits {
+    Limits {
+        queue_entries_max,
+        queue_full_policy: policy,
+        ..Limits::default()
+    }
+}
+
+async fn away_subscriber(n: &TestNode, id: &str, region: &str) {
+    let c = n.durable(id, 600).await;
+    c.region(region)
+        .register(Interest::all_keys())
+        .await
+        .unwrap();
+    c.close(true).await.unwrap();
+}
+
+fn queue_full(err: tether::protocol::WireError) -> String {
+    assert_eq!(err.code, ErrorCode::QueueFull, "{err:?}");
+    err.message
+}
+
+#[tokio::test]
+async fn queue_full_reject_refuses_the_publish_and_changes_nothing() {
+    let n = TestNode::start_with(limits(3, QueueFullPolicy::Reject)).await;
+    away_subscriber(&n, "X", "R").await;
+    away_subscriber(&n, "Y", "S").await;
+    let p = n.node().publisher().await.unwrap();
+    for i in 0..3 {
+        p.put("R", &format!("k{i}"), b"v".to_vec()).await.unwrap();
+    }
+    let msg = queue_full(p.put("R", "k3", b"v".to_vec()).await.unwrap_err());
+    assert!(msg.contains("queue of X is full (3 entries)"), "{msg}");
+    assert_eq!(
+        n.node().get("R", "k3").unwrap(),
+        None,
+        "a refused publish changes nothing"
+    );
+    assert_eq!(n.queue("X").unwrap().pending, 3);
+    // Other queues are not held back.
+    p.put("S", "k", b"v".to_vec()).await.unwrap();
+    assert_eq!(n.queue("Y").unwrap().pending, 1);
+    // Once X drains, publishing to R works again, and nothing was lost in between.
+    let x = n.durable("X", 600).await;
+    x.ready_for_events().await.unwrap();
+    let mut ev = x.events().unwrap();
+    assert_eq!(keys(&until_live(&mut ev, "R").await), ["k0", "k1", "k2"]);
+    ev.commit();
+    x.ack_now().await.unwrap();
+    eventually("X acked", || n.queue("X").unwrap().pending == 0).await;
+    p.put("R", "k3", b"v".to_vec()).await.unwrap();
+    assert_eq!(keys(&take_events(&mut ev, 1).await), ["k3"]);
+}
+
+#[tokio::test]
+async fn queue_full_block_waits_for_acks_then_gives_up() {
+    let mut l = limits(3, QueueFullPolicy::Block);
+    l.queue_full_block_ms = 10_000;
+    let n = TestNode::start_with(l).await;
+    let x = n
+        .builder()
+        .durable("X", 600)
+        .ack_interval(Duration::from_secs(3600))
+        .connect()
+        .await
+        .unwrap();
+    x.region("R").register(Interest::all_keys()).await.unwrap();
+    x.ready_for_events().await.unwrap();
+    let mut ev = x.events().unwrap();
+    until_live(&mut ev, "R").await;
+    n.put_many("R", 0..3).await;
+    let p = n.node().publisher().await.unwrap();
+    let blocked = tokio::spawn(async move { p.put("R", "k-blocked", b"v".to_vec()).await });
+    tokio::time::sleep(QUIET).await;
+    assert!(
+        !blocked.is_finished(),
+        "the publish waits while the queue is full"
+    );
+    take_events(&mut ev, 3).await;
+    ev.commit();
+    x.ack_now().await.unwrap();
+    tokio::time::timeout(WAIT, blocked)
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("published once space was freed");
+    assert_eq!(keys(&take_events(&mut ev, 1).await), ["k-blocked"]);
+
+    // Nobody acks: the publish is refused after the block timeout.
+    let mut l = limits(1, QueueFullPolicy::Block);
+    l.queue_full_block_ms = 300;
+    let n = TestNode::start_with(l).await;
+    away_subscriber(&n, "Z", "R").await;
+    n.put("R", "a", "v").await;
+    let p = n.node().publisher().await.unwrap();
+    let msg = queue_full(p.put("R", "b", b"v".to_vec()).await.unwrap_err());
+    assert!(msg.contains("waited 300 ms"), "{msg}");
+    assert_eq!(n.queue("Z").unwrap().pending, 1);
+}
+
+#[tokio::test]
+async fn queue_full_drop_queue_drops_it_and_the_client_sees_expired() {
+    let n = TestNode::start_with(limits(2, QueueFullPolicy::DropQueue)).await;
+    away_subscriber(&n, "X", "R").await;
+    // Y is connected (not ready): its connection is closed when its queue is dropped.
+    let y = n.durable("Y", 600).await;
+    y.region("R").register(Interest::all_keys()).await.unwrap();
+    n.put_many("R", 0..3).await; // the third put overflows both queues; it is published
+    assert_eq!(
+        n.node().get("R", "key-2").unwrap().as_deref(),
+        Some(&b"v-2"[..])
+    );
+    assert!(
+        n.queue("X").is_none() && n.queue("Y").is_none(),
+        "both full queues were dropped"
+    );
+    match y.queues().await {
+        Err(ClientError::Server(e)) => assert_eq!(e.code, ErrorCode::QueueFull, "{e:?}"),
+        other => panic!("Y should have been disconnected with queue-full: {other:?}"),
+    }
+    let x = n.durable("X", 600).await;
+    assert_eq!(x.queue_status(), QueueStatus::Expired);
+    eventually("Y's old session is gone", || n.queue("Y").is_none()).await;
+    let y = n.durable("Y", 600).await;
+    assert_eq!(y.queue_status(), QueueStatus::Expired);
+}
+
+#[tokio::test]
+async fn inflight_window_bounds_unacknowledged_delivery() {
+    let n = TestNode::start_with(Limits {
+        inflight_events_max: 5,
+        ..Limits::default()
+    })
+    .await;
+    let c = n
+        .builder()
+        .durable("X", 600)
+        .ack_interval(Duration::from_secs(3600))
+        .connect()
+        .await
+        .unwrap();
+    c.region("R").register(Interest::all_keys()).await.unwrap();
+    c.close(true).await.unwrap();
+    n.put_many("R", 0..20).await;
+    let c = n
+        .builder()
+        .durable("X", 600)
+        .ack_interval(Duration::from_secs(3600))
+        .connect()
+        .await
+        .unwrap();
+    c.ready_for_events().await.unwrap();
+    let mut ev = c.events().unwrap();
+    let first = take_events(&mut ev, 5).await;
+    assert_eq!(entries(&first).last().unwrap().offset, 5);
+    let extra = drain_quiet(&mut ev).await;
+    assert!(extra.is_empty(), "nothing beyond the window before an ack: {extra:?}");
+    ev.commit();
+    c.ack_now().await.unwrap();
+    let next = take_events(&mut ev, 5).await;
+    assert_eq!(entries(&next).first().unwrap().offset, 6);
+    assert_eq!(entries(&next).last().unwrap().offset, 10);
+}
+
+#[tokio::test]
+async fn connections_max_refuses_extra_connections() {
+    let n = TestNode::start_with(Limits {
+        connections_max: 2,
+        ..Limits::default()
+    })
+    .await;
+    let a = n.plain().await;
+    let _b = n.plain().await;
+    let err = n
+        .builder()
+        .connect()
+        .await
+        .err()
+        .expect("a third connection is refused");
+    assert!(matches!(err, ClientError::Connect(_)), "{err:?}");
+    a.close(false).await.unwrap();
+    let mut connected = None;
+    for _ in 0..50 {
+        if let Ok(c) = n.builder().connect().await {
+            connected = Some(c);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(connected.is_some(), "a slot frees up when a client leaves");
+}
+
+#[tokio::test]
+async fn handshake_timeout_closes_silent_connections() {
+    let n = TestNode::start_with(Limits {
+        handshake_timeout_ms: 300,
+        ..Limits::default()
+    })
+    .await;
+    let cfg = tether::transport::tls::client_config(n.node().ca_file()).unwrap();
+    let endpoint = tether::transport::endpoint::client_endpoint(cfg, n.node().addr()).unwrap();
+    let conn = endpoint
+        .connect(n.node().addr(), tether::transport::tls::SERVER_NAME)
+        .unwrap()
+        .await
+        .unwrap();
+    let (mut send, _recv) = conn.open_bi().await.unwrap();
+    send.write_all(&[]).await.unwrap();
+    // An empty write opens nothing on the wire; one byte of a header does.
+    send.write_all(&[0]).await.unwrap();
+    let reason = tokio::time::timeout(WAIT, conn.closed())
+        .await
+        .expect("closed by the server");
+    match reason {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(c.error_code, ErrorCode::HandshakeTimeout.varint(), "{c:?}")
+        }
+        other => panic!("expected handshake-timeout, got {other:?}"),
+    }
+    // Everyone else is served.
+    n.plain().await.close(false).await.unwrap();
+}
