@@ -1264,6 +1264,7 @@ pub fn hello_frame(version: u32, durable: Option<(&str, u64)>) -> Vec<u8> {
             id: id.into(),
             timeout_secs: t,
         }),
+        token: None,
         client: "seed".into(),
     })
 }

@@ -147,6 +147,8 @@ pub struct ServerConfig {
     pub sync: SyncMode,
     pub tls: Option<TlsConfig>,
     pub limits: Limits,
+    /// Authentication and authorization; None: an open node.
+    pub auth: Option<crate::auth::AuthConfig>,
 }
 
 /// Default client/peer address.
@@ -166,6 +168,7 @@ impl Default for ServerConfig {
             sync: SyncMode::Batch,
             tls: None,
             limits: Limits::default(),
+            auth: None,
         }
     }
 }
@@ -193,6 +196,7 @@ pub struct FileConfig {
     pub sync: Option<SyncMode>,
     pub tls: Option<TlsConfig>,
     pub limits: Option<Limits>,
+    pub auth: Option<crate::auth::AuthConfig>,
 }
 
 impl FileConfig {

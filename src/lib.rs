@@ -36,6 +36,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod auth;
 pub mod client;
 pub mod config;
 pub mod core;

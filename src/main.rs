@@ -57,6 +57,11 @@ enum Command {
         /// The durable id.
         id: String,
     },
+    /// Print the SHA-256 of a token, as the server's [auth] tokens table stores it.
+    HashToken {
+        /// The token.
+        token: String,
+    },
 }
 
 #[derive(Args)]
@@ -95,6 +100,9 @@ struct Conn {
     /// CA certificate to trust (default data/tls/ca.pem when it exists).
     #[arg(long)]
     ca: Option<PathBuf>,
+    /// Bearer token for servers that authenticate clients (also TETHER_TOKEN).
+    #[arg(long, env = "TETHER_TOKEN", hide_env_values = true)]
+    token: Option<String>,
 }
 
 #[derive(Args)]
@@ -287,6 +295,10 @@ async fn run(cmd: Command) -> Result<(), Fail> {
             c.close(false).await?;
             Ok(())
         }
+        Command::HashToken { token } => {
+            emit(json!({"type":"token-hash","sha256":tether::auth::hash_token(&token)}));
+            Ok(())
+        }
         Command::CloseDurable { conn, id } => {
             let c = connect(&conn, None, 100).await?;
             c.close_durable(&id).await?;
@@ -339,6 +351,9 @@ async fn connect(conn: &Conn, durable: Option<(String, u64)>, ack_ms: u64) -> Re
         .ca_file(ca_path(conn)?)
         .ack_interval(Duration::from_millis(ack_ms.max(1)))
         .name("tether-cli");
+    if let Some(t) = &conn.token {
+        b = b.token(t.clone());
+    }
     if let Some((id, timeout)) = durable {
         b = b.durable(id, timeout);
     }
@@ -377,6 +392,7 @@ async fn server(a: ServerArgs) -> Result<(), Fail> {
         cfg.limits.queue_full_policy = p.parse()?;
     }
     cfg.limits.validate()?;
+    cfg.auth = file.auth;
     let node = Node::start(cfg).await?;
     emit(json!({
         "type": "listening",

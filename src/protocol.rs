@@ -147,6 +147,9 @@ pub enum ClientMsg {
     Hello {
         version: u32,
         durable: Option<DurableHello>,
+        /// Bearer token, when the server requires authentication.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<String>,
         client: String,
     },
     Request {

@@ -234,6 +234,7 @@ fn hello_msg(version: u32, durable: Option<DurableHello>) -> ClientMsg {
     ClientMsg::Hello {
         version,
         durable,
+        token: None,
         client: "bad-input-test".into(),
     }
 }

@@ -649,6 +649,7 @@ mod findings {
                         receive_values: true,
                     },
                 )],
+                owner: None,
             })
             .unwrap()
         };

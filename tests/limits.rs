@@ -166,7 +166,10 @@ async fn inflight_window_bounds_unacknowledged_delivery() {
     let first = take_events(&mut ev, 5).await;
     assert_eq!(entries(&first).last().unwrap().offset, 5);
     let extra = drain_quiet(&mut ev).await;
-    assert!(extra.is_empty(), "nothing beyond the window before an ack: {extra:?}");
+    assert!(
+        extra.is_empty(),
+        "nothing beyond the window before an ack: {extra:?}"
+    );
     ev.commit();
     c.ack_now().await.unwrap();
     let next = take_events(&mut ev, 5).await;

@@ -136,6 +136,7 @@ pub struct ClientBuilder {
     ca_file: Option<PathBuf>,
     ca_pem: Option<Vec<u8>>,
     durable: Option<DurableHello>,
+    token: Option<String>,
     ack_interval: Duration,
     name: String,
     dedup: DedupState,
@@ -154,6 +155,7 @@ impl ClientBuilder {
             ca_file: None,
             ca_pem: None,
             durable: None,
+            token: None,
             ack_interval: Duration::from_millis(ACK_INTERVAL_MS_DEFAULT),
             name: "tether-client".into(),
             dedup: DedupState::default(),
@@ -195,6 +197,12 @@ impl ClientBuilder {
     /// Durable with the default timeout (300 s).
     pub fn durable_id(self, id: impl Into<String>) -> Self {
         self.durable(id, DURABLE_TIMEOUT_SECS_DEFAULT)
+    }
+
+    /// The bearer token to present (servers with `[auth]` require one).
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
+        self
     }
 
     pub fn ack_interval(mut self, every: Duration) -> Self {
@@ -264,6 +272,7 @@ impl ClientBuilder {
         let hello = ClientMsg::Hello {
             version: PROTOCOL_VERSION,
             durable: self.durable.clone(),
+            token: self.token.clone(),
             client: self.name.clone(),
         };
         codec::write_frame(&mut send, &hello)

@@ -72,6 +72,10 @@ pub struct QueueInfo {
     pub away_since_ms: Option<u64>,
     /// Durable registrations only: non-durable interest ends with the session.
     pub interests: Vec<(String, Selector, Registration)>,
+    /// The principal that created the queue (when the node authenticates clients): no other
+    /// principal may attach to it.
+    #[serde(default)]
+    pub owner: Option<String>,
 }
 
 /// Where a queue's client is.
@@ -88,6 +92,7 @@ pub enum QueueState {
 pub struct Queue {
     pub id: QueueId,
     pub durable_id: Option<String>,
+    pub owner: Option<String>,
     pub timeout_secs: u64,
     pub acked: Offset,
     pub end: Offset,
@@ -156,6 +161,7 @@ impl Queue {
                 .filter(|(_, r)| r.durable)
                 .map(|((region, sel), r)| (region.clone(), sel.clone(), *r))
                 .collect(),
+            owner: self.owner.clone(),
         }
     }
 
@@ -376,6 +382,7 @@ impl NodeCore {
             let mut queue = Queue {
                 id,
                 durable_id: Some(durable_id.clone()),
+                owner: info.owner.clone(),
                 timeout_secs: info.timeout_secs,
                 acked: meta.acked,
                 end: meta.end,
@@ -459,6 +466,17 @@ impl NodeCore {
     /// creates one (`new`, or `expired` once if the id's queue timed out). Non-durable: a
     /// queue for this session only.
     pub fn connect(&mut self, durable: Option<&DurableHello>) -> Result<Connected, ConnectError> {
+        self.connect_as(durable, None)
+    }
+
+    /// [`connect`](Self::connect) for an authenticated `principal`: a durable id whose queue
+    /// another principal created is refused with `forbidden`; a new queue belongs to
+    /// `principal`.
+    pub fn connect_as(
+        &mut self,
+        durable: Option<&DurableHello>,
+        principal: Option<&str>,
+    ) -> Result<Connected, ConnectError> {
         let mut batch = Batch::new();
         let Some(hello) = durable else {
             // A non-durable client gets its queue with its first interest (publishers and admin
@@ -491,6 +509,15 @@ impl NodeCore {
                 .queues
                 .get_mut(&qid)
                 .expect("durable map points at a queue");
+            if q.owner
+                .as_deref()
+                .is_some_and(|owner| Some(owner) != principal)
+            {
+                return Err(ConnectError::Invalid(WireError::new(
+                    ErrorCode::Forbidden,
+                    format!("durable id {:?} belongs to another principal", hello.id),
+                )));
+            }
             if let QueueState::Attached(holder) = q.state {
                 return Err(ConnectError::Attached(holder));
             }
@@ -519,6 +546,7 @@ impl NodeCore {
         let session = self.alloc_session(&mut batch);
         let qid = self.create_queue(
             Some(hello.id.clone()),
+            principal,
             hello.timeout_secs,
             session,
             &mut batch,
@@ -537,6 +565,7 @@ impl NodeCore {
     fn create_queue(
         &mut self,
         durable_id: Option<String>,
+        owner: Option<&str>,
         timeout_secs: u64,
         session: SessionId,
         batch: &mut Batch,
@@ -545,6 +574,7 @@ impl NodeCore {
         let q = Queue {
             id,
             durable_id,
+            owner: owner.map(str::to_string),
             timeout_secs,
             acked: 0,
             end: 0,
@@ -601,7 +631,7 @@ impl NodeCore {
         }
         let mut batch = Batch::new();
         if qid == NO_QUEUE {
-            let q = self.create_queue(None, 0, session, &mut batch);
+            let q = self.create_queue(None, None, 0, session, &mut batch);
             self.sessions
                 .get_mut(&session)
                 .expect("checked above")

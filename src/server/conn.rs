@@ -11,6 +11,7 @@ use tether_transport::codec::{self, CodecError, FrameReader};
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 use super::{SessionHandle, Shared, internal, now_ms};
+use crate::auth::{Access, Principal};
 use crate::core::{ConnectError, SessionId, Step};
 use crate::interest::Selector;
 use crate::limits::*;
@@ -112,7 +113,10 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         Ok(Ok(Some(m))) => m,
     };
     let ClientMsg::Hello {
-        version, durable, ..
+        version,
+        durable,
+        token,
+        ..
     } = hello
     else {
         refuse(
@@ -138,7 +142,19 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         .await;
         return Err(());
     }
-    let connected = match connect(shared, durable.as_ref()).await {
+    // Every connection authenticates anew: the latest credentials are the ones that count.
+    let principal = match &shared.auth {
+        None => None,
+        Some(a) => match a.authenticate(token.as_deref()) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                refuse(&conn, &mut send, e).await;
+                return Err(());
+            }
+        },
+    };
+    let owner = principal.as_ref().map(|p| p.name.as_str());
+    let connected = match connect(shared, durable.as_ref(), owner).await {
         Ok(c) => c,
         Err(e) => {
             refuse(&conn, &mut send, e).await;
@@ -174,8 +190,16 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
             Err(_) => true,
             Ok(delivery) => {
                 let delivery_task = tokio::spawn(deliver(shared.clone(), session, delivery, wake));
-                let keepalive =
-                    control_loop(shared, &conn, session, &mut reader, &mut send, probe_rx).await;
+                let keepalive = control_loop(
+                    shared,
+                    &conn,
+                    session,
+                    principal.as_ref(),
+                    &mut reader,
+                    &mut send,
+                    probe_rx,
+                )
+                .await;
                 delivery_task.abort();
                 let _ = delivery_task.await;
                 keepalive
@@ -202,13 +226,14 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
 async fn connect(
     shared: &Arc<Shared>,
     durable: Option<&DurableHello>,
+    principal: Option<&str>,
 ) -> Result<crate::core::Connected, WireError> {
     for _ in 0..TAKEOVER_ATTEMPTS_MAX {
         let attempt = {
             let mut core = shared.core();
-            match core.connect(durable) {
-                Ok(c) => {
-                    let batch = std::mem::take(&mut { c.batch.clone() });
+            match core.connect_as(durable, principal) {
+                Ok(mut c) => {
+                    let batch = std::mem::take(&mut c.batch);
                     Ok((c, shared.writer.submit(batch, None)))
                 }
                 Err(e) => Err(e),
@@ -282,6 +307,7 @@ async fn control_loop(
     shared: &Arc<Shared>,
     conn: &quinn::Connection,
     session: SessionId,
+    principal: Option<&Principal>,
     reader: &mut FrameReader,
     send: &mut quinn::SendStream,
     mut probes: mpsc::Receiver<oneshot::Sender<()>>,
@@ -365,7 +391,10 @@ async fn control_loop(
                     RequestBody::Close { keepalive } => Some(*keepalive),
                     _ => None,
                 };
-                let result = request(shared, session, body).await;
+                let result = match authorize(shared, principal, &body) {
+                    Ok(()) => request(shared, session, body).await,
+                    Err(e) => Err(e),
+                };
                 if codec::write_frame(send, &ServerMsg::Response { id, result })
                     .await
                     .is_err()
@@ -383,6 +412,32 @@ async fn control_loop(
                 }
             }
         }
+    }
+}
+
+/// Checks a request against the node's ACLs (always allowed on an open node).
+fn authorize(
+    shared: &Shared,
+    principal: Option<&Principal>,
+    body: &RequestBody,
+) -> Result<(), WireError> {
+    let (Some(auth), Some(p)) = (&shared.auth, principal) else {
+        return Ok(());
+    };
+    match body {
+        RequestBody::RegisterInterest { region, .. }
+        | RequestBody::UnregisterInterest { region, .. }
+        | RequestBody::Get { region, .. } => auth.check(p, Access::Subscribe(region)),
+        RequestBody::Publish { ops } => ops.iter().try_for_each(|op| {
+            let region = match op {
+                PublishOp::Put { region, .. }
+                | PublishOp::Destroy { region, .. }
+                | PublishOp::Invalidate { region, .. } => region,
+            };
+            auth.check(p, Access::Publish(region))
+        }),
+        RequestBody::ListQueues | RequestBody::CloseDurable { .. } => auth.check(p, Access::Admin),
+        RequestBody::Ready | RequestBody::Close { .. } => Ok(()),
     }
 }
 

@@ -90,6 +90,8 @@ pub(crate) struct Shared {
     /// Notified when acks free queue space (publishers blocked by a full queue wait on it).
     pub(crate) space: Notify,
     pub(crate) limits: Limits,
+    /// None: an open node (no `[auth]`).
+    pub(crate) auth: Option<crate::auth::Authorizer>,
     fatal: watch::Sender<Option<String>>,
     node_id: String,
 }
@@ -374,6 +376,10 @@ impl Node {
     pub async fn start(config: ServerConfig) -> Result<Node, NodeError> {
         tls::install_crypto_provider();
         config.limits.validate().map_err(NodeError::Config)?;
+        let auth = match &config.auth {
+            Some(a) => Some(crate::auth::Authorizer::new(a).map_err(NodeError::Config)?),
+            None => None,
+        };
         let data_dir = config.data_dir.clone();
         std::fs::create_dir_all(&data_dir).map_err(|source| NodeError::DataDir {
             path: data_dir.clone(),
@@ -424,6 +430,7 @@ impl Node {
             connections: AtomicUsize::new(0),
             space: Notify::new(),
             limits: config.limits.clone(),
+            auth,
             fatal,
             node_id,
         });

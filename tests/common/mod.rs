@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use tether::auth::AuthConfig;
 use tether::client::{Client, ClientBuilder, ClientEvent, Event, EventStream};
 use tether::config::{Limits, ServerConfig};
 use tether::server::Node;
@@ -13,9 +14,10 @@ pub const WAIT: Duration = Duration::from_secs(20);
 /// How long a test watches to assert that nothing arrives.
 pub const QUIET: Duration = Duration::from_millis(400);
 
-fn config(dir: &std::path::Path, limits: &Limits) -> ServerConfig {
+fn config(dir: &std::path::Path, limits: &Limits, auth: &Option<AuthConfig>) -> ServerConfig {
     let mut c = ServerConfig::ephemeral(dir);
     c.limits = limits.clone();
+    c.auth = auth.clone();
     c
 }
 
@@ -23,6 +25,7 @@ pub struct TestNode {
     pub node: Option<Node>,
     pub dir: tempfile::TempDir,
     pub limits: Limits,
+    pub auth: Option<AuthConfig>,
 }
 
 impl TestNode {
@@ -32,14 +35,24 @@ impl TestNode {
 
     /// A node with these operator limits.
     pub async fn start_with(limits: Limits) -> TestNode {
+        Self::start_full(limits, None).await
+    }
+
+    /// A node that authenticates clients with this `[auth]` configuration.
+    pub async fn start_auth(auth: AuthConfig) -> TestNode {
+        Self::start_full(Limits::default(), Some(auth)).await
+    }
+
+    async fn start_full(limits: Limits, auth: Option<AuthConfig>) -> TestNode {
         let dir = tempfile::tempdir().expect("tempdir");
-        let node = Node::start(config(dir.path(), &limits))
+        let node = Node::start(config(dir.path(), &limits, &auth))
             .await
             .expect("node starts");
         TestNode {
             node: Some(node),
             dir,
             limits,
+            auth,
         }
     }
 
@@ -50,7 +63,7 @@ impl TestNode {
     /// Stops the node cleanly and starts it again on the same data directory (new port).
     pub async fn restart(&mut self) {
         self.node.take().expect("running").shutdown().await;
-        let node = Node::start(config(self.dir.path(), &self.limits))
+        let node = Node::start(config(self.dir.path(), &self.limits, &self.auth))
             .await
             .expect("node restarts");
         self.node = Some(node);

@@ -42,11 +42,16 @@ pub enum ErrorCode {
     /// A subscription queue is full: the publish was refused (or blocked past its timeout), or
     /// the queue was dropped under the `drop-queue` policy.
     QueueFull = 15,
+    /// The server requires credentials and the client presented none or unknown ones.
+    Unauthenticated = 16,
+    /// The authenticated principal may not do this (ACL, admin role, durable id owned by
+    /// another principal).
+    Forbidden = 17,
 }
 
 impl ErrorCode {
     /// Every code, in numeric order.
-    pub const ALL: [ErrorCode; 16] = [
+    pub const ALL: [ErrorCode; 18] = [
         ErrorCode::Ok,
         ErrorCode::ClosedByPeer,
         ErrorCode::Internal,
@@ -63,6 +68,8 @@ impl ErrorCode {
         ErrorCode::HandshakeTimeout,
         ErrorCode::Crashed,
         ErrorCode::QueueFull,
+        ErrorCode::Unauthenticated,
+        ErrorCode::Forbidden,
     ];
 
     /// The numeric value.
@@ -104,6 +111,8 @@ impl ErrorCode {
             ErrorCode::HandshakeTimeout => "handshake-timeout",
             ErrorCode::Crashed => "crashed",
             ErrorCode::QueueFull => "queue-full",
+            ErrorCode::Unauthenticated => "unauthenticated",
+            ErrorCode::Forbidden => "forbidden",
         }
     }
 

@@ -1,0 +1,319 @@
+//! Authentication and authorization: bearer tokens (stored as SHA-256 hashes), per-principal
+//! region ACLs with glob patterns, and the admin role. Plain data, no I/O.
+//!
+//! With no `[auth]` table a node is open (any client that trusts its CA may do anything), which
+//! is what `make run` gives for development. With one, every connection presents a token; the
+//! principal it maps to is checked on every request:
+//! - `publish` patterns gate publishes, `subscribe` patterns gate interest registration and
+//!   reads (`get`), per region;
+//! - admin principals may do everything, including `tether queues` and `close-durable`;
+//! - a durable id belongs to the principal that created its queue: no other principal can
+//!   attach to it (enforced by the core, see `NodeCore::connect_as`).
+//!
+//! Each connection authenticates anew, so the credentials of the latest connection are the ones
+//! that count.
+
+use std::collections::{HashMap, HashSet};
+
+use serde::Deserialize;
+
+use crate::protocol::{ErrorCode, WireError};
+
+/// Longest token a client may present, in bytes.
+pub const TOKEN_BYTES_MAX: usize = 4096;
+
+/// The `[auth]` table of the configuration file.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct AuthConfig {
+    /// Principals with the admin role.
+    #[serde(default)]
+    pub admins: Vec<String>,
+    #[serde(default)]
+    pub tokens: Vec<TokenEntry>,
+    #[serde(default)]
+    pub acl: Vec<AclEntry>,
+}
+
+/// A bearer token, stored as the hex SHA-256 of the token (`tether hash-token` prints it).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct TokenEntry {
+    pub principal: String,
+    pub sha256: String,
+}
+
+/// What a principal (or `*`, everyone) may do, by region-name glob (`*` any run, `?` one char).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct AclEntry {
+    pub principal: String,
+    #[serde(default)]
+    pub publish: Vec<String>,
+    #[serde(default)]
+    pub subscribe: Vec<String>,
+}
+
+/// An authenticated client.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Principal {
+    pub name: String,
+    pub admin: bool,
+}
+
+/// What a request needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access<'a> {
+    Publish(&'a str),
+    Subscribe(&'a str),
+    Admin,
+}
+
+/// The node's authorization state, built once from the configuration.
+#[derive(Debug)]
+pub struct Authorizer {
+    tokens: HashMap<[u8; 32], String>,
+    admins: HashSet<String>,
+    acl: Vec<AclEntry>,
+}
+
+/// The hex SHA-256 of a token, as stored in the configuration.
+pub fn hash_token(token: &str) -> String {
+    let d = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
+    d.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn parse_hash(hex: &str) -> Option<[u8; 32]> {
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Glob match of a region name: `*` matches any run of characters, `?` exactly one.
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    // Iterative matching with backtracking to the last star: linear in practice.
+    let (mut pi, mut ni, mut star, mut mark) = (0, 0, None, 0);
+    while ni < n.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == n[ni]) {
+            pi += 1;
+            ni += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some(pi);
+            mark = ni;
+            pi += 1;
+        } else if let Some(s) = star {
+            pi = s + 1;
+            mark += 1;
+            ni = mark;
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == '*')
+}
+
+fn forbidden(msg: String) -> WireError {
+    WireError::new(ErrorCode::Forbidden, msg)
+}
+
+impl Authorizer {
+    /// Validates the configuration: token hashes, principal names, patterns.
+    pub fn new(config: &AuthConfig) -> Result<Self, String> {
+        let mut tokens = HashMap::new();
+        for t in &config.tokens {
+            if t.principal.is_empty() {
+                return Err("auth.tokens: a token needs a principal".into());
+            }
+            let h = parse_hash(&t.sha256.to_ascii_lowercase()).ok_or_else(|| {
+                format!(
+                    "auth.tokens: the sha256 of {:?} must be 64 hex digits (see tether hash-token)",
+                    t.principal
+                )
+            })?;
+            if tokens.insert(h, t.principal.clone()).is_some() {
+                return Err(format!(
+                    "auth.tokens: the token of {:?} is listed twice",
+                    t.principal
+                ));
+            }
+        }
+        for a in &config.acl {
+            if a.principal.is_empty() {
+                return Err("auth.acl: an entry needs a principal (or \"*\")".into());
+            }
+            if a.publish.iter().chain(&a.subscribe).any(String::is_empty) {
+                return Err(format!("auth.acl: empty pattern for {:?}", a.principal));
+            }
+        }
+        Ok(Authorizer {
+            tokens,
+            admins: config.admins.iter().cloned().collect(),
+            acl: config.acl.clone(),
+        })
+    }
+
+    /// Maps the token of a hello to its principal.
+    pub fn authenticate(&self, token: Option<&str>) -> Result<Principal, WireError> {
+        let unauthenticated = |m: &str| WireError::new(ErrorCode::Unauthenticated, m);
+        let token =
+            token.ok_or_else(|| unauthenticated("this server requires a token (--token)"))?;
+        if token.len() > TOKEN_BYTES_MAX {
+            return Err(unauthenticated("token too long"));
+        }
+        let d = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
+        let key: [u8; 32] = d.as_ref().try_into().expect("sha256 is 32 bytes");
+        let name = self
+            .tokens
+            .get(&key)
+            .ok_or_else(|| unauthenticated("unknown token"))?;
+        Ok(Principal {
+            name: name.clone(),
+            admin: self.admins.contains(name),
+        })
+    }
+
+    /// Whether `principal` may do `access`; the error says what is missing.
+    pub fn check(&self, principal: &Principal, access: Access<'_>) -> Result<(), WireError> {
+        if principal.admin {
+            return Ok(());
+        }
+        let entries = || {
+            self.acl
+                .iter()
+                .filter(|a| a.principal == principal.name || a.principal == "*")
+        };
+        let allowed = match access {
+            Access::Admin => false,
+            Access::Publish(region) => {
+                entries().any(|a| a.publish.iter().any(|p| glob_match(p, region)))
+            }
+            Access::Subscribe(region) => {
+                entries().any(|a| a.subscribe.iter().any(|p| glob_match(p, region)))
+            }
+        };
+        if allowed {
+            return Ok(());
+        }
+        Err(forbidden(match access {
+            Access::Admin => format!("{} is not an admin", principal.name),
+            Access::Publish(r) => format!("{} may not publish to region {r:?}", principal.name),
+            Access::Subscribe(r) => format!("{} may not subscribe to region {r:?}", principal.name),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        assert!(glob_match("prices", "prices"));
+        assert!(glob_match("fx-*", "fx-eur"));
+        assert!(glob_match("*", ""));
+        assert!(glob_match("a*b*c", "axxbyyc"));
+        assert!(glob_match("?x", "ax"));
+        assert!(!glob_match("fx-*", "fy-eur"));
+        assert!(!glob_match("prices", "prices2"));
+        assert!(!glob_match("a*b", "acbd"));
+    }
+
+    fn authorizer() -> Authorizer {
+        Authorizer::new(&AuthConfig {
+            admins: vec!["ops".into()],
+            tokens: vec![
+                TokenEntry {
+                    principal: "alice".into(),
+                    sha256: hash_token("a-secret"),
+                },
+                TokenEntry {
+                    principal: "ops".into(),
+                    sha256: hash_token("o-secret").to_uppercase(),
+                },
+            ],
+            acl: vec![
+                AclEntry {
+                    principal: "alice".into(),
+                    publish: vec!["fx-*".into()],
+                    subscribe: vec![],
+                },
+                AclEntry {
+                    principal: "*".into(),
+                    publish: vec![],
+                    subscribe: vec!["public".into()],
+                },
+            ],
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn tokens_map_to_principals() {
+        let a = authorizer();
+        assert_eq!(
+            a.authenticate(Some("a-secret")).unwrap(),
+            Principal {
+                name: "alice".into(),
+                admin: false
+            }
+        );
+        assert!(a.authenticate(Some("o-secret")).unwrap().admin);
+        assert_eq!(
+            a.authenticate(Some("nope")).unwrap_err().code,
+            ErrorCode::Unauthenticated
+        );
+        assert_eq!(
+            a.authenticate(None).unwrap_err().code,
+            ErrorCode::Unauthenticated
+        );
+    }
+
+    #[test]
+    fn acl_and_admin() {
+        let a = authorizer();
+        let alice = a.authenticate(Some("a-secret")).unwrap();
+        assert!(a.check(&alice, Access::Publish("fx-eur")).is_ok());
+        assert!(
+            a.check(&alice, Access::Subscribe("public")).is_ok(),
+            "the * entry applies to all"
+        );
+        let e = a.check(&alice, Access::Subscribe("fx-eur")).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Forbidden);
+        assert!(e.message.contains("may not subscribe"), "{}", e.message);
+        assert!(a.check(&alice, Access::Admin).is_err());
+        let ops = a.authenticate(Some("o-secret")).unwrap();
+        assert!(a.check(&ops, Access::Admin).is_ok());
+    }
+
+    #[test]
+    fn bad_configuration_is_refused() {
+        let bad = AuthConfig {
+            tokens: vec![TokenEntry {
+                principal: "x".into(),
+                sha256: "abc".into(),
+            }],
+            ..Default::default()
+        };
+        assert!(Authorizer::new(&bad).unwrap_err().contains("64 hex digits"));
+        let dup = AuthConfig {
+            tokens: vec![
+                TokenEntry {
+                    principal: "x".into(),
+                    sha256: hash_token("t"),
+                },
+                TokenEntry {
+                    principal: "y".into(),
+                    sha256: hash_token("t"),
+                },
+            ],
+            ..Default::default()
+        };
+        assert!(Authorizer::new(&dup).is_err());
+    }
+}

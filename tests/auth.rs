@@ -1,0 +1,299 @@
+//! Authentication and authorization on a real node: tokens, durable-id ownership, region ACLs,
+//! the admin role, and the errors a user sees for each refusal.
+
+mod common;
+
+use common::*;
+use tether::auth::{AclEntry, AuthConfig, TokenEntry, hash_token};
+use tether::client::{ClientError, Interest};
+use tether::protocol::{ErrorCode, QueueStatus};
+
+fn auth() -> AuthConfig {
+    let token = |principal: &str, secret: &str| TokenEntry {
+        principal: principal.into(),
+        sha256: hash_token(secret),
+    };
+    AuthConfig {
+        admins: vec!["ops".into()],
+        tokens: vec![
+            token("alice", "alice-secret"),
+            token("bob", "bob-secret"),
+            token("ops", "ops-secret"),
+        ],
+        acl: vec![
+            AclEntry {
+                principal: "alice".into(),
+                publish: vec!["fx-*".into()],
+                subscribe: vec!["fx-*".into()],
+            },
+            AclEntry {
+                principal: "bob".into(),
+                publish: vec![],
+                subscribe: vec!["fx-*".into()],
+            },
+        ],
+    }
+}
+
+fn refusal(err: ClientError) -> tether::protocol::WireError {
+    match err {
+        ClientError::Server(e) => e,
+        other => panic!("expected a refusal from the server, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn connections_need_a_known_token() {
+    let n = TestNode::start_auth(auth()).await;
+    let e = refusal(n.builder().connect().await.err().expect("no token"));
+    assert_eq!(e.code, ErrorCode::Unauthenticated);
+    assert!(e.message.contains("requires a token"), "{}", e.message);
+    let e = refusal(
+        n.builder()
+            .token("guess")
+            .connect()
+            .await
+            .err()
+            .expect("bad token"),
+    );
+    assert_eq!(
+        (e.code, e.message.as_str()),
+        (ErrorCode::Unauthenticated, "unknown token")
+    );
+    n.builder()
+        .token("alice-secret")
+        .connect()
+        .await
+        .expect("a known token")
+        .close(false)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_durable_id_belongs_to_its_creator() {
+    let n = TestNode::start_auth(auth()).await;
+    let a = n
+        .builder()
+        .token("alice-secret")
+        .durable("dash", 600)
+        .connect()
+        .await
+        .unwrap();
+    a.region("fx-eur")
+        .register(Interest::all_keys())
+        .await
+        .unwrap();
+    a.close(true).await.unwrap();
+    let e = refusal(
+        n.builder()
+            .token("bob-secret")
+            .durable("dash", 600)
+            .connect()
+            .await
+            .err()
+            .expect("not bob's"),
+    );
+    assert_eq!(e.code, ErrorCode::Forbidden);
+    assert!(
+        e.message.contains("belongs to another principal"),
+        "{}",
+        e.message
+    );
+    // Not even while alice is connected (no liveness probe for a stranger).
+    let a = n
+        .builder()
+        .token("alice-secret")
+        .durable("dash", 600)
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(a.queue_status(), QueueStatus::Resumed);
+    let e = refusal(
+        n.builder()
+            .token("bob-secret")
+            .durable("dash", 600)
+            .connect()
+            .await
+            .err()
+            .unwrap(),
+    );
+    assert_eq!(e.code, ErrorCode::Forbidden);
+    a.close(true).await.unwrap();
+    // Ownership survives a restart.
+    let mut n = n;
+    n.restart().await;
+    let e = refusal(
+        n.builder()
+            .token("bob-secret")
+            .durable("dash", 600)
+            .connect()
+            .await
+            .err()
+            .unwrap(),
+    );
+    assert_eq!(e.code, ErrorCode::Forbidden);
+    let a = n
+        .builder()
+        .token("alice-secret")
+        .durable("dash", 600)
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(a.queue_status(), QueueStatus::Resumed);
+}
+
+#[tokio::test]
+async fn region_acls_gate_publish_subscribe_and_get() {
+    let n = TestNode::start_auth(auth()).await;
+    let bob = n.builder().token("bob-secret").connect().await.unwrap();
+    let e = refusal(bob.region("fx-eur").put("k", "v").await.unwrap_err());
+    assert_eq!(e.code, ErrorCode::Forbidden);
+    assert!(
+        e.message
+            .contains("bob may not publish to region \"fx-eur\""),
+        "{}",
+        e.message
+    );
+    bob.region("fx-eur")
+        .register(Interest::all_keys())
+        .await
+        .expect("bob may subscribe to fx-*");
+    let e = refusal(
+        bob.region("secret")
+            .register(Interest::all_keys())
+            .await
+            .unwrap_err(),
+    );
+    assert!(e.message.contains("may not subscribe"), "{}", e.message);
+    let e = refusal(bob.region("secret").get("k").await.unwrap_err());
+    assert_eq!(e.code, ErrorCode::Forbidden);
+    // The connection stays usable after a refusal, and what is allowed works end to end.
+    let alice = n.builder().token("alice-secret").connect().await.unwrap();
+    alice.region("fx-eur").put("k", "v").await.unwrap();
+    let e = refusal(alice.region("rates").put("k", "v").await.unwrap_err());
+    assert_eq!(e.code, ErrorCode::Forbidden);
+    assert_eq!(
+        n.node().get("rates", "k").unwrap(),
+        None,
+        "a refused publish changes nothing"
+    );
+    assert_eq!(
+        bob.region("fx-eur").get("k").await.unwrap().as_deref(),
+        Some(&b"v"[..])
+    );
+}
+
+#[tokio::test]
+async fn admin_commands_need_the_admin_role() {
+    let n = TestNode::start_auth(auth()).await;
+    let a = n
+        .builder()
+        .token("alice-secret")
+        .durable("dash", 600)
+        .connect()
+        .await
+        .unwrap();
+    a.close(true).await.unwrap();
+    let alice = n.builder().token("alice-secret").connect().await.unwrap();
+    assert_eq!(
+        refusal(alice.queues().await.unwrap_err()).code,
+        ErrorCode::Forbidden
+    );
+    let e = refusal(alice.close_durable("dash").await.unwrap_err());
+    assert_eq!(e.code, ErrorCode::Forbidden);
+    assert!(e.message.contains("alice is not an admin"), "{}", e.message);
+    let ops = n.builder().token("ops-secret").connect().await.unwrap();
+    assert_eq!(ops.queues().await.unwrap().len(), 1);
+    ops.close_durable("dash").await.unwrap();
+    assert!(ops.queues().await.unwrap().is_empty());
+}
+
+/// The command line: `hash-token` prints what the `[auth]` table stores; `--token` (or
+/// TETHER_TOKEN) authenticates; a refusal is one `error:` line naming the reason.
+#[test]
+fn cli_tokens_and_refusals() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let bin = env!("CARGO_BIN_EXE_tether");
+    let out = Command::new(bin)
+        .args(["hash-token", "alice-secret"])
+        .output()
+        .unwrap();
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(line["type"], "token-hash");
+    assert_eq!(line["sha256"], hash_token("alice-secret"));
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tether.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[auth]\nadmins = []\n[[auth.tokens]]\nprincipal = \"alice\"\nsha256 = \"{}\"\n[[auth.acl]]\nprincipal = \"alice\"\npublish = [\"fx-*\"]\nsubscribe = [\"fx-*\"]\n",
+            hash_token("alice-secret")
+        ),
+    )
+    .unwrap();
+    let mut server = Command::new(bin)
+        .args([
+            "server",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics",
+            "off",
+            "--config",
+        ])
+        .arg(&config)
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(server.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let listening: serde_json::Value = serde_json::from_str(&first).unwrap();
+    let (addr, ca) = (
+        listening["addr"].as_str().unwrap(),
+        listening["ca"].as_str().unwrap(),
+    );
+    let put = |extra: &[&str], env_token: Option<&str>| {
+        let mut c = Command::new(bin);
+        c.args([
+            "put", "--server", addr, "--ca", ca, "--region", "fx-eur", "--key", "k", "--value", "v",
+        ])
+        .args(extra);
+        c.env_remove("TETHER_TOKEN");
+        if let Some(t) = env_token {
+            c.env("TETHER_TOKEN", t);
+        }
+        c.output().unwrap()
+    };
+    let ok = put(&["--token", "alice-secret"], None);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(
+        put(&[], Some("alice-secret")).status.success(),
+        "TETHER_TOKEN works too"
+    );
+    for (extra, want) in [
+        (&[][..], "requires a token"),
+        (&["--token", "nope"][..], "unknown token"),
+    ] {
+        let bad = put(extra, None);
+        assert!(!bad.status.success());
+        let stderr = String::from_utf8_lossy(&bad.stderr);
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "{stderr}");
+        assert!(
+            lines[0].starts_with("error:") && lines[0].contains(want),
+            "{stderr}"
+        );
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+}
