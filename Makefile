@@ -85,3 +85,16 @@ fuzz: fuzz-deps
 crash-test: deps
 	TETHER_CRASH_ROUNDS=$(CRASH_ROUNDS) TETHER_CRASH_SEED=$(CRASH_SEED) \
 	  $(CARGO) test --release --test crash_safety -- --nocapture
+
+# Soak run (bounded, not part of `make test`): durable clients connecting, consuming, closing,
+# crashing and coming back against one in-process node while publishers run; checks nothing is
+# lost and every redelivery is flagged. The seed is printed (SOAK_SEED replays a run).
+SOAK_SECS ?= 300
+SOAK_CLIENTS ?= 1000
+SOAK_SEED ?=
+
+.PHONY: soak
+
+soak: deps
+	TETHER_SOAK_SECS=$(SOAK_SECS) TETHER_SOAK_CLIENTS=$(SOAK_CLIENTS) $(if $(SOAK_SEED),TETHER_SOAK_SEED=$(SOAK_SEED)) \
+	  $(CARGO) bench --bench soak

@@ -2,8 +2,9 @@
 //! region ACLs with glob patterns, and the admin role. Plain data, no I/O.
 //!
 //! With no `[auth]` table a node is open (any client that trusts its CA may do anything), which
-//! is what `make run` gives for development. With one, every connection presents a token; the
-//! principal it maps to is checked on every request:
+//! is what `make run` gives for development. With one, every connection presents a token or a
+//! client certificate issued by `client-ca` (its subject common name is the principal); the
+//! principal is checked on every request:
 //! - `publish` patterns gate publishes, `subscribe` patterns gate interest registration and
 //!   reads (`get`), per region;
 //! - admin principals may do everything, including `tether queues` and `close-durable`;
@@ -26,6 +27,10 @@ pub const TOKEN_BYTES_MAX: usize = 4096;
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct AuthConfig {
+    /// CA (PEM file) whose client certificates authenticate their subject common name as the
+    /// principal (mutual TLS). Without it only tokens authenticate.
+    #[serde(default)]
+    pub client_ca: Option<std::path::PathBuf>,
     /// Principals with the admin role.
     #[serde(default)]
     pub admins: Vec<String>,
@@ -158,11 +163,28 @@ impl Authorizer {
         })
     }
 
-    /// Maps the token of a hello to its principal.
-    pub fn authenticate(&self, token: Option<&str>) -> Result<Principal, WireError> {
+    /// The principal of a connection: its token's if it presented one, else the common name of
+    /// its verified client certificate (`cert_name`, only when `client-ca` is configured).
+    pub fn authenticate(
+        &self,
+        token: Option<&str>,
+        cert_name: Option<&str>,
+    ) -> Result<Principal, WireError> {
         let unauthenticated = |m: &str| WireError::new(ErrorCode::Unauthenticated, m);
-        let token =
-            token.ok_or_else(|| unauthenticated("this server requires a token (--token)"))?;
+        let token = match (token, cert_name) {
+            (Some(t), _) => t,
+            (None, Some(name)) => {
+                return Ok(Principal {
+                    name: name.to_string(),
+                    admin: self.admins.contains(name),
+                });
+            }
+            (None, None) => {
+                return Err(unauthenticated(
+                    "this server requires a token (--token) or a client certificate (--cert)",
+                ));
+            }
+        };
         if token.len() > TOKEN_BYTES_MAX {
             return Err(unauthenticated("token too long"));
         }
@@ -226,6 +248,7 @@ mod tests {
 
     fn authorizer() -> Authorizer {
         Authorizer::new(&AuthConfig {
+            client_ca: None,
             admins: vec!["ops".into()],
             tokens: vec![
                 TokenEntry {
@@ -257,27 +280,38 @@ mod tests {
     fn tokens_map_to_principals() {
         let a = authorizer();
         assert_eq!(
-            a.authenticate(Some("a-secret")).unwrap(),
+            a.authenticate(Some("a-secret"), None).unwrap(),
             Principal {
                 name: "alice".into(),
                 admin: false
             }
         );
-        assert!(a.authenticate(Some("o-secret")).unwrap().admin);
+        assert!(a.authenticate(Some("o-secret"), None).unwrap().admin);
         assert_eq!(
-            a.authenticate(Some("nope")).unwrap_err().code,
+            a.authenticate(Some("nope"), None).unwrap_err().code,
             ErrorCode::Unauthenticated
         );
         assert_eq!(
-            a.authenticate(None).unwrap_err().code,
+            a.authenticate(None, None).unwrap_err().code,
             ErrorCode::Unauthenticated
         );
+        let carol = a.authenticate(None, Some("carol")).unwrap();
+        assert_eq!(
+            carol,
+            Principal {
+                name: "carol".into(),
+                admin: false
+            }
+        );
+        assert!(a.authenticate(None, Some("ops")).unwrap().admin);
+        let both = a.authenticate(Some("a-secret"), Some("ops")).unwrap();
+        assert_eq!(both.name, "alice", "a token wins over a certificate");
     }
 
     #[test]
     fn acl_and_admin() {
         let a = authorizer();
-        let alice = a.authenticate(Some("a-secret")).unwrap();
+        let alice = a.authenticate(Some("a-secret"), None).unwrap();
         assert!(a.check(&alice, Access::Publish("fx-eur")).is_ok());
         assert!(
             a.check(&alice, Access::Subscribe("public")).is_ok(),
@@ -287,7 +321,7 @@ mod tests {
         assert_eq!(e.code, ErrorCode::Forbidden);
         assert!(e.message.contains("may not subscribe"), "{}", e.message);
         assert!(a.check(&alice, Access::Admin).is_err());
-        let ops = a.authenticate(Some("o-secret")).unwrap();
+        let ops = a.authenticate(Some("o-secret"), None).unwrap();
         assert!(a.check(&ops, Access::Admin).is_ok());
     }
 

@@ -62,6 +62,8 @@ impl std::str::FromStr for QueueFullPolicy {
 
 /// Upper bound of `queue-full-block-ms`, in milliseconds.
 pub const QUEUE_FULL_BLOCK_MS_MAX: u64 = 60_000;
+/// Upper bound of `idle-timeout-ms`, in milliseconds (one hour).
+pub const IDLE_TIMEOUT_MS_MAX: u64 = 3_600_000;
 /// Default of `queue-full-block-ms`, in milliseconds.
 pub const QUEUE_FULL_BLOCK_MS_DEFAULT: u64 = 5_000;
 
@@ -81,6 +83,9 @@ pub struct Limits {
     pub handshake_timeout_ms: u64,
     /// Events a session may have on the wire beyond its acked offset.
     pub inflight_events_max: u64,
+    /// A connection silent this long is closed (treated as a crash: keepalive), in
+    /// milliseconds. Must exceed the keep-alive interval.
+    pub idle_timeout_ms: u64,
 }
 
 impl Default for Limits {
@@ -93,6 +98,7 @@ impl Default for Limits {
             connections_max: CONNECTIONS_PER_NODE_MAX,
             handshake_timeout_ms: HANDSHAKE_TIMEOUT_MS,
             inflight_events_max: INFLIGHT_EVENTS_PER_SESSION_MAX,
+            idle_timeout_ms: tether_transport::tls::IDLE_TIMEOUT_MS,
         }
     }
 }
@@ -114,6 +120,12 @@ impl Limits {
         if self.queue_full_block_ms > QUEUE_FULL_BLOCK_MS_MAX {
             return Err(format!(
                 "limits.queue-full-block-ms must be at most {QUEUE_FULL_BLOCK_MS_MAX}"
+            ));
+        }
+        let keep_alive = tether_transport::tls::KEEP_ALIVE_INTERVAL_MS;
+        if self.idle_timeout_ms <= keep_alive || self.idle_timeout_ms > IDLE_TIMEOUT_MS_MAX {
+            return Err(format!(
+                "limits.idle-timeout-ms must be above the keep-alive interval ({keep_alive}) and at most {IDLE_TIMEOUT_MS_MAX}"
             ));
         }
         if self.handshake_timeout_ms > QUEUE_FULL_BLOCK_MS_MAX {

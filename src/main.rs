@@ -62,6 +62,19 @@ enum Command {
         /// The token.
         token: String,
     },
+    /// Issue a client certificate signed by a data directory's dev CA (for mutual TLS; the
+    /// common name is the principal).
+    IssueClientCert {
+        /// The principal (certificate common name).
+        #[arg(long)]
+        name: String,
+        /// The data directory whose tls/ca.pem and tls/ca.key sign it.
+        #[arg(long, default_value = "data")]
+        data_dir: PathBuf,
+        /// Where to write <name>.pem and <name>.key.
+        #[arg(long, default_value = ".")]
+        out: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -103,6 +116,14 @@ struct Conn {
     /// Bearer token for servers that authenticate clients (also TETHER_TOKEN).
     #[arg(long, env = "TETHER_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// Client certificate (PEM) for servers that authenticate clients by certificate; the
+    /// file may also hold the private key.
+    #[arg(long)]
+    cert: Option<PathBuf>,
+    /// Private key (PEM) of --cert, when it is not in the --cert file. (`--key` is the
+    /// region key in every command, so the certificate's key has this name.)
+    #[arg(long, requires = "cert")]
+    cert_key: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -295,6 +316,27 @@ async fn run(cmd: Command) -> Result<(), Fail> {
             c.close(false).await?;
             Ok(())
         }
+        Command::IssueClientCert {
+            name,
+            data_dir,
+            out,
+        } => {
+            if name.is_empty()
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.@".contains(c))
+            {
+                return Err(Fail(format!(
+                    "invalid name {name:?}: use letters, digits, '-', '_', '.', '@'"
+                )));
+            }
+            let (cert, key) =
+                tether::transport::tls::issue_dev_client_cert(&data_dir.join("tls"), &name, &out)?;
+            emit(
+                json!({"type":"client-cert","name":name,"cert":cert.display().to_string(),"key":key.display().to_string()}),
+            );
+            Ok(())
+        }
         Command::HashToken { token } => {
             emit(json!({"type":"token-hash","sha256":tether::auth::hash_token(&token)}));
             Ok(())
@@ -353,6 +395,15 @@ async fn connect(conn: &Conn, durable: Option<(String, u64)>, ack_ms: u64) -> Re
         .name("tether-cli");
     if let Some(t) = &conn.token {
         b = b.token(t.clone());
+    }
+    if let Some(cert) = &conn.cert {
+        let key = conn.cert_key.as_ref().unwrap_or(cert);
+        for f in [cert, key] {
+            if !f.exists() {
+                return Err(Fail(format!("{} does not exist", f.display())));
+            }
+        }
+        b = b.identity(cert, key);
     }
     if let Some((id, timeout)) = durable {
         b = b.durable(id, timeout);

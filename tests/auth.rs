@@ -14,6 +14,7 @@ fn auth() -> AuthConfig {
         sha256: hash_token(secret),
     };
     AuthConfig {
+        client_ca: None,
         admins: vec!["ops".into()],
         tokens: vec![
             token("alice", "alice-secret"),
@@ -296,4 +297,83 @@ fn cli_tokens_and_refusals() {
     }
     let _ = server.kill();
     let _ = server.wait();
+}
+
+/// Mutual TLS: a client certificate issued by `client-ca` authenticates its common name; one
+/// from another CA fails the handshake; ownership and ACLs apply to certificate principals too.
+#[tokio::test]
+async fn client_certificates_authenticate_their_common_name() {
+    use tether::transport::tls;
+    let dir = tempfile::tempdir().unwrap();
+    let tls_dir = dir.path().join("tls");
+    let files = tls::ensure_dev_certs(&tls_dir).unwrap();
+    let mut config = tether::config::ServerConfig::ephemeral(dir.path());
+    let mut a = auth();
+    a.client_ca = Some(files.ca.clone());
+    a.acl.push(AclEntry {
+        principal: "carol".into(),
+        publish: vec![],
+        subscribe: vec!["fx-*".into()],
+    });
+    config.auth = Some(a);
+    let node = tether::server::Node::start(config).await.unwrap();
+    let (cert, key) =
+        tls::issue_dev_client_cert(&tls_dir, "carol", &dir.path().join("clients")).unwrap();
+    let builder = || {
+        tether::client::ClientBuilder::new()
+            .server(node.addr())
+            .ca_file(&files.ca)
+    };
+
+    let carol = builder()
+        .identity(&cert, &key)
+        .durable("carol-dash", 600)
+        .connect()
+        .await
+        .expect("carol's certificate");
+    carol
+        .region("fx-eur")
+        .register(Interest::all_keys())
+        .await
+        .unwrap();
+    let e = refusal(carol.region("fx-eur").put("k", "v").await.unwrap_err());
+    assert!(e.message.contains("carol may not publish"), "{}", e.message);
+    carol.close(true).await.unwrap();
+    // Her durable id is hers: a token principal cannot take it.
+    let e = refusal(
+        builder()
+            .token("alice-secret")
+            .durable("carol-dash", 600)
+            .connect()
+            .await
+            .err()
+            .unwrap(),
+    );
+    assert_eq!(e.code, ErrorCode::Forbidden);
+    let carol = builder()
+        .identity(&cert, &key)
+        .durable("carol-dash", 600)
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(carol.queue_status(), QueueStatus::Resumed);
+    carol.close(true).await.unwrap();
+
+    // Neither certificate nor token: refused, saying what is missing.
+    let e = refusal(builder().connect().await.err().unwrap());
+    assert_eq!(e.code, ErrorCode::Unauthenticated);
+    assert!(e.message.contains("client certificate"), "{}", e.message);
+    // A certificate from a CA the server does not trust fails the handshake.
+    let other = tempfile::tempdir().unwrap();
+    tls::ensure_dev_certs(&other.path().join("tls")).unwrap();
+    let (mcert, mkey) =
+        tls::issue_dev_client_cert(&other.path().join("tls"), "mallory", other.path()).unwrap();
+    let err = builder()
+        .identity(&mcert, &mkey)
+        .connect()
+        .await
+        .err()
+        .expect("untrusted certificate");
+    assert!(matches!(err, ClientError::Connect(_)), "{err:?}");
+    node.shutdown().await;
 }

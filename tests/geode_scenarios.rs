@@ -408,6 +408,44 @@ async fn b6_redelivered_duplicates_are_dropped_by_the_library() {
     );
 }
 
+/// Clients built from clones of one builder keep their own duplicate suppression: another
+/// durable id's processed offsets never hide this one's redelivered events.
+#[tokio::test]
+async fn b6_builder_clones_do_not_share_duplicate_state() {
+    let n = TestNode::start().await;
+    let b = n.builder().ack_interval(Duration::from_secs(3600));
+    let x = b.clone().durable("X", 300).connect().await.unwrap();
+    x.region("R").register(Interest::all_keys()).await.unwrap();
+    x.ready_for_events().await.unwrap();
+    let mut xev = x.events().unwrap();
+    until_live(&mut xev, "R").await;
+    let y = b.clone().durable("Y", 300).connect().await.unwrap();
+    y.region("R").register(Interest::all_keys()).await.unwrap();
+    y.ready_for_events().await.unwrap();
+    let mut yev = y.events().unwrap();
+    until_live(&mut yev, "R").await;
+    n.put_many("R", 0..5).await;
+    take_events(&mut xev, 5).await; // delivered to X, not processed
+    drop(xev);
+    x.crash();
+    eventually("X away", || n.queue("X").is_some_and(|q| q.state == "away")).await;
+    take_events(&mut yev, 5).await;
+    let x = b.clone().durable("X", 300).connect().await.unwrap();
+    // Y goes on processing while X is back.
+    n.put("R", "more", "v").await;
+    take_events(&mut yev, 1).await;
+    yev.commit();
+    x.ready_for_events().await.unwrap();
+    let got = until_live(&mut x.events().unwrap(), "R").await;
+    let e = entries(&got);
+    assert_eq!(
+        e.len(),
+        6,
+        "X's five redelivered events and the new one: {got:?}"
+    );
+    assert!(e[..5].iter().all(|e| e.possible_duplicate));
+}
+
 #[tokio::test]
 async fn b7_reconnect_after_closing_from_the_live_callback() {
     struct CloseOnLive(bool);

@@ -235,3 +235,74 @@ async fn handshake_timeout_closes_silent_connections() {
     // Everyone else is served.
     n.plain().await.close(false).await.unwrap();
 }
+
+/// A UDP relay between a client and the node that can go silent, like a network cut.
+async fn relay(
+    server: std::net::SocketAddr,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let front = std::sync::Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
+    let back = std::sync::Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
+    back.connect(server).await.unwrap();
+    let addr = front.local_addr().unwrap();
+    let cut = std::sync::Arc::new(AtomicBool::new(false));
+    let client = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (f, b, c, k) = (front.clone(), back.clone(), client.clone(), cut.clone());
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65536];
+        while let Ok((n, from)) = f.recv_from(&mut buf).await {
+            *c.lock().unwrap() = Some(from);
+            if !k.load(Ordering::Relaxed) {
+                let _ = b.send(&buf[..n]).await;
+            }
+        }
+    });
+    let k = cut.clone();
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65536];
+        while let Ok(n) = back.recv(&mut buf).await {
+            let to = *client.lock().unwrap();
+            if let (Some(to), false) = (to, k.load(Ordering::Relaxed)) {
+                let _ = front.send_to(&buf[..n], to).await;
+            }
+        }
+    });
+    (addr, cut)
+}
+
+#[tokio::test]
+async fn idle_timeout_closes_silent_connections_as_crashes() {
+    let n = TestNode::start_with(Limits {
+        idle_timeout_ms: 6_000,
+        ..Limits::default()
+    })
+    .await;
+    let (addr, cut) = relay(n.node().addr()).await;
+    let c = tether::client::ClientBuilder::new()
+        .server(addr)
+        .ca_file(n.node().ca_file())
+        .durable("silent", 600)
+        .connect()
+        .await
+        .unwrap();
+    eventually("attached", || {
+        n.queue("silent").is_some_and(|q| q.state == "connected")
+    })
+    .await;
+    // The network goes silent: nothing tells the server, only its idle timeout does.
+    cut.store(true, std::sync::atomic::Ordering::Relaxed);
+    let started = std::time::Instant::now();
+    eventually(
+        "the server drops the silent connection and keeps the queue",
+        || n.queue("silent").is_some_and(|q| q.state == "away"),
+    )
+    .await;
+    assert!(
+        started.elapsed() >= Duration::from_secs(3),
+        "not before the idle timeout"
+    );
+    drop(c);
+}

@@ -137,9 +137,12 @@ pub struct ClientBuilder {
     ca_pem: Option<Vec<u8>>,
     durable: Option<DurableHello>,
     token: Option<String>,
+    identity: Option<(PathBuf, PathBuf)>,
     ack_interval: Duration,
     name: String,
-    dedup: DedupState,
+    /// Shared with an earlier client only when set explicitly: clones of a builder must not
+    /// share one (each durable id has its own processed offsets).
+    dedup: Option<DedupState>,
 }
 
 impl Default for ClientBuilder {
@@ -156,9 +159,10 @@ impl ClientBuilder {
             ca_pem: None,
             durable: None,
             token: None,
+            identity: None,
             ack_interval: Duration::from_millis(ACK_INTERVAL_MS_DEFAULT),
             name: "tether-client".into(),
-            dedup: DedupState::default(),
+            dedup: None,
         }
     }
 
@@ -205,6 +209,13 @@ impl ClientBuilder {
         self
     }
 
+    /// A client certificate chain and its key (PEM files), for servers that authenticate
+    /// clients by certificate (mutual TLS). Needs [`ca_file`](Self::ca_file).
+    pub fn identity(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
+        self.identity = Some((cert.into(), key.into()));
+        self
+    }
+
     pub fn ack_interval(mut self, every: Duration) -> Self {
         self.ack_interval = every;
         self
@@ -217,7 +228,7 @@ impl ClientBuilder {
 
     /// Shares processed-event ids with an earlier client of this process.
     pub fn dedup_state(mut self, state: DedupState) -> Self {
-        self.dedup = state;
+        self.dedup = Some(state);
         self
     }
 
@@ -228,6 +239,15 @@ impl ClientBuilder {
             return Err(ClientError::NoServer);
         }
         let config = match (&self.ca_pem, &self.ca_file) {
+            (_, Some(f)) if self.identity.is_some() => {
+                let (cert, key) = self.identity.as_ref().expect("checked");
+                tls::client_config_with_identity(f, cert, key)?
+            }
+            (_, None) if self.identity.is_some() => {
+                return Err(ClientError::Usage(
+                    "a client certificate needs the CA as a file (ca_file)".into(),
+                ));
+            }
             (Some(pem), _) => tls::client_config_from_pem(pem)?,
             (None, Some(f)) => tls::client_config(f)?,
             (None, None) => {
@@ -307,15 +327,15 @@ impl ClientBuilder {
             acked: AtomicU64::new(0),
             conn: conn.clone(),
         });
-        self.dedup
-            .attach(self.durable.as_ref().map(|d| d.id.as_str()), status);
+        let dedup = self.dedup.clone().unwrap_or_default();
+        dedup.attach(self.durable.as_ref().map(|d| d.id.as_str()), status);
         let (events_tx, events_rx) = mpsc::channel(CLIENT_BUFFERED_FRAMES_MAX);
         let control = tokio::spawn(control_task(inner.clone(), reader));
         let delivery = tokio::spawn(delivery_task(
             conn.clone(),
             inner.clone(),
             events_tx,
-            self.dedup.clone(),
+            dedup.clone(),
         ));
         let acker = tokio::spawn(ack_task(inner.clone(), self.ack_interval));
         Ok(Client {
@@ -327,7 +347,7 @@ impl ClientBuilder {
             pending,
             durable: self.durable.is_some(),
             events: Mutex::new(Some(events_rx)),
-            dedup: self.dedup.clone(),
+            dedup,
             tasks: vec![control, delivery, acker],
         })
     }

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use tether_storage::Offset;
-use tether_transport::PROTOCOL_VERSION;
 use tether_transport::codec::{self, CodecError, FrameReader};
+use tether_transport::{PROTOCOL_VERSION, tls};
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 use super::{SessionHandle, Shared, internal, now_ms};
@@ -145,13 +145,15 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
     // Every connection authenticates anew: the latest credentials are the ones that count.
     let principal = match &shared.auth {
         None => None,
-        Some(a) => match a.authenticate(token.as_deref()) {
-            Ok(p) => Some(p),
-            Err(e) => {
-                refuse(&conn, &mut send, e).await;
-                return Err(());
+        Some(a) => {
+            match a.authenticate(token.as_deref(), tls::peer_common_name(&conn).as_deref()) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    refuse(&conn, &mut send, e).await;
+                    return Err(());
+                }
             }
-        },
+        }
     };
     let owner = principal.as_ref().map(|p| p.name.as_str());
     let connected = match connect(shared, durable.as_ref(), owner).await {
@@ -517,47 +519,35 @@ async fn initial_image(
                 value,
             });
         };
-        let scan: Vec<crate::interest::Selector> = selectors
+        // One registration is a key list (point reads) or one regex / all keys (one scan).
+        let keys: Vec<&str> = selectors
             .iter()
-            .filter(|s| !matches!(s, Selector::Key(_)))
-            .cloned()
+            .filter_map(|s| {
+                if let Selector::Key(k) = s {
+                    Some(k.as_str())
+                } else {
+                    None
+                }
+            })
             .collect();
-        for sel in &selectors {
-            if let Selector::Key(k) = sel {
+        if keys.len() == selectors.len() {
+            for k in keys {
                 if let Some(v) = store.region_get(&region, k).map_err(internal)? {
                     push(k, &v);
                 }
             }
-        }
-        if !scan.is_empty() {
-            let regexes: Vec<Option<regex::Regex>> = scan
+        } else {
+            let all = selectors.iter().any(|s| matches!(s, Selector::All));
+            let regexes: Vec<regex::Regex> = selectors
                 .iter()
-                .map(|s| match s {
+                .filter_map(|s| match s {
                     Selector::Regex(r) => crate::interest::compile_regex(r).ok(),
                     _ => None,
                 })
                 .collect();
-            let keys: std::collections::BTreeSet<String> = selectors
-                .iter()
-                .filter_map(|s| {
-                    if let Selector::Key(k) = s {
-                        Some(k.clone())
-                    } else {
-                        None
-                    }
-                })
-                .collect();
             store
                 .region_scan(&region, &mut |key, v| {
-                    if keys.contains(key) {
-                        return;
-                    }
-                    let hit = scan.iter().zip(&regexes).any(|(s, re)| match (s, re) {
-                        (Selector::All, _) => true,
-                        (_, Some(re)) => re.is_match(key),
-                        _ => false,
-                    });
-                    if hit {
+                    if all || regexes.iter().any(|re| re.is_match(key)) {
                         push(key, v);
                     }
                 })

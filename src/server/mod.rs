@@ -394,7 +394,17 @@ impl Node {
             },
             None => tls::ensure_dev_certs(&data_dir.join("tls"))?,
         };
-        let server_config = tls::server_config(&tls_files)?;
+        let mut server_config = match config.auth.as_ref().and_then(|a| a.client_ca.as_deref()) {
+            Some(client_ca) => tls::server_config_with_client_ca(&tls_files, client_ca)?,
+            None => tls::server_config(&tls_files)?,
+        };
+        let mut transport = tls::transport_config();
+        let idle = Duration::from_millis(config.limits.idle_timeout_ms);
+        transport.max_idle_timeout(Some(
+            quinn::IdleTimeout::try_from(idle)
+                .map_err(|_| NodeError::Config("idle timeout too large".into()))?,
+        ));
+        server_config.transport_config(Arc::new(transport));
         let db_dir = data_dir.join("db");
         let store: Arc<dyn Store> = Arc::new(
             tokio::task::spawn_blocking(move || RocksStore::open(&db_dir))

@@ -167,6 +167,111 @@ pub fn server_config(files: &TlsFiles) -> Result<quinn::ServerConfig, TlsError> 
     Ok(cfg)
 }
 
+/// [`server_config`] that also accepts client certificates issued by the CA(s) in the PEM
+/// file `client_ca` (mutual TLS). A client without a certificate is still accepted (it may
+/// authenticate with a token instead); one with a certificate that does not verify fails the
+/// handshake. The verified subject is read with [`peer_common_name`].
+pub fn server_config_with_client_ca(
+    files: &TlsFiles,
+    client_ca: &Path,
+) -> Result<quinn::ServerConfig, TlsError> {
+    let certs = parse_certs(&read_file(&files.cert)?, &files.cert)?;
+    let key = parse_key(&read_file(&files.key)?, &files.key)?;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in parse_certs(&read_file(client_ca)?, client_ca)? {
+        roots.add(cert)?;
+    }
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+            .allow_unauthenticated()
+            .build()
+            .map_err(|e| TlsError::Quic(format!("client verifier: {e}")))?;
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(certs, key)?;
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    let quic = QuicServerConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
+    let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(quic));
+    cfg.transport_config(Arc::new(transport_config()));
+    Ok(cfg)
+}
+
+/// Client configuration trusting the CA in `ca_pem` and presenting the certificate chain in
+/// `cert` with its private key `key` (mutual TLS).
+pub fn client_config_with_identity(
+    ca_pem: &Path,
+    cert: &Path,
+    key: &Path,
+) -> Result<quinn::ClientConfig, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for c in parse_certs(&read_file(ca_pem)?, ca_pem)? {
+        roots.add(c)?;
+    }
+    let chain = parse_certs(&read_file(cert)?, cert)?;
+    let key = parse_key(&read_file(key)?, key)?;
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)?;
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    let quic = QuicClientConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
+    let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
+    cfg.transport_config(Arc::new(transport_config()));
+    Ok(cfg)
+}
+
+/// The subject common name of the client certificate a connection presented and the server
+/// verified, if any.
+pub fn peer_common_name(conn: &quinn::Connection) -> Option<String> {
+    let identity = conn.peer_identity()?;
+    let chain = identity.downcast_ref::<Vec<CertificateDer<'static>>>()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(chain.first()?.as_ref()).ok()?;
+    let cn = cert
+        .subject()
+        .iter_common_name()
+        .next()?
+        .as_str()
+        .ok()?
+        .to_string();
+    Some(cn)
+}
+
+/// Issues a client certificate with subject common name `common_name`, signed by the dev CA
+/// in `tls_dir` (made by [`ensure_dev_certs`]), into `out_dir` as `<name>.pem` and
+/// `<name>.key`. Returns the two paths.
+pub fn issue_dev_client_cert(
+    tls_dir: &Path,
+    common_name: &str,
+    out_dir: &Path,
+) -> Result<(PathBuf, PathBuf), TlsError> {
+    let ca_key = tls_dir.join(CA_KEY_FILE);
+    let pem = std::fs::read_to_string(&ca_key).map_err(io_err(&ca_key))?;
+    let issuer = rcgen::Issuer::new(ca_params()?, rcgen::KeyPair::from_pem(&pem)?);
+    let mut p = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    p.distinguished_name = rcgen::DistinguishedName::new();
+    p.distinguished_name
+        .push(rcgen::DnType::CommonName, common_name);
+    p.is_ca = rcgen::IsCa::ExplicitNoCa;
+    p.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature];
+    p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    p.use_authority_key_identifier_extension = true;
+    let kp = rcgen::KeyPair::generate()?;
+    let cert = p.signed_by(&kp, &issuer)?;
+    std::fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
+    let (cert_path, key_path) = (
+        out_dir.join(format!("{common_name}.pem")),
+        out_dir.join(format!("{common_name}.key")),
+    );
+    write_file(
+        &key_path,
+        kp.serialize_pem().as_bytes(),
+        Some(KEY_FILE_MODE),
+    )?;
+    write_file(&cert_path, cert.pem().as_bytes(), None)?;
+    Ok((cert_path, key_path))
+}
+
 /// Client configuration trusting only the CA certificate(s) in the PEM file `ca_pem`.
 pub fn client_config(ca_pem: &Path) -> Result<quinn::ClientConfig, TlsError> {
     let pem = read_file(ca_pem)?;
