@@ -156,15 +156,42 @@ fn parse_key(pem: &[u8], path: &Path) -> Result<PrivateKeyDer<'static>, TlsError
 pub fn server_config(files: &TlsFiles) -> Result<quinn::ServerConfig, TlsError> {
     let certs = parse_certs(&read_file(&files.cert)?, &files.cert)?;
     let key = parse_key(&read_file(&files.key)?, &files.key)?;
-    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
+    let tls = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_no_client_auth()
         .with_single_cert(certs, key)?;
+    finish_server(tls)
+}
+
+/// ALPN, QUIC wrapping and [`transport_config`] for a rustls server configuration.
+fn finish_server(mut tls: rustls::ServerConfig) -> Result<quinn::ServerConfig, TlsError> {
     tls.alpn_protocols = vec![ALPN.to_vec()];
     let quic = QuicServerConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
     let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(quic));
     cfg.transport_config(Arc::new(transport_config()));
     Ok(cfg)
+}
+
+/// ALPN, QUIC wrapping and [`transport_config`] for a rustls client configuration.
+fn finish_client(mut tls: rustls::ClientConfig) -> Result<quinn::ClientConfig, TlsError> {
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    let quic = QuicClientConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
+    let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
+    cfg.transport_config(Arc::new(transport_config()));
+    Ok(cfg)
+}
+
+/// The certificates of a PEM file as a root store.
+fn roots_from(path: &Path) -> Result<rustls::RootCertStore, TlsError> {
+    roots_from_pem(&read_file(path)?, path)
+}
+
+fn roots_from_pem(pem: &[u8], path: &Path) -> Result<rustls::RootCertStore, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in parse_certs(pem, path)? {
+        roots.add(cert)?;
+    }
+    Ok(roots)
 }
 
 /// [`server_config`] that also accepts client certificates issued by the CA(s) in the PEM
@@ -177,24 +204,17 @@ pub fn server_config_with_client_ca(
 ) -> Result<quinn::ServerConfig, TlsError> {
     let certs = parse_certs(&read_file(&files.cert)?, &files.cert)?;
     let key = parse_key(&read_file(&files.key)?, &files.key)?;
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in parse_certs(&read_file(client_ca)?, client_ca)? {
-        roots.add(cert)?;
-    }
+    let roots = roots_from(client_ca)?;
     let verifier =
         rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
             .allow_unauthenticated()
             .build()
             .map_err(|e| TlsError::Quic(format!("client verifier: {e}")))?;
-    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
+    let tls = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(verifier)
         .with_single_cert(certs, key)?;
-    tls.alpn_protocols = vec![ALPN.to_vec()];
-    let quic = QuicServerConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
-    let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(quic));
-    cfg.transport_config(Arc::new(transport_config()));
-    Ok(cfg)
+    finish_server(tls)
 }
 
 /// Client configuration trusting the CA in `ca_pem` and presenting the certificate chain in
@@ -204,21 +224,14 @@ pub fn client_config_with_identity(
     cert: &Path,
     key: &Path,
 ) -> Result<quinn::ClientConfig, TlsError> {
-    let mut roots = rustls::RootCertStore::empty();
-    for c in parse_certs(&read_file(ca_pem)?, ca_pem)? {
-        roots.add(c)?;
-    }
+    let roots = roots_from(ca_pem)?;
     let chain = parse_certs(&read_file(cert)?, cert)?;
     let key = parse_key(&read_file(key)?, key)?;
-    let mut tls = rustls::ClientConfig::builder_with_provider(provider())
+    let tls = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_root_certificates(roots)
         .with_client_auth_cert(chain, key)?;
-    tls.alpn_protocols = vec![ALPN.to_vec()];
-    let quic = QuicClientConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
-    let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
-    cfg.transport_config(Arc::new(transport_config()));
-    Ok(cfg)
+    finish_client(tls)
 }
 
 /// The subject common name of the client certificate a connection presented and the server
@@ -284,19 +297,11 @@ pub fn client_config_from_pem(ca_pem: &[u8]) -> Result<quinn::ClientConfig, TlsE
 }
 
 fn client_config_inner(pem: &[u8], path: &Path) -> Result<quinn::ClientConfig, TlsError> {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in parse_certs(pem, path)? {
-        roots.add(cert)?;
-    }
-    let mut tls = rustls::ClientConfig::builder_with_provider(provider())
+    let tls = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
-        .with_root_certificates(roots)
+        .with_root_certificates(roots_from_pem(pem, path)?)
         .with_no_client_auth();
-    tls.alpn_protocols = vec![ALPN.to_vec()];
-    let quic = QuicClientConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
-    let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
-    cfg.transport_config(Arc::new(transport_config()));
-    Ok(cfg)
+    finish_client(tls)
 }
 
 fn ca_params() -> Result<rcgen::CertificateParams, TlsError> {
