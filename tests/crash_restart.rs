@@ -6,69 +6,11 @@
 mod common;
 
 use std::collections::HashSet;
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::*;
-use tether::client::{ClientBuilder, Interest};
+use tether::client::Interest;
 use tether::protocol::{PublishOp, QueueStatus};
-
-struct ServerProc {
-    child: Child,
-    addr: SocketAddr,
-    ca: PathBuf,
-}
-
-fn start_server(dir: &Path) -> ServerProc {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tether"))
-        .args([
-            "server",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics",
-            "off",
-            "--data-dir",
-        ])
-        .arg(dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn tether server");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .expect("listening line");
-    let v: serde_json::Value =
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad line {line:?}: {e}"));
-    assert_eq!(v["type"], "listening");
-    ServerProc {
-        child,
-        addr: v["addr"].as_str().unwrap().parse().unwrap(),
-        ca: PathBuf::from(v["ca"].as_str().unwrap()),
-    }
-}
-
-impl ServerProc {
-    fn builder(&self) -> ClientBuilder {
-        ClientBuilder::new().server(self.addr).ca_file(&self.ca)
-    }
-
-    fn kill9(mut self) {
-        // SIGKILL: no shutdown path runs.
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-}
-
-impl Drop for ServerProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 async fn publish(server: &ServerProc, region: &str, range: std::ops::Range<u32>) {
     let c = server.builder().connect().await.unwrap();
@@ -88,7 +30,7 @@ async fn publish(server: &ServerProc, region: &str, range: std::ops::Range<u32>)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill9_restart_keeps_queues_counts_interest_and_values() {
     let dir = tempfile::tempdir().unwrap();
-    let server = start_server(dir.path());
+    let server = ServerProc::start(dir.path(), &[]);
     // X: durable regex interest, processes and acks the first 100 events, then goes away.
     let x = server
         .builder()
@@ -137,7 +79,7 @@ async fn kill9_restart_keeps_queues_counts_interest_and_values() {
     drop(zev);
     z.crash();
 
-    let server = start_server(dir.path());
+    let server = ServerProc::start(dir.path(), &[]);
     // Region values survived.
     let c = server.builder().connect().await.unwrap();
     assert_eq!(

@@ -25,16 +25,12 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::WAIT;
-use tether::client::{Client, ClientBuilder, ClientEvent, Interest};
+use common::{ServerProc, WAIT};
+use tether::client::{Client, ClientEvent, Interest};
 use tether::protocol::{PublishOp, QueueReport, QueueStatus};
 use tokio::sync::watch;
 
@@ -75,61 +71,6 @@ impl Rng {
 // ---------------------------------------------------------------------------------------------
 // The server process
 // ---------------------------------------------------------------------------------------------
-
-struct ServerProc {
-    child: Child,
-    addr: SocketAddr,
-    ca: PathBuf,
-}
-
-fn start_server(dir: &Path, sync: &str) -> ServerProc {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tether"))
-        .args([
-            "server",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics",
-            "off",
-            "--sync",
-            sync,
-            "--data-dir",
-        ])
-        .arg(dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn tether server");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .expect("listening line");
-    let v: serde_json::Value =
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad listening line {line:?}: {e}"));
-    assert_eq!(v["type"], "listening");
-    ServerProc {
-        child,
-        addr: v["addr"].as_str().unwrap().parse().unwrap(),
-        ca: PathBuf::from(v["ca"].as_str().unwrap()),
-    }
-}
-
-impl ServerProc {
-    fn builder(&self) -> ClientBuilder {
-        ClientBuilder::new().server(self.addr).ca_file(&self.ca)
-    }
-
-    fn kill9(mut self) {
-        self.child.kill().expect("SIGKILL");
-        self.child.wait().expect("reap");
-    }
-}
-
-impl Drop for ServerProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // The model: what was published and acknowledged, what each subscriber received
@@ -647,7 +588,7 @@ async fn run(sync: &str) {
     });
     let started = Instant::now();
     let dir = tempfile::tempdir().unwrap();
-    let mut server = start_server(dir.path(), sync);
+    let mut server = ServerProc::start(dir.path(), &["--sync", sync]);
     // Round 0 set-up: durable interest registered before any publish.
     let mut live: Vec<Option<(Client, tether::client::EventStream)>> = Vec::new();
     for spec in subs() {
@@ -711,7 +652,7 @@ async fn run(sync: &str) {
                 .expect("client tasks end after the kill")
                 .expect("client task");
         }
-        server = start_server(dir.path(), sync);
+        server = ServerProc::start(dir.path(), &["--sync", sync]);
         let admin = server.builder().connect().await.expect("admin connects");
         let mut next_live = Vec::new();
         for i in 0..subs().len() {

@@ -200,3 +200,56 @@ pub async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A real `tether server` process on loopback port 0 with its data in `dir` (killed on drop).
+pub struct ServerProc {
+    pub child: std::process::Child,
+    pub addr: std::net::SocketAddr,
+    pub ca: std::path::PathBuf,
+}
+
+impl ServerProc {
+    /// Starts the binary with `extra` flags and waits for its `listening` line.
+    pub fn start(dir: &std::path::Path, extra: &[&str]) -> ServerProc {
+        use std::io::{BufRead, BufReader};
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tether"))
+            .args(["server", "--listen", "127.0.0.1:0", "--metrics", "off"])
+            .args(extra)
+            .arg("--data-dir")
+            .arg(dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn tether server");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .expect("listening line");
+        let v: serde_json::Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("bad listening line {line:?}: {e}"));
+        assert_eq!(v["type"], "listening");
+        ServerProc {
+            child,
+            addr: v["addr"].as_str().unwrap().parse().unwrap(),
+            ca: std::path::PathBuf::from(v["ca"].as_str().unwrap()),
+        }
+    }
+
+    pub fn builder(&self) -> ClientBuilder {
+        ClientBuilder::new().server(self.addr).ca_file(&self.ca)
+    }
+
+    /// SIGKILL: no shutdown path runs.
+    pub fn kill9(mut self) {
+        self.child.kill().expect("SIGKILL");
+        self.child.wait().expect("reap");
+    }
+}
+
+impl Drop for ServerProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
