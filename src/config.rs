@@ -161,6 +161,9 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// Authentication and authorization; None: an open node.
     pub auth: Option<crate::auth::AuthConfig>,
+    /// Cluster members as (node id, QUIC address); empty: a single node. May include this
+    /// node itself (so every member can share one list).
+    pub peers: Vec<(String, String)>,
 }
 
 /// Default client/peer address.
@@ -181,6 +184,7 @@ impl Default for ServerConfig {
             tls: None,
             limits: Limits::default(),
             auth: None,
+            peers: Vec::new(),
         }
     }
 }
@@ -209,6 +213,29 @@ pub struct FileConfig {
     pub tls: Option<TlsConfig>,
     pub limits: Option<Limits>,
     pub auth: Option<crate::auth::AuthConfig>,
+    pub cluster: Option<ClusterFileConfig>,
+}
+
+/// The `[cluster]` table of the TOML file.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ClusterFileConfig {
+    /// Members as `ID=ADDR`, like `--peer`.
+    #[serde(default)]
+    pub peers: Vec<String>,
+}
+
+/// Parses a `--peer` value `ID=ADDR` (ADDR an `IP:PORT`).
+pub fn parse_peer(s: &str) -> Result<(String, String), String> {
+    let (id, addr) = s
+        .split_once('=')
+        .ok_or_else(|| format!("invalid peer {s:?} (expected ID=ADDR, e.g. n2=127.0.0.1:7402)"))?;
+    validate_node_id(id)?;
+    let addr = parse_addr("peer", addr)?;
+    if addr.port() == 0 {
+        return Err(format!("peer {id}: port 0 cannot be dialed"));
+    }
+    Ok((id.to_string(), addr.to_string()))
 }
 
 impl FileConfig {
@@ -296,6 +323,23 @@ mod tests {
         assert!(validate_node_id("n1").is_ok());
         assert!(validate_node_id("bad id").is_err());
         assert!(validate_node_id("").is_err());
+    }
+
+    #[test]
+    fn peers_parse() {
+        assert_eq!(
+            parse_peer("n2=127.0.0.1:7402").unwrap(),
+            ("n2".to_string(), "127.0.0.1:7402".to_string())
+        );
+        for bad in [
+            "n2",
+            "=127.0.0.1:1",
+            "n2=localhost:7402",
+            "n 2=127.0.0.1:1",
+            "n2=127.0.0.1:0",
+        ] {
+            assert!(parse_peer(bad).is_err(), "{bad}");
+        }
         assert!("sometimes".parse::<SyncMode>().is_err());
     }
 }

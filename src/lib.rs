@@ -38,6 +38,7 @@
 
 pub mod auth;
 pub mod client;
+pub mod cluster;
 pub mod config;
 pub mod core;
 pub mod interest;

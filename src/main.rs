@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use serde_json::{Value, json};
 use tether::client::{Client, ClientBuilder, ClientEvent, Interest};
 use tether::config::{
-    FileConfig, ServerConfig, SyncMode, parse_addr, parse_metrics, validate_node_id,
+    FileConfig, ServerConfig, SyncMode, parse_addr, parse_metrics, parse_peer, validate_node_id,
 };
 use tether::limits::{DURABLE_TIMEOUT_SECS_DEFAULT, PUBLISH_OPS_PER_REQUEST_MAX};
 use tether::protocol::{EventOp, PublishOp, ResultPolicy};
@@ -103,6 +103,10 @@ struct ServerArgs {
     /// What a publish to a full queue does: block, reject or drop-queue.
     #[arg(long)]
     queue_full_policy: Option<String>,
+    /// A cluster member as ID=ADDR (repeatable; may include this node). Replaces the
+    /// file's `[cluster] peers`. Needs --node-id.
+    #[arg(long = "peer", value_name = "ID=ADDR")]
+    peers: Vec<String>,
 }
 
 #[derive(Args, Clone)]
@@ -444,6 +448,15 @@ async fn server(a: ServerArgs) -> Result<(), Fail> {
     }
     cfg.limits.validate()?;
     cfg.auth = file.auth;
+    let peers = if a.peers.is_empty() {
+        file.cluster.map(|c| c.peers).unwrap_or_default()
+    } else {
+        a.peers
+    };
+    cfg.peers = peers
+        .iter()
+        .map(|p| parse_peer(p))
+        .collect::<Result<_, _>>()?;
     let node = Node::start(cfg).await?;
     emit(json!({
         "type": "listening",

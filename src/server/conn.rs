@@ -77,12 +77,37 @@ fn codec_error(e: &CodecError) -> WireError {
     WireError::new(e.code(), printable_message(&e.to_string()))
 }
 
+/// A node-to-node connection: served by the metadata group if this node is clustered and
+/// the peer's certificate comes from the cluster CA; closed with an error otherwise.
+fn serve_peer(shared: &Arc<Shared>, conn: quinn::Connection) -> Result<(), ()> {
+    let Some(cluster) = shared.cluster.get() else {
+        conn.close(
+            ErrorCode::Forbidden.varint(),
+            b"this node is not part of a cluster",
+        );
+        return Err(());
+    };
+    if !tls::peer_issued_by_ca(&conn, &shared.cluster_ca) {
+        tracing::warn!(remote = %conn.remote_address(), "peer connection without a cluster certificate");
+        conn.close(
+            ErrorCode::Unauthenticated.varint(),
+            b"peer connections need a certificate from the cluster CA",
+        );
+        return Err(());
+    }
+    cluster.serve(conn);
+    Ok(())
+}
+
 async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> Result<(), ()> {
     let deadline = Duration::from_millis(shared.limits.handshake_timeout_ms);
     let conn = match tokio::time::timeout(deadline, incoming).await {
         Ok(Ok(c)) => c,
         _ => return Err(()),
     };
+    if tls::negotiated_alpn(&conn).as_deref() == Some(tether_transport::PEER_ALPN) {
+        return serve_peer(shared, conn);
+    }
     let (mut send, recv) = match tokio::time::timeout(deadline, conn.accept_bi()).await {
         Ok(Ok(s)) => s,
         Ok(Err(_)) => return Err(()),

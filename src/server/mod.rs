@@ -27,6 +27,7 @@ use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
 
 pub use writer::{GROUP_COMMIT_REQUESTS_MAX, Writer, WriterThread};
 
+use crate::cluster::{Cluster, Members};
 use crate::config::{Limits, QueueFullPolicy, ServerConfig, validate_node_id};
 use crate::core::{NodeCore, SessionId};
 use crate::limits::*;
@@ -49,6 +50,8 @@ pub enum NodeError {
     Config(String),
     #[error("storage: {0}")]
     Storage(#[from] tether_storage::StorageError),
+    #[error(transparent)]
+    Cluster(#[from] crate::cluster::ClusterError),
     #[error("tls: {0}")]
     Tls(#[from] tether_transport::tls::TlsError),
     #[error("cannot listen on {addr}: {source}")]
@@ -94,6 +97,10 @@ pub(crate) struct Shared {
     pub(crate) auth: Option<crate::auth::Authorizer>,
     fatal: watch::Sender<Option<String>>,
     node_id: String,
+    /// The metadata group, on a clustered node (set once, before accepting connections).
+    pub(crate) cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
+    /// The cluster CA a peer's certificate must come from (clustered nodes).
+    pub(crate) cluster_ca: PathBuf,
 }
 
 impl Shared {
@@ -394,7 +401,16 @@ impl Node {
             },
             None => tls::ensure_dev_certs(&data_dir.join("tls"))?,
         };
-        let mut server_config = match config.auth.as_ref().and_then(|a| a.client_ca.as_deref()) {
+        let clustered = !config.peers.is_empty();
+        if clustered && config.node_id.is_none() {
+            return Err(NodeError::Config(
+                "a clustered node needs an explicit node id (--node-id), the name its peers know it by"
+                    .into(),
+            ));
+        }
+        let client_ca = config.auth.as_ref().and_then(|a| a.client_ca.as_deref());
+        let mut server_config = match client_ca {
+            _ if clustered => tls::server_config_for_cluster(&tls_files, client_ca)?,
             Some(client_ca) => tls::server_config_with_client_ca(&tls_files, client_ca)?,
             None => tls::server_config(&tls_files)?,
         };
@@ -443,6 +459,8 @@ impl Node {
             auth,
             fatal,
             node_id,
+            cluster: std::sync::OnceLock::new(),
+            cluster_ca: tls_files.ca.clone(),
         });
         let endpoint = tether_transport::endpoint::server_endpoint(config.listen, server_config)
             .map_err(|source| NodeError::Listen {
@@ -467,6 +485,18 @@ impl Node {
                 None
             }
         };
+        if clustered {
+            let members = Members::new(&shared.node_id, &addr.to_string(), &config.peers)?;
+            let cluster = Cluster::start(
+                &shared.node_id,
+                members,
+                &data_dir.join(RAFT_DIR),
+                endpoint.clone(),
+                tls::peer_client_config(&tls_files)?,
+            )
+            .await?;
+            let _ = shared.cluster.set(cluster);
+        }
         tasks.push(tokio::spawn(conn::accept_loop(
             shared.clone(),
             endpoint.clone(),
@@ -495,6 +525,11 @@ impl Node {
     /// The CA certificate clients should trust.
     pub fn ca_file(&self) -> &Path {
         &self.ca
+    }
+
+    /// The metadata group handle, on a clustered node.
+    pub fn cluster(&self) -> Option<&Arc<Cluster>> {
+        self.shared.cluster.get()
     }
 
     pub fn node_id(&self) -> &str {
@@ -539,6 +574,9 @@ impl Node {
     /// Stops accepting, closes every session as after a client crash (durable queues are
     /// kept), flushes storage.
     pub async fn shutdown(self) {
+        if let Some(c) = self.shared.cluster.get() {
+            c.shutdown().await;
+        }
         self.endpoint
             .close(ErrorCode::Shutdown.varint(), b"node shutting down");
         let waiters: Vec<watch::Receiver<bool>> = self
@@ -594,6 +632,9 @@ impl Drop for Node {
             .close(ErrorCode::Shutdown.varint(), b"node dropped");
     }
 }
+
+/// Directory of the metadata consensus log, under the data directory.
+pub const RAFT_DIR: &str = "raft";
 
 /// How long shutdown waits for sessions and tasks to let go of the node, in seconds.
 pub const SHUTDOWN_DRAIN_SECS: u64 = 5;

@@ -41,12 +41,14 @@ pub mod conformance;
 mod error;
 pub mod keys;
 mod mem;
+mod raft_log;
 mod rocks;
 
 pub use batch::{Batch, Entry, Offset, Op, QueueId, QueueMeta};
 pub use error::StorageError;
 pub use keys::{MAX_KEY_BYTES, MAX_REGION_NAME_BYTES, MAX_VALUE_BYTES};
 pub use mem::MemStore;
+pub use raft_log::{CF_RAFT_LOG, CF_RAFT_META, RaftLogDb};
 pub use rocks::{
     BLOCK_CACHE_BYTES, BLOOM_BITS_PER_KEY, CF_ENTRIES, CF_META, CF_REGIONS, CF_STATE,
     ENTRIES_BLOCK_SIZE_BYTES, ENTRIES_WRITE_BUFFER_BYTES, MEMTABLE_MAX_RANGE_DELETIONS_COUNT,

@@ -28,3 +28,7 @@ pub const PROTOCOL_VERSION: u32 = 1;
 
 /// The TLS application-layer protocol name negotiated by Tether clients and servers.
 pub const ALPN: &[u8] = b"tether/1";
+
+/// The TLS application-layer protocol name of node-to-node (cluster) connections. Served on
+/// the same address as clients; only certificates issued by the cluster CA may speak it.
+pub const PEER_ALPN: &[u8] = b"tether-peer/1";

@@ -12,7 +12,7 @@ use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
-use crate::ALPN;
+use crate::{ALPN, PEER_ALPN};
 
 /// Server name clients pass to `connect`; the dev server certificate carries it as a SAN.
 pub const SERVER_NAME: &str = "localhost";
@@ -217,6 +217,94 @@ pub fn server_config_with_client_ca(
     finish_server(tls)
 }
 
+/// Server configuration of a cluster node: serves clients (ALPN [`ALPN`]) and peers (ALPN
+/// [`PEER_ALPN`]) on one address. Client certificates are verified against the cluster CA
+/// (`files.ca`) and, if given, the client CA; a client without a certificate is accepted
+/// (tokens, or an open node). Whether a peer connection's certificate comes from the cluster
+/// CA is checked after the handshake with [`peer_issued_by_ca`].
+pub fn server_config_for_cluster(
+    files: &TlsFiles,
+    client_ca: Option<&Path>,
+) -> Result<quinn::ServerConfig, TlsError> {
+    let certs = parse_certs(&read_file(&files.cert)?, &files.cert)?;
+    let key = parse_key(&read_file(&files.key)?, &files.key)?;
+    let mut roots = roots_from(&files.ca)?;
+    if let Some(client_ca) = client_ca {
+        for cert in parse_certs(&read_file(client_ca)?, client_ca)? {
+            roots.add(cert)?;
+        }
+    }
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+            .allow_unauthenticated()
+            .build()
+            .map_err(|e| TlsError::Quic(format!("client verifier: {e}")))?;
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(certs, key)?;
+    tls.alpn_protocols = vec![ALPN.to_vec(), PEER_ALPN.to_vec()];
+    let quic = QuicServerConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
+    let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(quic));
+    cfg.transport_config(Arc::new(transport_config()));
+    Ok(cfg)
+}
+
+/// Client configuration a node uses towards its peers: trusts the cluster CA (`files.ca`),
+/// presents the node's own certificate, speaks [`PEER_ALPN`].
+pub fn peer_client_config(files: &TlsFiles) -> Result<quinn::ClientConfig, TlsError> {
+    let roots = roots_from(&files.ca)?;
+    let chain = parse_certs(&read_file(&files.cert)?, &files.cert)?;
+    let key = parse_key(&read_file(&files.key)?, &files.key)?;
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)?;
+    tls.alpn_protocols = vec![PEER_ALPN.to_vec()];
+    let quic = QuicClientConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
+    let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
+    cfg.transport_config(Arc::new(transport_config()));
+    Ok(cfg)
+}
+
+/// The ALPN protocol a connection negotiated, if any.
+pub fn negotiated_alpn(conn: &quinn::Connection) -> Option<Vec<u8>> {
+    conn.handshake_data()?
+        .downcast::<quinn::crypto::rustls::HandshakeData>()
+        .ok()?
+        .protocol
+}
+
+/// Whether the (verified) certificate a connection presented was issued by the CA whose
+/// certificate is in the PEM file `ca_pem`: its issuer name equals the CA's subject name.
+/// The handshake already verified the chain against the configured roots, so this tells
+/// which root: a peer must hold a cluster-CA certificate, not a client-CA one.
+pub fn peer_issued_by_ca(conn: &quinn::Connection, ca_pem: &Path) -> bool {
+    let Some(identity) = conn.peer_identity() else {
+        return false;
+    };
+    let Some(chain) = identity.downcast_ref::<Vec<CertificateDer<'static>>>() else {
+        return false;
+    };
+    let Some(leaf) = chain.first() else {
+        return false;
+    };
+    let Ok(pem) = read_file(ca_pem) else {
+        return false;
+    };
+    let Ok(cas) = parse_certs(&pem, ca_pem) else {
+        return false;
+    };
+    let Ok((_, leaf)) = x509_parser::parse_x509_certificate(leaf.as_ref()) else {
+        return false;
+    };
+    cas.iter().any(|ca| {
+        x509_parser::parse_x509_certificate(ca.as_ref())
+            .map(|(_, ca)| ca.subject().as_raw() == leaf.issuer().as_raw())
+            .unwrap_or(false)
+    })
+}
+
 /// Client configuration trusting the CA in `ca_pem` and presenting the certificate chain in
 /// `cert` with its private key `key` (mutual TLS).
 pub fn client_config_with_identity(
@@ -326,7 +414,11 @@ fn server_params() -> Result<rcgen::CertificateParams, TlsError> {
         .push(rcgen::DnType::CommonName, SERVER_NAME);
     p.is_ca = rcgen::IsCa::ExplicitNoCa;
     p.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature];
-    p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    // A node's certificate is also its client identity towards its cluster peers.
+    p.extended_key_usages = vec![
+        rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+        rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+    ];
     p.use_authority_key_identifier_extension = true;
     Ok(p)
 }

@@ -1,0 +1,324 @@
+//! The cluster-metadata state machine: which node holds each durable queue's primary and
+//! secondaries, under which epoch, and which durable ids expired.
+//!
+//! Plain data, no I/O: [`MetaState::apply`] is a pure function of the state, the command and
+//! the index of the consensus log entry that carries it, so every replica that applies the
+//! same log reaches the same state (openraft replays the log on restart and on followers).
+//!
+//! # Invariants
+//! * A queue's `epoch` is the log index of the entry that last changed its primary or its
+//!   replica set. Log indexes are unique and increasing, so epochs only grow, and two
+//!   different primaries of one queue never share an epoch: a deposed primary is fenced by
+//!   comparing epochs.
+//! * Every state-changing command on an existing queue names the epoch it expects
+//!   (compare-and-set); a command built from a stale view is refused with
+//!   [`MetaResponse::Stale`] and changes nothing, so a retried command is applied at most once.
+//! * A queue's primary never appears among its secondaries; secondaries are distinct.
+//! * `expired` holds at most [`EXPIRED_IDS_MAX`] ids (oldest dropped first).
+
+use std::collections::{BTreeMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+/// A node of the consensus group (openraft's `NodeId`): a stable 64-bit hash of the node's
+/// name (see [`raft_id`]).
+pub type RaftId = u64;
+
+/// Most redundancy (secondaries per queue) a client may ask for.
+pub const REDUNDANCY_MAX: u8 = 2;
+/// Most expired durable ids remembered (so a returning client learns `expired`).
+pub const EXPIRED_IDS_MAX: usize = 100_000;
+
+/// The raft id of a node name: FNV-1a 64 of its bytes. Node names are chosen by operators and
+/// checked to map to distinct ids when the cluster is configured.
+pub fn raft_id(name: &str) -> RaftId {
+    const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut h = FNV_OFFSET;
+    for b in name.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(FNV_PRIME);
+    }
+    h
+}
+
+/// Where one durable queue lives.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// The node that appends and delivers.
+    pub primary: RaftId,
+    /// Nodes holding copies, in promotion order.
+    pub secondaries: Vec<RaftId>,
+    /// Log index of the entry that last changed `primary` or `secondaries`.
+    pub epoch: u64,
+    /// Secondaries the client asked for (0 to [`REDUNDANCY_MAX`]).
+    pub redundancy: u8,
+    /// Durable timeout, in milliseconds.
+    pub timeout_ms: u64,
+}
+
+/// A change to the metadata, proposed through consensus.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MetaCommand {
+    /// Places a new queue; if the id is already placed, nothing changes and the current
+    /// placement is returned (idempotent).
+    Place {
+        id: String,
+        primary: RaftId,
+        secondaries: Vec<RaftId>,
+        redundancy: u8,
+        timeout_ms: u64,
+    },
+    /// Makes `new_primary` (a current secondary) the primary; the old primary is dropped
+    /// from the replica set.
+    Promote {
+        id: String,
+        expected_epoch: u64,
+        new_primary: RaftId,
+    },
+    /// Replaces the secondaries (repairing or shrinking redundancy).
+    SetSecondaries {
+        id: String,
+        expected_epoch: u64,
+        secondaries: Vec<RaftId>,
+    },
+    /// Expires (or closes) the queue cluster-wide, once.
+    Expire { id: String, expected_epoch: u64 },
+    /// A node is gone: every queue it is primary of is promoted to its first secondary
+    /// (queues without a secondary keep their primary: nothing else holds them), and the node
+    /// is dropped from every replica set.
+    NodeFailed { node: RaftId },
+}
+
+/// The result of applying one [`MetaCommand`] (openraft's `R`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum MetaResponse {
+    /// The queue's placement after the command.
+    Placed(Placement),
+    /// The command named an epoch that is no longer current (or an invalid target); the
+    /// current placement, if any, is returned and nothing changed.
+    Stale(Option<Placement>),
+    /// The queue was expired by this command.
+    Expired,
+    /// The queue does not exist (never placed, or expired earlier).
+    Unknown { expired: bool },
+    /// Count of queues changed by `NodeFailed`.
+    Changed(u64),
+    /// Response to entries without a command (blank and membership entries).
+    #[default]
+    None,
+}
+
+/// The whole metadata: the state machine's state.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetaState {
+    pub queues: BTreeMap<String, Placement>,
+    /// Expired ids, oldest first, bounded by [`EXPIRED_IDS_MAX`].
+    pub expired: VecDeque<String>,
+}
+
+fn valid_replicas(primary: RaftId, secondaries: &[RaftId]) -> bool {
+    !secondaries.contains(&primary)
+        && secondaries
+            .iter()
+            .enumerate()
+            .all(|(i, s)| !secondaries[..i].contains(s))
+        && secondaries.len() <= usize::from(REDUNDANCY_MAX)
+}
+
+impl MetaState {
+    /// Applies `cmd`, carried by the log entry at `index`.
+    pub fn apply(&mut self, index: u64, cmd: &MetaCommand) -> MetaResponse {
+        match cmd {
+            MetaCommand::Place {
+                id,
+                primary,
+                secondaries,
+                redundancy,
+                timeout_ms,
+            } => {
+                if let Some(p) = self.queues.get(id) {
+                    return MetaResponse::Placed(p.clone());
+                }
+                if !valid_replicas(*primary, secondaries) || *redundancy > REDUNDANCY_MAX {
+                    return MetaResponse::Stale(None);
+                }
+                self.expired.retain(|e| e != id);
+                let p = Placement {
+                    primary: *primary,
+                    secondaries: secondaries.clone(),
+                    epoch: index,
+                    redundancy: *redundancy,
+                    timeout_ms: *timeout_ms,
+                };
+                self.queues.insert(id.clone(), p.clone());
+                MetaResponse::Placed(p)
+            }
+            MetaCommand::Promote {
+                id,
+                expected_epoch,
+                new_primary,
+            } => {
+                let Some(p) = self.queues.get_mut(id) else {
+                    return self.unknown(id);
+                };
+                if p.epoch != *expected_epoch || !p.secondaries.contains(new_primary) {
+                    return MetaResponse::Stale(Some(p.clone()));
+                }
+                p.secondaries.retain(|s| s != new_primary);
+                p.primary = *new_primary;
+                p.epoch = index;
+                MetaResponse::Placed(p.clone())
+            }
+            MetaCommand::SetSecondaries {
+                id,
+                expected_epoch,
+                secondaries,
+            } => {
+                let Some(p) = self.queues.get_mut(id) else {
+                    return self.unknown(id);
+                };
+                if p.epoch != *expected_epoch || !valid_replicas(p.primary, secondaries) {
+                    return MetaResponse::Stale(Some(p.clone()));
+                }
+                p.secondaries = secondaries.clone();
+                p.epoch = index;
+                MetaResponse::Placed(p.clone())
+            }
+            MetaCommand::Expire { id, expected_epoch } => {
+                let Some(p) = self.queues.get(id) else {
+                    return self.unknown(id);
+                };
+                if p.epoch != *expected_epoch {
+                    return MetaResponse::Stale(Some(p.clone()));
+                }
+                self.queues.remove(id);
+                self.expired.push_back(id.clone());
+                while self.expired.len() > EXPIRED_IDS_MAX {
+                    self.expired.pop_front();
+                }
+                MetaResponse::Expired
+            }
+            MetaCommand::NodeFailed { node } => {
+                let mut changed = 0u64;
+                for p in self.queues.values_mut() {
+                    let before = (p.primary, p.secondaries.len());
+                    if p.primary == *node && !p.secondaries.is_empty() {
+                        p.primary = p.secondaries.remove(0);
+                    }
+                    p.secondaries.retain(|s| s != node);
+                    if (p.primary, p.secondaries.len()) != before {
+                        p.epoch = index;
+                        changed += 1;
+                    }
+                }
+                MetaResponse::Changed(changed)
+            }
+        }
+    }
+
+    fn unknown(&self, id: &str) -> MetaResponse {
+        MetaResponse::Unknown {
+            expired: self.expired.iter().any(|e| e == id),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn place(id: &str, primary: RaftId, secondaries: &[RaftId]) -> MetaCommand {
+        MetaCommand::Place {
+            id: id.into(),
+            primary,
+            secondaries: secondaries.to_vec(),
+            redundancy: secondaries.len() as u8,
+            timeout_ms: 60_000,
+        }
+    }
+
+    #[test]
+    fn place_is_idempotent_and_epoch_is_the_log_index() {
+        let mut s = MetaState::default();
+        let MetaResponse::Placed(p) = s.apply(5, &place("q", 1, &[2, 3])) else {
+            panic!()
+        };
+        assert_eq!(p.epoch, 5);
+        assert_eq!(s.apply(9, &place("q", 2, &[])), MetaResponse::Placed(p));
+    }
+
+    #[test]
+    fn promote_is_compare_and_set_on_the_epoch() {
+        let mut s = MetaState::default();
+        s.apply(5, &place("q", 1, &[2, 3]));
+        let promote = |epoch, node| MetaCommand::Promote {
+            id: "q".into(),
+            expected_epoch: epoch,
+            new_primary: node,
+        };
+        let MetaResponse::Placed(p) = s.apply(7, &promote(5, 3)) else {
+            panic!()
+        };
+        assert_eq!((p.primary, p.secondaries.clone(), p.epoch), (3, vec![2], 7));
+        // The same command again (a retry) is stale and changes nothing.
+        assert_eq!(
+            s.apply(8, &promote(5, 3)),
+            MetaResponse::Stale(Some(p.clone()))
+        );
+        // Only a secondary can be promoted.
+        assert!(matches!(s.apply(9, &promote(7, 1)), MetaResponse::Stale(_)));
+    }
+
+    #[test]
+    fn node_failed_promotes_first_secondary_and_drops_the_node() {
+        let mut s = MetaState::default();
+        s.apply(1, &place("a", 1, &[2]));
+        s.apply(2, &place("b", 2, &[1, 3]));
+        s.apply(3, &place("c", 1, &[]));
+        s.apply(4, &place("d", 3, &[2]));
+        assert_eq!(
+            s.apply(10, &MetaCommand::NodeFailed { node: 1 }),
+            MetaResponse::Changed(2)
+        );
+        assert_eq!((s.queues["a"].primary, s.queues["a"].epoch), (2, 10));
+        assert_eq!(s.queues["b"].secondaries, vec![3]);
+        // Nothing else holds "c": it stays where it is, waiting for node 1.
+        assert_eq!((s.queues["c"].primary, s.queues["c"].epoch), (1, 3));
+        assert_eq!(s.queues["d"].epoch, 4);
+    }
+
+    #[test]
+    fn expire_once_and_remember() {
+        let mut s = MetaState::default();
+        s.apply(1, &place("q", 1, &[]));
+        let expire = MetaCommand::Expire {
+            id: "q".into(),
+            expected_epoch: 1,
+        };
+        assert_eq!(s.apply(2, &expire), MetaResponse::Expired);
+        assert_eq!(s.apply(3, &expire), MetaResponse::Unknown { expired: true });
+        s.apply(4, &place("q", 2, &[]));
+        assert!(s.expired.is_empty());
+    }
+
+    #[test]
+    fn invalid_replica_sets_are_refused() {
+        let mut s = MetaState::default();
+        assert_eq!(s.apply(1, &place("q", 1, &[1])), MetaResponse::Stale(None));
+        assert_eq!(
+            s.apply(1, &place("q", 1, &[2, 2])),
+            MetaResponse::Stale(None)
+        );
+        assert_eq!(
+            s.apply(1, &place("q", 1, &[2, 3, 4])),
+            MetaResponse::Stale(None)
+        );
+    }
+
+    #[test]
+    fn raft_ids_are_stable() {
+        assert_eq!(raft_id("n1"), raft_id("n1"));
+        assert_ne!(raft_id("n1"), raft_id("n2"));
+    }
+}

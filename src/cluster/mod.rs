@@ -1,0 +1,332 @@
+//! The cluster: nodes that share durable queues' metadata through consensus.
+//!
+//! * [`meta`] — the metadata state machine (queue placements, epochs, expired ids): plain data.
+//! * `store` — openraft's log storage and state machine over RocksDB ([`tether_storage::RaftLogDb`]).
+//! * [`network`] — openraft RPCs and forwarded writes over QUIC with mutual TLS.
+//!
+//! Membership is static for now: every node is configured with the same `--peer` list, and
+//! the node with the smallest raft id initializes the group once (openraft's recommended
+//! bootstrap: one node, all voters). A restarted node resumes from its data directory.
+
+pub mod meta;
+pub mod network;
+mod store;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tether_storage::RaftLogDb;
+
+use meta::{MetaCommand, MetaResponse, MetaState, Placement, RaftId, raft_id};
+use network::{PeerNetwork, PeerPool, PeerRequest, PeerResponse};
+use store::{Applied, LogStore, StateMachine};
+
+/// Raft heartbeat interval, in milliseconds.
+pub const HEARTBEAT_INTERVAL_MS: u64 = 150;
+/// Shortest election timeout, in milliseconds (a follower that hears no leader this long
+/// may start an election).
+pub const ELECTION_TIMEOUT_MIN_MS: u64 = 750;
+/// Longest election timeout, in milliseconds.
+pub const ELECTION_TIMEOUT_MAX_MS: u64 = 1_500;
+/// Deadline of one snapshot chunk, in milliseconds.
+pub const INSTALL_SNAPSHOT_TIMEOUT_MS: u64 = 2_000;
+/// A snapshot of the metadata is taken every this many log entries.
+pub const SNAPSHOT_EVERY_LOG_ENTRIES: u64 = 5_000;
+/// Most nodes in a cluster.
+pub const CLUSTER_NODES_MAX: usize = 64;
+/// Pause between attempts of a metadata write while no leader is known, in milliseconds.
+pub const WRITE_RETRY_MS: u64 = 50;
+
+/// A cluster member as recorded in the consensus membership.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerNode {
+    /// The node's name (its `--node-id`).
+    pub name: String,
+    /// Its QUIC address (clients and peers).
+    pub addr: String,
+}
+
+impl std::fmt::Display for PeerNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}@{}", self.name, self.addr)
+    }
+}
+
+openraft::declare_raft_types!(
+    /// openraft's type configuration for Tether's metadata group.
+    pub TypeConfig:
+        D = MetaCommand,
+        R = MetaResponse,
+        NodeId = RaftId,
+        Node = PeerNode,
+        SnapshotData = std::io::Cursor<Vec<u8>>,
+);
+
+/// The metadata consensus group handle.
+pub type Raft = openraft::Raft<TypeConfig>;
+
+/// Why a cluster operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("cluster configuration: {0}")]
+    Config(String),
+    #[error("cluster storage: {0}")]
+    Storage(String),
+    #[error("no metadata leader reachable within {0} ms")]
+    NoLeader(u64),
+    #[error("consensus stopped: {0}")]
+    Fatal(String),
+}
+
+/// A node's view of the cluster's members, validated.
+#[derive(Clone, Debug)]
+pub struct Members {
+    /// Every member including this node, by raft id.
+    pub nodes: BTreeMap<RaftId, PeerNode>,
+}
+
+impl Members {
+    /// Builds the member list from this node's name and address and its `--peer` list
+    /// (which may include the node itself). Refuses duplicate names, names whose raft ids
+    /// collide, and more than [`CLUSTER_NODES_MAX`] nodes.
+    pub fn new(me: &str, my_addr: &str, peers: &[(String, String)]) -> Result<Self, ClusterError> {
+        let mut nodes = BTreeMap::new();
+        let mut names = BTreeSet::new();
+        nodes.insert(
+            raft_id(me),
+            PeerNode {
+                name: me.to_string(),
+                addr: my_addr.to_string(),
+            },
+        );
+        names.insert(me.to_string());
+        for (name, addr) in peers {
+            if name == me {
+                continue;
+            }
+            if !names.insert(name.clone()) {
+                return Err(ClusterError::Config(format!("peer {name} listed twice")));
+            }
+            let id = raft_id(name);
+            if nodes.contains_key(&id) {
+                return Err(ClusterError::Config(format!(
+                    "node names {name} and {} hash to the same id; rename one",
+                    nodes[&id].name
+                )));
+            }
+            nodes.insert(
+                id,
+                PeerNode {
+                    name: name.clone(),
+                    addr: addr.clone(),
+                },
+            );
+        }
+        if nodes.len() > CLUSTER_NODES_MAX {
+            return Err(ClusterError::Config(format!(
+                "{} nodes; at most {CLUSTER_NODES_MAX}",
+                nodes.len()
+            )));
+        }
+        Ok(Members { nodes })
+    }
+}
+
+/// A running member of the metadata group.
+pub struct Cluster {
+    me: RaftId,
+    raft: Raft,
+    applied: Arc<RwLock<Applied>>,
+    pool: Arc<PeerPool>,
+    members: Members,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster").field("me", &self.me).finish()
+    }
+}
+
+impl Cluster {
+    /// Opens the metadata log in `dir`, joins the group and, on the member with the smallest
+    /// raft id of a never-initialized group, initializes it with every member as a voter.
+    pub async fn start(
+        me: &str,
+        members: Members,
+        dir: &Path,
+        endpoint: quinn::Endpoint,
+        peer_client_config: quinn::ClientConfig,
+    ) -> Result<Arc<Cluster>, ClusterError> {
+        let my_id = raft_id(me);
+        let dir = dir.to_path_buf();
+        let db = tokio::task::spawn_blocking(move || RaftLogDb::open(&dir))
+            .await
+            .map_err(|e| ClusterError::Storage(e.to_string()))?
+            .map_err(|e| ClusterError::Storage(e.to_string()))?;
+        let db = Arc::new(db);
+        let log = LogStore::new(Arc::clone(&db));
+        let sm = StateMachine::open(Arc::clone(&db)).map_err(ClusterError::Storage)?;
+        let applied = sm.applied();
+        let config = openraft::Config {
+            cluster_name: "tether".into(),
+            heartbeat_interval: HEARTBEAT_INTERVAL_MS,
+            election_timeout_min: ELECTION_TIMEOUT_MIN_MS,
+            election_timeout_max: ELECTION_TIMEOUT_MAX_MS,
+            install_snapshot_timeout: INSTALL_SNAPSHOT_TIMEOUT_MS,
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(SNAPSHOT_EVERY_LOG_ENTRIES),
+            ..Default::default()
+        }
+        .validate()
+        .map_err(|e| ClusterError::Config(e.to_string()))?;
+        let pool = Arc::new(PeerPool::new(endpoint, peer_client_config));
+        let network = PeerNetwork {
+            pool: Arc::clone(&pool),
+            addresses: Arc::new(
+                members
+                    .nodes
+                    .iter()
+                    .map(|(id, n)| (*id, n.addr.clone()))
+                    .collect(),
+            ),
+        };
+        let raft = Raft::new(my_id, Arc::new(config), network, log, sm)
+            .await
+            .map_err(|e| ClusterError::Fatal(e.to_string()))?;
+        let smallest = *members
+            .nodes
+            .keys()
+            .next()
+            .expect("members include this node");
+        let initialized = raft
+            .is_initialized()
+            .await
+            .map_err(|e| ClusterError::Fatal(e.to_string()))?;
+        if !initialized && smallest == my_id {
+            match raft.initialize(members.nodes.clone()).await {
+                Ok(()) => tracing::info!(members = members.nodes.len(), "initialized the cluster"),
+                Err(openraft::error::RaftError::APIError(
+                    openraft::error::InitializeError::NotAllowed(_),
+                )) => {}
+                Err(e) => return Err(ClusterError::Fatal(e.to_string())),
+            }
+        }
+        Ok(Arc::new(Cluster {
+            me: my_id,
+            raft,
+            applied,
+            pool,
+            members,
+        }))
+    }
+
+    /// This node's raft id.
+    pub fn id(&self) -> RaftId {
+        self.me
+    }
+
+    /// The configured members.
+    pub fn members(&self) -> &Members {
+        &self.members
+    }
+
+    /// The current leader as this node last heard (not linearizable).
+    pub fn leader(&self) -> Option<RaftId> {
+        self.raft.metrics().borrow().current_leader
+    }
+
+    /// The placement of durable queue `id` as applied on this node.
+    pub fn placement(&self, id: &str) -> Option<Placement> {
+        self.read(|s| s.queues.get(id).cloned())
+    }
+
+    /// Reads the applied metadata on this node.
+    pub fn read<T>(&self, f: impl FnOnce(&MetaState) -> T) -> T {
+        f(&self.applied.read().expect("metadata lock poisoned").state)
+    }
+
+    /// The log index applied on this node.
+    pub fn applied_index(&self) -> u64 {
+        self.applied
+            .read()
+            .expect("metadata lock poisoned")
+            .last_applied
+            .map_or(0, |l| l.index)
+    }
+
+    /// Commits `cmd` through consensus (forwarding to the leader when this node does not
+    /// lead) and returns its result once it is applied on the leader. Retries across leader
+    /// changes until [`network::FORWARD_TIMEOUT_MS`]; commands are compare-and-set or
+    /// idempotent, so a retry never applies a change twice.
+    pub async fn write(&self, cmd: MetaCommand) -> Result<MetaResponse, ClusterError> {
+        let deadline = Instant::now() + Duration::from_millis(network::FORWARD_TIMEOUT_MS);
+        loop {
+            let leader = match self.raft.client_write(cmd.clone()).await {
+                Ok(r) => return Ok(r.data),
+                Err(e) => match e.forward_to_leader() {
+                    Some(f) => f.leader_id.zip(f.leader_node.clone()),
+                    None => return Err(ClusterError::Fatal(e.to_string())),
+                },
+            };
+            if let Some((id, node)) = leader {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let addr = self.members.nodes.get(&id).map_or(&node.addr, |n| &n.addr);
+                match self
+                    .pool
+                    .call(id, addr, PeerRequest::Write(cmd.clone()), left)
+                    .await
+                {
+                    Ok(PeerResponse::Write(Ok(r))) => {
+                        // Make the change visible here too before returning.
+                        self.wait_applied(r.log_id.index, left).await;
+                        return Ok(r.data);
+                    }
+                    Ok(PeerResponse::Write(Err(e))) if e.forward_to_leader().is_none() => {
+                        return Err(ClusterError::Fatal(e.to_string()));
+                    }
+                    _ => {}
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(ClusterError::NoLeader(network::FORWARD_TIMEOUT_MS));
+            }
+            tokio::time::sleep(Duration::from_millis(WRITE_RETRY_MS)).await;
+        }
+    }
+
+    /// Waits until this node applied log index `index` (or `timeout` passes).
+    pub async fn wait_applied(&self, index: u64, timeout: Duration) -> bool {
+        self.raft
+            .wait(Some(timeout))
+            .applied_index_at_least(Some(index), "wait_applied")
+            .await
+            .is_ok()
+    }
+
+    /// Waits until some leader is known (or `timeout` passes).
+    pub async fn wait_leader(&self, timeout: Duration) -> Option<RaftId> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(l) = self.leader() {
+                return Some(l);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Serves the RPCs of one verified peer connection (spawned per connection).
+    pub fn serve(&self, conn: quinn::Connection) {
+        tokio::spawn(network::serve_peer(conn, self.raft.clone(), self.me));
+    }
+
+    /// Stops consensus and closes peer connections.
+    pub async fn shutdown(&self) {
+        let _ = self.raft.shutdown().await;
+        self.pool.close();
+    }
+}

@@ -1,0 +1,384 @@
+//! Node-to-node RPC over QUIC: openraft's network (append entries, vote, install snapshot)
+//! and metadata writes forwarded to the leader.
+//!
+//! One QUIC connection per peer (ALPN [`tether_transport::PEER_ALPN`], mutual TLS under the
+//! cluster CA), opened lazily and reused; one bidirectional stream per RPC, so a snapshot
+//! never blocks a heartbeat. A request and its response are each one CBOR body that ends
+//! with its stream. Every request names the node it is meant for; a node that receives a
+//! request for another id answers [`PeerResponse::WrongNode`] (a stale address), which the
+//! caller reports as unreachable.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use openraft::error::{
+    ClientWriteError, InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError,
+    Unreachable,
+};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, ClientWriteResponse, InstallSnapshotRequest,
+    InstallSnapshotResponse, VoteRequest, VoteResponse,
+};
+use serde::{Deserialize, Serialize};
+use tether_transport::codec;
+
+use super::meta::{MetaCommand, RaftId};
+use super::{PeerNode, Raft, TypeConfig};
+
+/// Longest peer request or response body, in bytes (a snapshot chunk is at most 3 MiB).
+pub const PEER_MESSAGE_BYTES_MAX: usize = codec::FRAME_BYTES_MAX;
+/// How long to wait for a peer connection handshake, in milliseconds.
+pub const PEER_CONNECT_TIMEOUT_MS: u64 = 2_000;
+/// Timeout of a forwarded metadata write, in milliseconds.
+pub const FORWARD_TIMEOUT_MS: u64 = 5_000;
+/// Concurrent RPC streams a peer may open on one connection.
+pub const PEER_STREAMS_MAX: u32 = 64;
+
+/// A request from one node to another.
+#[derive(Serialize, Deserialize)]
+pub enum PeerRequest {
+    AppendEntries(AppendEntriesRequest<TypeConfig>),
+    Vote(VoteRequest<RaftId>),
+    InstallSnapshot(InstallSnapshotRequest<TypeConfig>),
+    /// A metadata command forwarded to the node believed to lead.
+    Write(MetaCommand),
+}
+
+type WriteResult =
+    Result<ClientWriteResponse<TypeConfig>, RaftError<RaftId, ClientWriteError<RaftId, PeerNode>>>;
+
+/// The answer to a [`PeerRequest`].
+#[derive(Serialize, Deserialize)]
+pub enum PeerResponse {
+    AppendEntries(Result<AppendEntriesResponse<RaftId>, RaftError<RaftId>>),
+    Vote(Result<VoteResponse<RaftId>, RaftError<RaftId>>),
+    InstallSnapshot(
+        Result<InstallSnapshotResponse<RaftId>, RaftError<RaftId, InstallSnapshotError>>,
+    ),
+    Write(WriteResult),
+    /// The request named another node: the caller's address book is stale.
+    WrongNode {
+        actual: RaftId,
+    },
+    /// The request could not be decoded.
+    BadRequest(String),
+}
+
+#[derive(Serialize, Deserialize)]
+struct Envelope {
+    to: RaftId,
+    request: PeerRequest,
+}
+
+/// Why an RPC failed before a response arrived.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerError {
+    #[error("cannot reach {addr}: {reason}")]
+    Unreachable { addr: String, reason: String },
+    #[error("rpc to {addr}: {reason}")]
+    Network { addr: String, reason: String },
+    #[error("rpc to {addr} timed out")]
+    Timeout { addr: String },
+}
+
+/// Outgoing peer connections, one per address, shared by every RPC client of a node.
+pub struct PeerPool {
+    /// The node's own endpoint (one UDP socket for clients and peers); taken out at close so
+    /// RPC clients that outlive the node do not keep the socket bound.
+    endpoint: Mutex<Option<quinn::Endpoint>>,
+    client_config: quinn::ClientConfig,
+    conns: Mutex<HashMap<SocketAddr, quinn::Connection>>,
+}
+
+impl PeerPool {
+    pub fn new(endpoint: quinn::Endpoint, client_config: quinn::ClientConfig) -> Self {
+        PeerPool {
+            endpoint: Mutex::new(Some(endpoint)),
+            client_config,
+            conns: Mutex::new(HashMap::new()),
+        }
+    }
+
+    async fn connection(&self, addr: SocketAddr) -> Result<quinn::Connection, PeerError> {
+        if let Some(c) = self.conns.lock().expect("pool lock").get(&addr)
+            && c.close_reason().is_none()
+        {
+            return Ok(c.clone());
+        }
+        let unreachable = |reason: String| PeerError::Unreachable {
+            addr: addr.to_string(),
+            reason,
+        };
+        let endpoint = self
+            .endpoint
+            .lock()
+            .expect("pool lock")
+            .clone()
+            .ok_or_else(|| unreachable("this node is stopping".into()))?;
+        let connecting = endpoint
+            .connect_with(
+                self.client_config.clone(),
+                addr,
+                tether_transport::SERVER_NAME,
+            )
+            .map_err(|e| unreachable(e.to_string()))?;
+        let conn = tokio::time::timeout(Duration::from_millis(PEER_CONNECT_TIMEOUT_MS), connecting)
+            .await
+            .map_err(|_| unreachable("handshake timed out".into()))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        if self.endpoint.lock().expect("pool lock").is_none() {
+            // Closed while connecting: do not keep the connection (it holds the socket).
+            conn.close(0u32.into(), b"node stopping");
+            return Err(unreachable("this node is stopping".into()));
+        }
+        self.conns
+            .lock()
+            .expect("pool lock")
+            .insert(addr, conn.clone());
+        Ok(conn)
+    }
+
+    /// Sends `request` to node `to` at `addr` and waits up to `timeout` for its response.
+    pub async fn call(
+        &self,
+        to: RaftId,
+        addr: &str,
+        request: PeerRequest,
+        timeout: Duration,
+    ) -> Result<PeerResponse, PeerError> {
+        let sock: SocketAddr = addr.parse().map_err(|_| PeerError::Unreachable {
+            addr: addr.to_string(),
+            reason: "not an IP:PORT address".into(),
+        })?;
+        let body =
+            codec::encode_body(&Envelope { to, request }).map_err(|e| PeerError::Network {
+                addr: addr.to_string(),
+                reason: e.to_string(),
+            })?;
+        let network = |reason: String| PeerError::Network {
+            addr: addr.to_string(),
+            reason,
+        };
+        let exchange = async {
+            let conn = self.connection(sock).await?;
+            let (mut send, mut recv) = match conn.open_bi().await {
+                Ok(s) => s,
+                Err(e) => {
+                    // The cached connection died: forget it so the next call reconnects.
+                    self.conns.lock().expect("pool lock").remove(&sock);
+                    return Err(PeerError::Unreachable {
+                        addr: addr.to_string(),
+                        reason: e.to_string(),
+                    });
+                }
+            };
+            send.write_all(&body)
+                .await
+                .map_err(|e| network(e.to_string()))?;
+            send.finish().map_err(|e| network(e.to_string()))?;
+            let reply = recv
+                .read_to_end(PEER_MESSAGE_BYTES_MAX)
+                .await
+                .map_err(|e| network(e.to_string()))?;
+            codec::decode_body::<PeerResponse>(&reply).map_err(|e| network(e.to_string()))
+        };
+        tokio::time::timeout(timeout, exchange)
+            .await
+            .map_err(|_| PeerError::Timeout {
+                addr: addr.to_string(),
+            })?
+    }
+
+    /// Closes every outgoing connection.
+    pub fn close(&self) {
+        self.endpoint.lock().expect("pool lock").take();
+        for (_, c) in self.conns.lock().expect("pool lock").drain() {
+            c.close(0u32.into(), b"node stopping");
+        }
+    }
+}
+
+/// Serves RPCs arriving on one verified peer connection until it closes.
+pub async fn serve_peer(conn: quinn::Connection, raft: Raft, me: RaftId) {
+    loop {
+        let (mut send, mut recv) = match conn.accept_bi().await {
+            Ok(s) => s,
+            Err(_) => return,
+        };
+        let raft = raft.clone();
+        tokio::spawn(async move {
+            let response = match recv.read_to_end(PEER_MESSAGE_BYTES_MAX).await {
+                Err(e) => PeerResponse::BadRequest(e.to_string()),
+                Ok(body) => match codec::decode_body::<Envelope>(&body) {
+                    Err(e) => PeerResponse::BadRequest(e.to_string()),
+                    Ok(env) if env.to != me => PeerResponse::WrongNode { actual: me },
+                    Ok(env) => dispatch(&raft, env.request).await,
+                },
+            };
+            if let Ok(bytes) = codec::encode_body(&response) {
+                let _ = send.write_all(&bytes).await;
+                let _ = send.finish();
+            }
+        });
+    }
+}
+
+async fn dispatch(raft: &Raft, request: PeerRequest) -> PeerResponse {
+    match request {
+        PeerRequest::AppendEntries(r) => PeerResponse::AppendEntries(raft.append_entries(r).await),
+        PeerRequest::Vote(r) => PeerResponse::Vote(raft.vote(r).await),
+        PeerRequest::InstallSnapshot(r) => {
+            PeerResponse::InstallSnapshot(raft.install_snapshot(r).await)
+        }
+        PeerRequest::Write(cmd) => PeerResponse::Write(raft.client_write(cmd).await),
+    }
+}
+
+/// openraft's network factory: makes one [`PeerClient`] per target.
+#[derive(Clone)]
+pub struct PeerNetwork {
+    pub pool: Arc<PeerPool>,
+    /// Addresses from this node's configuration; they win over the ones recorded in the
+    /// membership, so moving a node to a new address is a configuration change.
+    pub addresses: Arc<HashMap<RaftId, String>>,
+}
+
+impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
+    type Network = PeerClient;
+
+    async fn new_client(&mut self, target: RaftId, node: &PeerNode) -> PeerClient {
+        let mut node = node.clone();
+        if let Some(addr) = self.addresses.get(&target) {
+            node.addr.clone_from(addr);
+        }
+        PeerClient {
+            pool: Arc::clone(&self.pool),
+            target,
+            node,
+        }
+    }
+}
+
+/// openraft's RPC client towards one node. Connects lazily (on the first RPC).
+pub struct PeerClient {
+    pool: Arc<PeerPool>,
+    target: RaftId,
+    node: PeerNode,
+}
+
+type RpcResult<T, E = openraft::error::Infallible> =
+    Result<T, RPCError<RaftId, PeerNode, RaftError<RaftId, E>>>;
+
+impl PeerClient {
+    async fn call(
+        &self,
+        request: PeerRequest,
+        option: &RPCOption,
+    ) -> Result<PeerResponse, RPCError<RaftId, PeerNode, RaftError<RaftId, InstallSnapshotError>>>
+    {
+        match self
+            .pool
+            .call(self.target, &self.node.addr, request, option.hard_ttl())
+            .await
+        {
+            Ok(PeerResponse::WrongNode { actual }) => {
+                let e = PeerError::Unreachable {
+                    addr: self.node.addr.clone(),
+                    reason: format!("node {actual:x} answers there, not {:x}", self.target),
+                };
+                Err(RPCError::Unreachable(Unreachable::new(&e)))
+            }
+            Ok(PeerResponse::BadRequest(reason)) => {
+                let e = PeerError::Network {
+                    addr: self.node.addr.clone(),
+                    reason,
+                };
+                Err(RPCError::Network(NetworkError::new(&e)))
+            }
+            Ok(r) => Ok(r),
+            Err(e @ PeerError::Unreachable { .. }) => {
+                Err(RPCError::Unreachable(Unreachable::new(&e)))
+            }
+            Err(e) => Err(RPCError::Network(NetworkError::new(&e))),
+        }
+    }
+
+    fn remote<E: std::error::Error>(
+        &self,
+        e: RaftError<RaftId, E>,
+    ) -> RPCError<RaftId, PeerNode, RaftError<RaftId, E>> {
+        RPCError::RemoteError(RemoteError::new_with_node(
+            self.target,
+            self.node.clone(),
+            e,
+        ))
+    }
+}
+
+/// Re-types a transport-level RPC error (which never carries a remote error) for another
+/// RPC's error type.
+fn retype<E: std::error::Error>(
+    e: RPCError<RaftId, PeerNode, RaftError<RaftId, InstallSnapshotError>>,
+) -> RPCError<RaftId, PeerNode, RaftError<RaftId, E>> {
+    match e {
+        RPCError::Timeout(t) => RPCError::Timeout(t),
+        RPCError::Unreachable(u) => RPCError::Unreachable(u),
+        RPCError::PayloadTooLarge(p) => RPCError::PayloadTooLarge(p),
+        RPCError::Network(n) => RPCError::Network(n),
+        RPCError::RemoteError(r) => RPCError::Network(NetworkError::new(&r)),
+    }
+}
+
+fn unexpected<E: std::error::Error>(
+    addr: &str,
+) -> RPCError<RaftId, PeerNode, RaftError<RaftId, E>> {
+    let e = PeerError::Network {
+        addr: addr.to_string(),
+        reason: "response of the wrong kind".into(),
+    };
+    RPCError::Network(NetworkError::new(&e))
+}
+
+impl RaftNetwork<TypeConfig> for PeerClient {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> RpcResult<AppendEntriesResponse<RaftId>> {
+        match self.call(PeerRequest::AppendEntries(rpc), &option).await {
+            Ok(PeerResponse::AppendEntries(Ok(r))) => Ok(r),
+            Ok(PeerResponse::AppendEntries(Err(e))) => Err(self.remote(e)),
+            Ok(_) => Err(unexpected(&self.node.addr)),
+            Err(e) => Err(retype(e)),
+        }
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> RpcResult<InstallSnapshotResponse<RaftId>, InstallSnapshotError> {
+        match self.call(PeerRequest::InstallSnapshot(rpc), &option).await {
+            Ok(PeerResponse::InstallSnapshot(Ok(r))) => Ok(r),
+            Ok(PeerResponse::InstallSnapshot(Err(e))) => Err(self.remote(e)),
+            Ok(_) => Err(unexpected(&self.node.addr)),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<RaftId>,
+        option: RPCOption,
+    ) -> RpcResult<VoteResponse<RaftId>> {
+        match self.call(PeerRequest::Vote(rpc), &option).await {
+            Ok(PeerResponse::Vote(Ok(r))) => Ok(r),
+            Ok(PeerResponse::Vote(Err(e))) => Err(self.remote(e)),
+            Ok(_) => Err(unexpected(&self.node.addr)),
+            Err(e) => Err(retype(e)),
+        }
+    }
+}

@@ -1,0 +1,347 @@
+//! openraft storage over [`RaftLogDb`]: the consensus log, vote and committed id on disk,
+//! and the metadata state machine ([`MetaState`]) in memory, persisted as snapshots.
+//!
+//! On restart the state machine is rebuilt from the last snapshot, then openraft re-applies
+//! the committed entries after it (we implement `save_committed`/`read_committed` for that).
+//! Every write here is fsynced before it is reported done (see [`RaftLogDb`]).
+
+// openraft's traits fix the error type (`StorageError`, over 200 bytes).
+#![allow(clippy::result_large_err)]
+
+use std::fmt::Debug;
+use std::io::Cursor;
+use std::ops::{Bound, RangeBounds};
+use std::sync::{Arc, RwLock};
+
+use openraft::storage::{LogFlushed, LogState, RaftLogStorage, RaftStateMachine, Snapshot};
+use openraft::{
+    AnyError, Entry, EntryPayload, ErrorSubject, ErrorVerb, LogId, OptionalSend, RaftLogReader,
+    RaftSnapshotBuilder, SnapshotMeta, StorageError, StorageIOError, StoredMembership, Vote,
+};
+use serde::{Deserialize, Serialize};
+use tether_storage::RaftLogDb;
+use tether_transport::codec;
+
+use super::meta::{MetaResponse, MetaState, RaftId};
+use super::{PeerNode, TypeConfig};
+
+type StoreResult<T> = Result<T, StorageError<RaftId>>;
+
+const META_VOTE: &str = "vote";
+const META_COMMITTED: &str = "committed";
+const META_PURGED: &str = "purged";
+const META_SNAPSHOT: &str = "snapshot";
+
+fn io_err(
+    subject: ErrorSubject<RaftId>,
+    verb: ErrorVerb,
+    e: impl std::error::Error + 'static,
+) -> StorageError<RaftId> {
+    StorageIOError::new(subject, verb, AnyError::new(&e)).into()
+}
+
+fn encode<T: Serialize>(v: &T, subject: ErrorSubject<RaftId>) -> StoreResult<Vec<u8>> {
+    codec::encode_body(v).map_err(|e| io_err(subject, ErrorVerb::Write, e))
+}
+
+fn decode<T: serde::de::DeserializeOwned>(
+    b: &[u8],
+    subject: ErrorSubject<RaftId>,
+) -> StoreResult<T> {
+    codec::decode_body(b).map_err(|e| io_err(subject, ErrorVerb::Read, e))
+}
+
+/// The consensus log (openraft's `RaftLogStorage` and `RaftLogReader`). Cheap to clone.
+#[derive(Clone)]
+pub struct LogStore {
+    db: Arc<RaftLogDb>,
+}
+
+impl LogStore {
+    pub fn new(db: Arc<RaftLogDb>) -> Self {
+        LogStore { db }
+    }
+
+    fn meta<T: serde::de::DeserializeOwned>(
+        &self,
+        name: &str,
+        subject: ErrorSubject<RaftId>,
+    ) -> StoreResult<Option<T>> {
+        match self.db.meta_get(name) {
+            Ok(None) => Ok(None),
+            Ok(Some(b)) => decode(&b, subject).map(Some),
+            Err(e) => Err(io_err(subject, ErrorVerb::Read, e)),
+        }
+    }
+}
+
+impl RaftLogReader<TypeConfig> for LogStore {
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
+        &mut self,
+        range: RB,
+    ) -> StoreResult<Vec<Entry<TypeConfig>>> {
+        let from = match range.start_bound() {
+            Bound::Included(i) => *i,
+            Bound::Excluded(i) => i.saturating_add(1),
+            Bound::Unbounded => 0,
+        };
+        let to = match range.end_bound() {
+            Bound::Included(i) => i.saturating_add(1),
+            Bound::Excluded(i) => *i,
+            Bound::Unbounded => u64::MAX,
+        };
+        let rows = self
+            .db
+            .range(from, to)
+            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+        rows.iter()
+            .map(|(_, b)| decode(b, ErrorSubject::Logs))
+            .collect()
+    }
+}
+
+impl RaftLogStorage<TypeConfig> for LogStore {
+    type LogReader = LogStore;
+
+    async fn get_log_state(&mut self) -> StoreResult<LogState<TypeConfig>> {
+        let purged: Option<LogId<RaftId>> = self.meta(META_PURGED, ErrorSubject::Logs)?;
+        let last = match self
+            .db
+            .last()
+            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, e))?
+        {
+            Some((_, b)) => Some(decode::<Entry<TypeConfig>>(&b, ErrorSubject::Logs)?.log_id),
+            None => purged,
+        };
+        Ok(LogState {
+            last_purged_log_id: purged,
+            last_log_id: last,
+        })
+    }
+
+    async fn get_log_reader(&mut self) -> Self::LogReader {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote<RaftId>) -> StoreResult<()> {
+        let b = encode(vote, ErrorSubject::Vote)?;
+        self.db
+            .meta_put(META_VOTE, &b)
+            .map_err(|e| io_err(ErrorSubject::Vote, ErrorVerb::Write, e))
+    }
+
+    async fn read_vote(&mut self) -> StoreResult<Option<Vote<RaftId>>> {
+        self.meta(META_VOTE, ErrorSubject::Vote)
+    }
+
+    async fn save_committed(&mut self, committed: Option<LogId<RaftId>>) -> StoreResult<()> {
+        let b = encode(&committed, ErrorSubject::Store)?;
+        self.db
+            .meta_put(META_COMMITTED, &b)
+            .map_err(|e| io_err(ErrorSubject::Store, ErrorVerb::Write, e))
+    }
+
+    async fn read_committed(&mut self) -> StoreResult<Option<LogId<RaftId>>> {
+        Ok(self
+            .meta::<Option<LogId<RaftId>>>(META_COMMITTED, ErrorSubject::Store)?
+            .flatten())
+    }
+
+    async fn append<I>(&mut self, entries: I, callback: LogFlushed<TypeConfig>) -> StoreResult<()>
+    where
+        I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut rows = Vec::new();
+        for e in entries {
+            rows.push((e.log_id.index, encode(&e, ErrorSubject::Logs)?));
+        }
+        let res = self.db.append(rows.iter().map(|(i, b)| (*i, b.as_slice())));
+        match res {
+            Ok(()) => {
+                // Synced (RaftLogDb writes with sync = true): durable now.
+                callback.log_io_completed(Ok(()));
+                Ok(())
+            }
+            Err(e) => {
+                callback.log_io_completed(Err(std::io::Error::other(e.to_string())));
+                Err(io_err(ErrorSubject::Logs, ErrorVerb::Write, e))
+            }
+        }
+    }
+
+    async fn truncate(&mut self, log_id: LogId<RaftId>) -> StoreResult<()> {
+        self.db
+            .truncate_from(log_id.index)
+            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Delete, e))
+    }
+
+    async fn purge(&mut self, log_id: LogId<RaftId>) -> StoreResult<()> {
+        let b = encode(&Some(log_id), ErrorSubject::Logs)?;
+        self.db
+            .purge_through(log_id.index, &b)
+            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Delete, e))
+    }
+}
+
+/// What the state machine holds: the metadata plus what openraft needs to know about it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Applied {
+    pub last_applied: Option<LogId<RaftId>>,
+    pub membership: StoredMembership<RaftId, PeerNode>,
+    pub state: MetaState,
+}
+
+/// A persisted snapshot: its openraft metadata and the encoded [`Applied`].
+#[derive(Serialize, Deserialize)]
+struct StoredSnapshot {
+    meta: SnapshotMeta<RaftId, PeerNode>,
+    #[serde(with = "serde_bytes")]
+    data: Vec<u8>,
+}
+
+/// The metadata state machine. The [`Applied`] state is shared (read by the node to route
+/// clients and run queues); only openraft writes it.
+#[derive(Clone)]
+pub struct StateMachine {
+    db: Arc<RaftLogDb>,
+    applied: Arc<RwLock<Applied>>,
+}
+
+impl StateMachine {
+    /// The state machine as of the last stored snapshot (or empty).
+    pub fn open(db: Arc<RaftLogDb>) -> Result<Self, String> {
+        let applied = match db.meta_get(META_SNAPSHOT).map_err(|e| e.to_string())? {
+            None => Applied::default(),
+            Some(b) => {
+                let snap: StoredSnapshot = codec::decode_body(&b).map_err(|e| e.to_string())?;
+                codec::decode_body(&snap.data).map_err(|e| e.to_string())?
+            }
+        };
+        Ok(StateMachine {
+            db,
+            applied: Arc::new(RwLock::new(applied)),
+        })
+    }
+
+    /// The shared, applied state.
+    pub fn applied(&self) -> Arc<RwLock<Applied>> {
+        Arc::clone(&self.applied)
+    }
+
+    fn snapshot_now(&self) -> StoreResult<Snapshot<TypeConfig>> {
+        let (data, last_applied, membership) = {
+            let a = self.applied.read().expect("metadata lock poisoned");
+            (
+                encode(&*a, ErrorSubject::StateMachine)?,
+                a.last_applied,
+                a.membership.clone(),
+            )
+        };
+        let snapshot_id = match last_applied {
+            Some(l) => format!("{}-{}", l.leader_id, l.index),
+            None => "empty".to_string(),
+        };
+        let meta = SnapshotMeta {
+            last_log_id: last_applied,
+            last_membership: membership,
+            snapshot_id,
+        };
+        self.persist(&meta, &data)?;
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(data)),
+        })
+    }
+
+    fn persist(&self, meta: &SnapshotMeta<RaftId, PeerNode>, data: &[u8]) -> StoreResult<()> {
+        let stored = StoredSnapshot {
+            meta: meta.clone(),
+            data: data.to_vec(),
+        };
+        let b = encode(&stored, ErrorSubject::Snapshot(Some(meta.signature())))?;
+        self.db.meta_put(META_SNAPSHOT, &b).map_err(|e| {
+            io_err(
+                ErrorSubject::Snapshot(Some(meta.signature())),
+                ErrorVerb::Write,
+                e,
+            )
+        })
+    }
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for StateMachine {
+    async fn build_snapshot(&mut self) -> StoreResult<Snapshot<TypeConfig>> {
+        self.snapshot_now()
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachine {
+    type SnapshotBuilder = StateMachine;
+
+    async fn applied_state(
+        &mut self,
+    ) -> StoreResult<(Option<LogId<RaftId>>, StoredMembership<RaftId, PeerNode>)> {
+        let a = self.applied.read().expect("metadata lock poisoned");
+        Ok((a.last_applied, a.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> StoreResult<Vec<MetaResponse>>
+    where
+        I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut a = self.applied.write().expect("metadata lock poisoned");
+        let mut out = Vec::new();
+        for e in entries {
+            a.last_applied = Some(e.log_id);
+            let r = match &e.payload {
+                EntryPayload::Blank => MetaResponse::None,
+                EntryPayload::Normal(cmd) => a.state.apply(e.log_id.index, cmd),
+                EntryPayload::Membership(m) => {
+                    a.membership = StoredMembership::new(Some(e.log_id), m.clone());
+                    MetaResponse::None
+                }
+            };
+            out.push(r);
+        }
+        Ok(out)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        self.clone()
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> StoreResult<Box<Cursor<Vec<u8>>>> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<RaftId, PeerNode>,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> StoreResult<()> {
+        let data = snapshot.into_inner();
+        let mut applied: Applied = decode(&data, ErrorSubject::Snapshot(Some(meta.signature())))?;
+        applied.last_applied = meta.last_log_id;
+        applied.membership = meta.last_membership.clone();
+        self.persist(meta, &data)?;
+        *self.applied.write().expect("metadata lock poisoned") = applied;
+        Ok(())
+    }
+
+    async fn get_current_snapshot(&mut self) -> StoreResult<Option<Snapshot<TypeConfig>>> {
+        let Some(b) = self
+            .db
+            .meta_get(META_SNAPSHOT)
+            .map_err(|e| io_err(ErrorSubject::Snapshot(None), ErrorVerb::Read, e))?
+        else {
+            return Ok(None);
+        };
+        let snap: StoredSnapshot = decode(&b, ErrorSubject::Snapshot(None))?;
+        Ok(Some(Snapshot {
+            meta: snap.meta,
+            snapshot: Box::new(Cursor::new(snap.data)),
+        }))
+    }
+}
