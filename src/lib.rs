@@ -45,6 +45,7 @@ pub mod interest;
 pub mod limits;
 pub mod metrics;
 pub mod protocol;
+pub mod replication;
 pub mod server;
 
 pub use tether_storage as storage;
