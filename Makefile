@@ -11,7 +11,7 @@ DATA_DIR ?= data
 BENCH_EVENTS ?= 1000000
 BENCH_VALUE_BYTES ?= 128
 
-.PHONY: all deps build run test bench bench-quick fmt lint clean
+.PHONY: run-cluster all deps build run test bench bench-quick fmt lint clean
 
 all: build
 
@@ -32,6 +32,10 @@ build: deps
 
 run: build
 	target/release/tether server --data-dir $(DATA_DIR)
+
+# A local three-node cluster (n1..n3 on 127.0.0.1:7401-7403) sharing one dev CA; Ctrl-C stops it.
+run-cluster: build
+	BIN=target/release/tether CLUSTER_DIR=$(DATA_DIR)/cluster scripts/run-cluster.sh
 
 test: deps
 	$(CARGO) test --release --workspace

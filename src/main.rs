@@ -62,6 +62,14 @@ enum Command {
         /// The token.
         token: String,
     },
+    /// Create (if missing) a data directory's dev CA and server certificate, without starting
+    /// a server: copy its tls/ca.pem and tls/ca.key to other nodes' data directories to make
+    /// them one cluster.
+    DevCa {
+        /// The data directory (certificates go to <data-dir>/tls).
+        #[arg(long, default_value = "data")]
+        data_dir: PathBuf,
+    },
     /// Issue a client certificate signed by a data directory's dev CA (for mutual TLS; the
     /// common name is the principal).
     IssueClientCert {
@@ -318,6 +326,11 @@ async fn run(cmd: Command) -> Result<(), Fail> {
                 }));
             }
             c.close(false).await?;
+            Ok(())
+        }
+        Command::DevCa { data_dir } => {
+            let files = tether::transport::tls::ensure_dev_certs(&data_dir.join("tls"))?;
+            emit(json!({"type":"dev-ca","ca":files.ca.display().to_string()}));
             Ok(())
         }
         Command::IssueClientCert {

@@ -26,6 +26,8 @@ pub const PUBLISH_REJECTED: &str = "tether_publish_rejected_total";
 pub const PUBLISH_BLOCKED: &str = "tether_publish_blocked_total";
 pub const QUEUES_DROPPED_FULL: &str = "tether_queues_dropped_full_total";
 pub const CLIENT_ERRORS: &str = "tether_client_errors_total";
+pub const FORWARD_LAG: &str = "tether_forward_lag_entries";
+pub const FORWARDED: &str = "tether_forwarded_publishes_total";
 
 /// Bytes of an HTTP request head the endpoint reads.
 const HTTP_REQUEST_BYTES_MAX: usize = 8 * 1024;
@@ -58,6 +60,14 @@ fn describe() {
         "Queue entries appended (one per matching queue)"
     );
     describe_counter!(EVENTS_DELIVERED, "Queue entries written to clients");
+    describe_gauge!(
+        FORWARD_LAG,
+        "Publishes of this node not yet applied by a peer (label peer)"
+    );
+    describe_counter!(
+        FORWARDED,
+        "Publishes of this node applied by a peer (label peer)"
+    );
     describe_counter!(EVENTS_REPLAYED, "Entries delivered flagged replayed");
     describe_counter!(
         EVENTS_REDELIVERED,

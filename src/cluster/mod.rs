@@ -319,9 +319,26 @@ impl Cluster {
         }
     }
 
-    /// Serves the RPCs of one verified peer connection (spawned per connection).
-    pub fn serve(&self, conn: quinn::Connection) {
-        tokio::spawn(network::serve_peer(conn, self.raft.clone(), self.me));
+    /// Serves the RPCs of one verified peer connection (spawned per connection);
+    /// forwarded publishes go to `sink`.
+    pub fn serve(&self, conn: quinn::Connection, sink: Option<Arc<dyn network::PublishSink>>) {
+        tokio::spawn(network::serve_peer(conn, self.raft.clone(), self.me, sink));
+    }
+
+    /// Sends `request` to member `to` at its configured address.
+    pub async fn call(
+        &self,
+        to: RaftId,
+        request: PeerRequest,
+        timeout: Duration,
+    ) -> Result<PeerResponse, network::PeerError> {
+        let addr = self
+            .members
+            .nodes
+            .get(&to)
+            .map(|n| n.addr.clone())
+            .unwrap_or_default();
+        self.pool.call(to, &addr, request, timeout).await
     }
 
     /// Stops consensus and closes peer connections.

@@ -27,6 +27,7 @@ use tether_transport::codec;
 
 use super::meta::{MetaCommand, RaftId};
 use super::{PeerNode, Raft, TypeConfig};
+use crate::protocol::PublishOp;
 
 /// Longest peer request or response body, in bytes (a snapshot chunk is at most 3 MiB).
 pub const PEER_MESSAGE_BYTES_MAX: usize = codec::FRAME_BYTES_MAX;
@@ -45,6 +46,13 @@ pub enum PeerRequest {
     InstallSnapshot(InstallSnapshotRequest<TypeConfig>),
     /// A metadata command forwarded to the node believed to lead.
     Write(MetaCommand),
+    /// Publishes made on node `origin`, in its publish-log order: each is (offset in the
+    /// origin's publish log, the operations of one publish). The receiver applies each once
+    /// (it remembers the highest offset applied per origin) and in order.
+    Publish {
+        origin: String,
+        entries: Vec<(u64, Vec<PublishOp>)>,
+    },
 }
 
 type WriteResult =
@@ -65,6 +73,26 @@ pub enum PeerResponse {
     },
     /// The request could not be decoded.
     BadRequest(String),
+    /// Every entry of a [`PeerRequest::Publish`] up to `through` is applied (or was already).
+    Published {
+        through: u64,
+    },
+    /// Entries up to `through` are applied; the next one was refused (a full queue, the node
+    /// stopping, a storage error) and must be sent again later.
+    PublishDeferred {
+        through: u64,
+        reason: String,
+    },
+}
+
+/// Where a node applies the publishes its peers forward to it (the server implements it).
+pub trait PublishSink: Send + Sync + 'static {
+    /// Applies `entries` forwarded by `origin`, in order, each at most once.
+    fn apply_forwarded(
+        &self,
+        origin: String,
+        entries: Vec<(u64, Vec<PublishOp>)>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>>;
 }
 
 #[derive(Serialize, Deserialize)]
@@ -202,20 +230,26 @@ impl PeerPool {
 }
 
 /// Serves RPCs arriving on one verified peer connection until it closes.
-pub async fn serve_peer(conn: quinn::Connection, raft: Raft, me: RaftId) {
+pub async fn serve_peer(
+    conn: quinn::Connection,
+    raft: Raft,
+    me: RaftId,
+    sink: Option<Arc<dyn PublishSink>>,
+) {
     loop {
         let (mut send, mut recv) = match conn.accept_bi().await {
             Ok(s) => s,
             Err(_) => return,
         };
         let raft = raft.clone();
+        let sink = sink.clone();
         tokio::spawn(async move {
             let response = match recv.read_to_end(PEER_MESSAGE_BYTES_MAX).await {
                 Err(e) => PeerResponse::BadRequest(e.to_string()),
                 Ok(body) => match codec::decode_body::<Envelope>(&body) {
                     Err(e) => PeerResponse::BadRequest(e.to_string()),
                     Ok(env) if env.to != me => PeerResponse::WrongNode { actual: me },
-                    Ok(env) => dispatch(&raft, env.request).await,
+                    Ok(env) => dispatch(&raft, sink.as_deref(), env.request).await,
                 },
             };
             if let Ok(bytes) = codec::encode_body(&response) {
@@ -226,7 +260,11 @@ pub async fn serve_peer(conn: quinn::Connection, raft: Raft, me: RaftId) {
     }
 }
 
-async fn dispatch(raft: &Raft, request: PeerRequest) -> PeerResponse {
+async fn dispatch(
+    raft: &Raft,
+    sink: Option<&dyn PublishSink>,
+    request: PeerRequest,
+) -> PeerResponse {
     match request {
         PeerRequest::AppendEntries(r) => PeerResponse::AppendEntries(raft.append_entries(r).await),
         PeerRequest::Vote(r) => PeerResponse::Vote(raft.vote(r).await),
@@ -234,6 +272,13 @@ async fn dispatch(raft: &Raft, request: PeerRequest) -> PeerResponse {
             PeerResponse::InstallSnapshot(raft.install_snapshot(r).await)
         }
         PeerRequest::Write(cmd) => PeerResponse::Write(raft.client_write(cmd).await),
+        PeerRequest::Publish { origin, entries } => match sink {
+            Some(sink) => sink.apply_forwarded(origin, entries).await,
+            None => PeerResponse::PublishDeferred {
+                through: 0,
+                reason: "this node does not take publishes yet".into(),
+            },
+        },
     }
 }
 

@@ -95,7 +95,9 @@ fn serve_peer(shared: &Arc<Shared>, conn: quinn::Connection) -> Result<(), ()> {
         );
         return Err(());
     }
-    cluster.serve(conn);
+    let inbox: Arc<dyn crate::cluster::network::PublishSink> =
+        Arc::new(super::forward::PeerInbox(Arc::downgrade(shared)));
+    cluster.serve(conn, Some(inbox));
     Ok(())
 }
 

@@ -12,6 +12,7 @@
 //! events through a [`Publisher`] without the network.
 
 mod conn;
+mod forward;
 mod writer;
 
 use std::collections::HashMap;
@@ -21,7 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tether_storage::{Batch, RocksStore, Store};
+use tether_storage::{Batch, Offset, RocksStore, Store};
 use tether_transport::tls::{self, TlsFiles};
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
 
@@ -101,6 +102,8 @@ pub(crate) struct Shared {
     pub(crate) cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
     /// The cluster CA a peer's certificate must come from (clustered nodes).
     pub(crate) cluster_ca: PathBuf,
+    /// Publish forwarding to the other members (clustered nodes).
+    pub(crate) forwarding: Option<forward::Forwarding>,
 }
 
 impl Shared {
@@ -149,6 +152,18 @@ impl Shared {
         session: SessionId,
         ops: &[PublishOp],
     ) -> Result<u64, WireError> {
+        self.publish_from(session, ops, None).await
+    }
+
+    /// [`Shared::publish`] of operations that came from a peer: `origin` is the origin node
+    /// and the entry's offset in its publish log (recorded with the publish, never forwarded
+    /// again). `None`: a local publish (forwarded to the peers on a clustered node).
+    pub(crate) async fn publish_from(
+        self: &Arc<Self>,
+        session: SessionId,
+        ops: &[PublishOp],
+        origin: Option<(&str, Offset)>,
+    ) -> Result<u64, WireError> {
         let block = Duration::from_millis(self.limits.queue_full_block_ms);
         let deadline = tokio::time::Instant::now() + block;
         loop {
@@ -156,7 +171,7 @@ impl Shared {
             let space = self.space.notified();
             tokio::pin!(space);
             space.as_mut().enable();
-            match self.try_publish(session, ops).await {
+            match self.try_publish(session, ops, origin).await {
                 Err(e) if e.code == ErrorCode::QueueFull => {
                     let blocking = self.limits.queue_full_policy == QueueFullPolicy::Block;
                     if !blocking || tokio::time::timeout_at(deadline, space).await.is_err() {
@@ -186,6 +201,7 @@ impl Shared {
         self: &Arc<Self>,
         session: SessionId,
         ops: &[PublishOp],
+        origin: Option<(&str, Offset)>,
     ) -> Result<u64, WireError> {
         let _permit = self
             .write_permits
@@ -198,9 +214,22 @@ impl Shared {
             let plan = core.publish(now_ms(), session, ops, &mut |region, key| {
                 matches!(store.region_get(region, key), Ok(Some(_)))
             })?;
+            let mut batch = plan.batch;
+            let logged = match (origin, &self.forwarding) {
+                (Some((node, offset)), _) => {
+                    let (k, v) = forward::applied_marker(node, offset);
+                    batch.state_put(&k, v);
+                    None
+                }
+                (None, Some(f)) => f.log_publish(&mut batch, ops),
+                (None, None) => None,
+            };
             let shared = self.clone();
             let (seq, appended) = (plan.seq, plan.appended);
             let on_commit: writer::OnCommit = Box::new(move || {
+                if let (Some(offset), Some(f)) = (logged, &shared.forwarding) {
+                    f.committed.send_replace(offset);
+                }
                 let wake: Vec<SessionId> = {
                     let mut core = shared.core();
                     core.committed(seq, &appended);
@@ -218,7 +247,7 @@ impl Shared {
                 plan.count,
                 plan.enqueued,
                 plan.dropped_sessions,
-                self.writer.submit(plan.batch, Some(on_commit)),
+                self.writer.submit(batch, Some(on_commit)),
             )
         };
         wait_commit(rx).await?;
@@ -234,6 +263,19 @@ impl Shared {
         metrics::counter!(m::EVENTS_PUBLISHED).increment(count);
         metrics::counter!(m::EVENTS_ENQUEUED).increment(enqueued);
         Ok(count)
+    }
+
+    /// The session forwarded publishes are made under (created once).
+    async fn forward_session(self: &Arc<Self>) -> Result<SessionId, WireError> {
+        let Some(f) = &self.forwarding else {
+            return Err(internal("not clustered"));
+        };
+        if let Some(id) = *f.session_slot().lock().expect("forward lock") {
+            return Ok(id);
+        }
+        let id = self.apply(|core| Ok(core.publisher_session())).await?;
+        *f.session_slot().lock().expect("forward lock") = Some(id);
+        Ok(id)
     }
 
     /// Closes a session's connection with an error code.
@@ -427,7 +469,8 @@ impl Node {
                 .await
                 .map_err(|e| NodeError::Recovery(e.to_string()))??,
         );
-        let queues = store.queues()?;
+        let mut queues = store.queues()?;
+        queues.retain(|(q, _)| *q != forward::PUBLISH_LOG_QUEUE);
         let recovered = queues.len();
         let st = store.clone();
         let (core, batch) = NodeCore::recover(node_id.clone(), now_ms(), queues, |k| {
@@ -437,6 +480,14 @@ impl Node {
         let core = core.with_limits(config.limits.clone());
         store.write(&batch, true)?;
         tracing::info!(node_id, queues = recovered, "recovered storage");
+        let forwarding = if clustered {
+            Some(
+                forward::Forwarding::open(&*store, &node_id, &config.peers)
+                    .map_err(NodeError::Recovery)?,
+            )
+        } else {
+            None
+        };
         let (fatal, _) = watch::channel(None);
         let fatal_tx = fatal.clone();
         let (writer, writer_thread) = Writer::start(
@@ -461,6 +512,7 @@ impl Node {
             node_id,
             cluster: std::sync::OnceLock::new(),
             cluster_ca: tls_files.ca.clone(),
+            forwarding,
         });
         let endpoint = tether_transport::endpoint::server_endpoint(config.listen, server_config)
             .map_err(|source| NodeError::Listen {
@@ -495,6 +547,16 @@ impl Node {
                 tls::peer_client_config(&tls_files)?,
             )
             .await?;
+            if let Some(f) = &shared.forwarding {
+                for (peer, id) in &f.peers {
+                    tasks.push(tokio::spawn(forward::forward_loop(
+                        Arc::downgrade(&shared),
+                        cluster.clone(),
+                        peer.clone(),
+                        *id,
+                    )));
+                }
+            }
             let _ = shared.cluster.set(cluster);
         }
         tasks.push(tokio::spawn(conn::accept_loop(

@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+pub mod cluster;
+
 use tether::auth::AuthConfig;
 use tether::client::{Client, ClientBuilder, ClientEvent, Event, EventStream};
 use tether::config::{Limits, ServerConfig};

@@ -1,0 +1,361 @@
+//! Publish forwarding between cluster members: every publish made on a node reaches every
+//! other node, which applies it to its own region store and its own queues. So an event
+//! published anywhere reaches every queue whose interest matches, wherever the queue lives.
+//!
+//! # Design
+//! * The origin appends each publish (its operations, one entry) to its **publish log**, a
+//!   queue of the node's store with the reserved id [`PUBLISH_LOG_QUEUE`], in the same atomic
+//!   batch as the publish itself: a publish acknowledged locally is also durably queued for
+//!   every peer, whatever happens next (peer down, origin killed and restarted).
+//! * One forwarding task per peer ships the log in order (batches of up to
+//!   [`FORWARD_BATCH_ENTRIES_MAX`] entries over one peer RPC at a time) and records, durably, how
+//!   far the peer has applied (`fwd-sent/<peer>`). Entries every peer has applied are trimmed.
+//! * The receiver applies entries in order, each once: it stores the highest origin offset
+//!   applied (`fwd-applied/<origin>`) in the batch that applies it, and skips anything at or
+//!   below it (a retry after a lost response).
+//!
+//! Ordering: the entries of one origin are applied in the origin's commit order, so the
+//! events of one publisher stay in order on every node. Publishes of different origins
+//! interleave differently on different nodes.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use tether_storage::{Batch, Entry, Offset, QueueId, Store};
+use tether_transport::codec;
+use tokio::sync::watch;
+
+use super::Shared;
+use crate::cluster::Cluster;
+use crate::cluster::meta::{RaftId, raft_id};
+use crate::cluster::network::{PeerRequest, PeerResponse, PublishSink};
+use crate::core::SessionId;
+use crate::metrics as m;
+use crate::protocol::PublishOp;
+
+/// Queue id of the publish log in the node's store (never allocated to a subscription queue:
+/// those count up from 1).
+pub const PUBLISH_LOG_QUEUE: QueueId = u64::MAX;
+/// Info blob that marks the publish log's metadata.
+pub const PUBLISH_LOG_INFO: &[u8] = b"tether-publish-log";
+/// Most publish-log entries in one forwarding RPC.
+pub const FORWARD_BATCH_ENTRIES_MAX: usize = 512;
+/// Most publish-log bytes read for one forwarding RPC.
+pub const FORWARD_BATCH_BYTES_MAX: usize = 1 << 20;
+/// Deadline of one forwarding RPC, in milliseconds.
+pub const FORWARD_RPC_TIMEOUT_MS: u64 = 10_000;
+/// First pause after a failed forward, in milliseconds (doubles up to the max).
+pub const FORWARD_RETRY_MIN_MS: u64 = 50;
+/// Longest pause between forwarding attempts to an unreachable peer, in milliseconds.
+pub const FORWARD_RETRY_MAX_MS: u64 = 2_000;
+
+fn sent_key(peer: &str) -> String {
+    format!("fwd-sent/{peer}")
+}
+
+fn applied_key(origin: &str) -> String {
+    format!("fwd-applied/{origin}")
+}
+
+fn read_u64(store: &dyn Store, key: &str) -> Option<u64> {
+    let b = store.state_get(key).ok().flatten()?;
+    Some(u64::from_be_bytes(b.as_slice().try_into().ok()?))
+}
+
+/// A node's forwarding state (clustered nodes only).
+pub(crate) struct Forwarding {
+    /// Peers (name, raft id), this node excluded.
+    pub(crate) peers: Vec<(String, RaftId)>,
+    /// Highest publish-log offset assigned (under the core lock, so in commit order).
+    pub(crate) log_end: AtomicU64,
+    /// Highest publish-log offset committed; forwarding tasks wait on it.
+    pub(crate) committed: watch::Sender<Offset>,
+    /// Per peer: highest offset it has applied (mirrors `fwd-sent/<peer>`).
+    sent: Mutex<HashMap<String, Offset>>,
+    /// Offsets at or below this are trimmed from the log.
+    trimmed: AtomicU64,
+    /// Per origin: highest offset applied here; the lock also serializes forwarded applies.
+    applied: tokio::sync::Mutex<HashMap<String, Offset>>,
+    /// The session forwarded publishes are made under (created on first use).
+    session: Mutex<Option<SessionId>>,
+}
+
+impl Forwarding {
+    /// Loads the publish log's position and the per-peer cursors; creates the log's metadata
+    /// on first start. `peers` are the other members' names.
+    pub(crate) fn open(
+        store: &dyn Store,
+        me: &str,
+        peers: &[(String, String)],
+    ) -> Result<Self, String> {
+        let meta = store
+            .queue_meta(PUBLISH_LOG_QUEUE)
+            .map_err(|e| e.to_string())?;
+        let (acked, end) = match meta {
+            Some(m) => (m.acked, m.end),
+            None => {
+                let mut b = Batch::new();
+                b.put_queue_info(PUBLISH_LOG_QUEUE, 0, PUBLISH_LOG_INFO.to_vec());
+                store.write(&b, true).map_err(|e| e.to_string())?;
+                (0, 0)
+            }
+        };
+        let peers: Vec<(String, RaftId)> = peers
+            .iter()
+            .filter(|(name, _)| name != me)
+            .map(|(name, _)| (name.clone(), raft_id(name)))
+            .collect();
+        // A peer without a cursor (new to this node) starts at what is trimmed: it gets the
+        // publishes from now on.
+        let sent = peers
+            .iter()
+            .map(|(name, _)| {
+                (
+                    name.clone(),
+                    read_u64(store, &sent_key(name)).unwrap_or(acked),
+                )
+            })
+            .collect();
+        Ok(Forwarding {
+            peers,
+            log_end: AtomicU64::new(end),
+            committed: watch::channel(end).0,
+            sent: Mutex::new(sent),
+            trimmed: AtomicU64::new(acked),
+            applied: tokio::sync::Mutex::new(HashMap::new()),
+            session: Mutex::new(None),
+        })
+    }
+
+    /// Adds the publish `ops` to the publish log in `batch`; returns its offset. Call under
+    /// the core lock, with the batch submitted before the lock is released.
+    pub(crate) fn log_publish(&self, batch: &mut Batch, ops: &[PublishOp]) -> Option<Offset> {
+        if self.peers.is_empty() {
+            return None;
+        }
+        let body = codec::encode_body(&ops).ok()?;
+        let offset = self.log_end.fetch_add(1, Ordering::SeqCst) + 1;
+        batch.append(PUBLISH_LOG_QUEUE, offset, Entry::new(0, body));
+        Some(offset)
+    }
+
+    /// How far `peer` has applied this node's publish log.
+    pub(crate) fn sent(&self, peer: &str) -> Offset {
+        self.sent
+            .lock()
+            .expect("forward lock")
+            .get(peer)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Publish-log entries waiting for `peer`.
+    pub(crate) fn lag(&self, peer: &str) -> u64 {
+        self.committed.borrow().saturating_sub(self.sent(peer))
+    }
+}
+
+/// Reads the next run of publish-log entries after `from` (contiguous, in order).
+fn read_run(store: &dyn Store, from: Offset, to: Offset) -> Vec<(u64, Vec<PublishOp>)> {
+    let mut out = Vec::new();
+    let mut next = from + 1;
+    let _ = store.read_entries(
+        PUBLISH_LOG_QUEUE,
+        next,
+        to,
+        FORWARD_BATCH_BYTES_MAX,
+        &mut |off, _, body| {
+            if off != next || out.len() >= FORWARD_BATCH_ENTRIES_MAX {
+                return;
+            }
+            if let Ok(ops) = codec::decode_body::<Vec<PublishOp>>(body) {
+                out.push((off, ops));
+            }
+            next = off + 1;
+        },
+    );
+    out
+}
+
+/// Ships this node's publish log to `peer`, in order, until the node stops.
+pub(crate) async fn forward_loop(
+    shared: Weak<Shared>,
+    cluster: Arc<Cluster>,
+    peer: String,
+    peer_id: RaftId,
+) {
+    let mut committed = match shared.upgrade() {
+        Some(s) => match &s.forwarding {
+            Some(f) => f.committed.subscribe(),
+            None => return,
+        },
+        None => return,
+    };
+    let mut retry = FORWARD_RETRY_MIN_MS;
+    loop {
+        let (entries, me) = {
+            let Some(s) = shared.upgrade() else { return };
+            let Some(f) = &s.forwarding else { return };
+            let from = f.sent(&peer);
+            let end = *committed.borrow_and_update();
+            if end <= from {
+                drop(s);
+                if committed.changed().await.is_err() {
+                    return;
+                }
+                continue;
+            }
+            let store = s.store.clone();
+            let entries = tokio::task::spawn_blocking(move || read_run(&*store, from, end + 1))
+                .await
+                .unwrap_or_default();
+            (entries, s.node_id.clone())
+        };
+        if entries.is_empty() {
+            // Trimmed below the cursor (should not happen) or not yet readable: wait a bit.
+            tokio::time::sleep(Duration::from_millis(retry)).await;
+            retry = (retry * 2).min(FORWARD_RETRY_MAX_MS);
+            continue;
+        }
+        let request = PeerRequest::Publish {
+            origin: me,
+            entries,
+        };
+        let through = match cluster
+            .call(
+                peer_id,
+                request,
+                Duration::from_millis(FORWARD_RPC_TIMEOUT_MS),
+            )
+            .await
+        {
+            Ok(PeerResponse::Published { through }) => {
+                retry = FORWARD_RETRY_MIN_MS;
+                Some(through)
+            }
+            Ok(PeerResponse::PublishDeferred { through, reason }) => {
+                tracing::debug!(peer, reason, "forwarded publish deferred");
+                Some(through)
+            }
+            Ok(_) | Err(_) => None,
+        };
+        let progressed = match through {
+            Some(t) => match shared.upgrade() {
+                Some(s) => {
+                    let before = s.forwarding.as_ref().map_or(0, |f| f.sent(&peer));
+                    let moved = record_sent(&s, &peer, t).await;
+                    if let Some(f) = &s.forwarding {
+                        metrics::counter!(m::FORWARDED, "peer" => peer.clone())
+                            .increment(t.saturating_sub(before));
+                        metrics::gauge!(m::FORWARD_LAG, "peer" => peer.clone())
+                            .set(f.lag(&peer) as f64);
+                    }
+                    moved
+                }
+                None => return,
+            },
+            None => false,
+        };
+        if !progressed {
+            tokio::time::sleep(Duration::from_millis(retry)).await;
+            retry = (retry * 2).min(FORWARD_RETRY_MAX_MS);
+        }
+    }
+}
+
+/// Records that `peer` applied the log through `through` (durably) and trims what every
+/// peer has applied. Returns whether the cursor moved.
+async fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) -> bool {
+    let Some(f) = &s.forwarding else { return false };
+    let (moved, min) = {
+        let mut sent = f.sent.lock().expect("forward lock");
+        let cur = sent.entry(peer.to_string()).or_insert(0);
+        let moved = through > *cur;
+        if moved {
+            *cur = through;
+        }
+        (moved, sent.values().copied().min().unwrap_or(0))
+    };
+    if !moved {
+        return false;
+    }
+    let mut b = Batch::new();
+    b.state_put(&sent_key(peer), through.to_be_bytes().to_vec());
+    if min > f.trimmed.load(Ordering::SeqCst) {
+        b.set_acked(PUBLISH_LOG_QUEUE, min);
+        f.trimmed.store(min, Ordering::SeqCst);
+    }
+    let _ = s.writer.submit(b, None).await;
+    true
+}
+
+/// Applies publishes forwarded by peers (held weakly: a stopping node refuses them).
+pub(crate) struct PeerInbox(pub(crate) Weak<Shared>);
+
+impl PublishSink for PeerInbox {
+    fn apply_forwarded(
+        &self,
+        origin: String,
+        entries: Vec<(u64, Vec<PublishOp>)>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>> {
+        Box::pin(async move {
+            let Some(s) = self.0.upgrade() else {
+                return PeerResponse::PublishDeferred {
+                    through: 0,
+                    reason: "node stopping".into(),
+                };
+            };
+            let Some(f) = &s.forwarding else {
+                return PeerResponse::PublishDeferred {
+                    through: 0,
+                    reason: "not clustered".into(),
+                };
+            };
+            let mut applied = f.applied.lock().await;
+            let mut done = match applied.get(&origin) {
+                Some(a) => *a,
+                None => read_u64(&*s.store, &applied_key(&origin)).unwrap_or(0),
+            };
+            for (offset, ops) in entries {
+                if offset <= done {
+                    continue;
+                }
+                let session = match s.forward_session().await {
+                    Ok(id) => id,
+                    Err(e) => {
+                        applied.insert(origin, done);
+                        return PeerResponse::PublishDeferred {
+                            through: done,
+                            reason: e.message,
+                        };
+                    }
+                };
+                match s.publish_from(session, &ops, Some((&origin, offset))).await {
+                    Ok(_) => done = offset,
+                    Err(e) => {
+                        applied.insert(origin, done);
+                        return PeerResponse::PublishDeferred {
+                            through: done,
+                            reason: e.message,
+                        };
+                    }
+                }
+            }
+            applied.insert(origin, done);
+            PeerResponse::Published { through: done }
+        })
+    }
+}
+
+/// The state key and value recording that `origin`'s publish `offset` is applied.
+pub(crate) fn applied_marker(origin: &str, offset: Offset) -> (String, Vec<u8>) {
+    (applied_key(origin), offset.to_be_bytes().to_vec())
+}
+
+impl Forwarding {
+    pub(crate) fn session_slot(&self) -> &Mutex<Option<SessionId>> {
+        &self.session
+    }
+}
