@@ -257,6 +257,12 @@ pub enum ServerMsg {
         nonce: u64,
     },
     Error(WireError),
+    /// Answer to a durable hello on a node that does not hold the queue: connect to `addr`
+    /// (node `node_id`) instead. The connection closes after this frame.
+    Redirect {
+        node_id: String,
+        addr: String,
+    },
 }
 
 /// One key of an initial image.

@@ -27,6 +27,16 @@ use tokio::sync::{Mutex as AsyncMutex, mpsc, oneshot};
 use crate::limits::{ACK_INTERVAL_MS_DEFAULT, DURABLE_TIMEOUT_SECS_DEFAULT};
 use crate::protocol::*;
 
+/// Most redirects a connection attempt follows.
+pub const REDIRECTS_MAX: usize = 3;
+
+/// How one connection attempt ended.
+enum Attempt {
+    Connected(Client),
+    /// The node does not hold this durable queue; the one at this address does.
+    Redirect(SocketAddr),
+}
+
 /// Delivery frames buffered between the delivery stream and the application (each holds at
 /// most `DELIVERY_FRAME_BODY_BYTES_MAX` of records); beyond it QUIC flow control pushes back.
 pub const CLIENT_BUFFERED_FRAMES_MAX: usize = 32;
@@ -257,17 +267,31 @@ impl ClientBuilder {
             }
         };
         let mut errors = Vec::new();
-        for &addr in &self.servers {
-            match tokio::time::timeout(
-                Duration::from_millis(CONNECT_TIMEOUT_MS),
-                self.connect_one(addr, config.clone()),
-            )
-            .await
-            {
-                Ok(Ok(c)) => return Ok(c),
-                Ok(Err(ClientError::Server(e))) => return Err(ClientError::Server(e)),
-                Ok(Err(e)) => errors.push(format!("{addr}: {e}")),
-                Err(_) => errors.push(format!("{addr}: timed out")),
+        for &first in &self.servers {
+            let mut addr = first;
+            // A cluster node that does not hold this durable queue redirects to the one that
+            // does (a bounded number of hops: the placement can move while we follow it).
+            for hop in 0..=REDIRECTS_MAX {
+                match tokio::time::timeout(
+                    Duration::from_millis(CONNECT_TIMEOUT_MS),
+                    self.connect_one(addr, config.clone()),
+                )
+                .await
+                {
+                    Ok(Ok(Attempt::Connected(c))) => return Ok(c),
+                    Ok(Ok(Attempt::Redirect(to))) if hop < REDIRECTS_MAX => {
+                        tracing::debug!(from = %addr, to = %to, "redirected");
+                        addr = to;
+                        continue;
+                    }
+                    Ok(Ok(Attempt::Redirect(to))) => {
+                        errors.push(format!("{addr}: too many redirects (last to {to})"));
+                    }
+                    Ok(Err(ClientError::Server(e))) => return Err(ClientError::Server(e)),
+                    Ok(Err(e)) => errors.push(format!("{addr}: {e}")),
+                    Err(_) => errors.push(format!("{addr}: timed out")),
+                }
+                break;
             }
         }
         Err(ClientError::Connect(errors.join("; ")))
@@ -277,7 +301,7 @@ impl ClientBuilder {
         &self,
         addr: SocketAddr,
         config: quinn::ClientConfig,
-    ) -> Result<Client, ClientError> {
+    ) -> Result<Attempt, ClientError> {
         let endpoint = tether_transport::endpoint::client_endpoint(config, addr)
             .map_err(|e| ClientError::Connect(e.to_string()))?;
         let conn = endpoint
@@ -307,6 +331,15 @@ impl ClientBuilder {
                 ..
             })) => (node_id, queue, pending),
             Ok(Some(ServerMsg::Error(e))) => return Err(ClientError::Server(e)),
+            Ok(Some(ServerMsg::Redirect { addr: to, node_id })) => {
+                conn.close(0u32.into(), b"redirected");
+                return match to.parse() {
+                    Ok(to) => Ok(Attempt::Redirect(to)),
+                    Err(_) => Err(ClientError::Protocol(format!(
+                        "redirect to node {node_id} at an invalid address {to:?}"
+                    ))),
+                };
+            }
             Ok(Some(other)) => {
                 return Err(ClientError::Protocol(format!(
                     "expected a welcome, got {other:?}"
@@ -338,7 +371,7 @@ impl ClientBuilder {
             dedup.clone(),
         ));
         let acker = tokio::spawn(ack_task(inner.clone(), self.ack_interval));
-        Ok(Client {
+        Ok(Attempt::Connected(Client {
             inner,
             endpoint,
             server: addr,
@@ -349,7 +382,7 @@ impl ClientBuilder {
             events: Mutex::new(Some(events_rx)),
             dedup,
             tasks: vec![control, delivery, acker],
-        })
+        }))
     }
 }
 
@@ -444,7 +477,11 @@ async fn control_task(inner: Arc<Inner>, mut reader: FrameReader) {
                     let _ = tx.send(Err(e.clone()));
                 }
             }
-            Ok(Some(ServerMsg::Welcome { .. })) | Ok(None) | Err(_) => break,
+            Ok(Some(ServerMsg::Welcome { .. } | ServerMsg::Redirect { .. }))
+            | Ok(None)
+            | Err(_) => {
+                break;
+            }
         }
     }
     inner

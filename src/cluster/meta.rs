@@ -82,8 +82,11 @@ pub enum MetaCommand {
         expected_epoch: u64,
         secondaries: Vec<RaftId>,
     },
-    /// Expires (or closes) the queue cluster-wide, once.
+    /// Expires the queue cluster-wide, once: its next client learns `expired`.
     Expire { id: String, expected_epoch: u64 },
+    /// Removes the queue without recording an expiry (the client closed it, or it was
+    /// dropped): its next client starts a `new` queue.
+    Release { id: String, expected_epoch: u64 },
     /// A node is gone: every queue it is primary of is promoted to its first secondary
     /// (queues without a secondary keep their primary: nothing else holds them), and the node
     /// is dropped from every replica set.
@@ -100,6 +103,8 @@ pub enum MetaResponse {
     Stale(Option<Placement>),
     /// The queue was expired by this command.
     Expired,
+    /// The queue was released by this command.
+    Released,
     /// The queue does not exist (never placed, or expired earlier).
     Unknown { expired: bool },
     /// Count of queues changed by `NodeFailed`.
@@ -185,7 +190,8 @@ impl MetaState {
                 p.epoch = index;
                 MetaResponse::Placed(p.clone())
             }
-            MetaCommand::Expire { id, expected_epoch } => {
+            MetaCommand::Expire { id, expected_epoch }
+            | MetaCommand::Release { id, expected_epoch } => {
                 let Some(p) = self.queues.get(id) else {
                     return self.unknown(id);
                 };
@@ -193,6 +199,9 @@ impl MetaState {
                     return MetaResponse::Stale(Some(p.clone()));
                 }
                 self.queues.remove(id);
+                if matches!(cmd, MetaCommand::Release { .. }) {
+                    return MetaResponse::Released;
+                }
                 self.expired.push_back(id.clone());
                 while self.expired.len() > EXPIRED_IDS_MAX {
                     self.expired.pop_front();
@@ -300,6 +309,12 @@ mod tests {
         assert_eq!(s.apply(3, &expire), MetaResponse::Unknown { expired: true });
         s.apply(4, &place("q", 2, &[]));
         assert!(s.expired.is_empty());
+        let release = MetaCommand::Release {
+            id: "q".into(),
+            expected_epoch: 4,
+        };
+        assert_eq!(s.apply(5, &release), MetaResponse::Released);
+        assert!(s.queues.is_empty() && s.expired.is_empty());
     }
 
     #[test]

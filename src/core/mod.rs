@@ -426,6 +426,17 @@ impl NodeCore {
         &self.limits
     }
 
+    /// Records that durable id `id` expired on another node of the cluster (so its next
+    /// connection here reports `expired` once), unless a queue with that id lives here.
+    pub fn note_expired_elsewhere(&mut self, id: &str) -> Batch {
+        let mut batch = Batch::new();
+        if !self.durable.contains_key(id) {
+            self.remember_expired(id.to_string());
+            self.persist_expired(&mut batch);
+        }
+        batch
+    }
+
     fn remember_expired(&mut self, id: String) {
         if self.expired_set.insert(id.clone()) {
             self.expired.push_back(id);

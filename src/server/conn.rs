@@ -183,6 +183,23 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         }
     };
     let owner = principal.as_ref().map(|p| p.name.as_str());
+    if let (Some(d), Some(cluster)) = (durable.as_ref(), shared.cluster.get()) {
+        match super::placement::place_durable(shared, cluster, d).await {
+            Ok(super::placement::Placed::Here) => {}
+            Ok(super::placement::Placed::Elsewhere { node_id, addr }) => {
+                let _ = codec::write_frame(&mut send, &ServerMsg::Redirect { node_id, addr }).await;
+                let _ = send.finish();
+                // The client closes once it has read the redirect; do not wait forever.
+                let _ = tokio::time::timeout(Duration::from_millis(200), send.stopped()).await;
+                conn.close(ErrorCode::Ok.varint(), b"redirected");
+                return Err(());
+            }
+            Err(e) => {
+                refuse(&conn, &mut send, e).await;
+                return Err(());
+            }
+        }
+    }
     let connected = match connect(shared, durable.as_ref(), owner).await {
         Ok(c) => c,
         Err(e) => {
@@ -236,12 +253,16 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         },
     };
     // Teardown: the delivery task has stopped, so no more delivered-mark writes for this queue.
-    let _ = shared
+    let dropped = shared
         .apply(|core| {
             let d = core.disconnect(now_ms(), session, keepalive);
-            Ok(((), d.batch))
+            Ok((d.queue_dropped, d.batch))
         })
-        .await;
+        .await
+        .unwrap_or(false);
+    if let (true, Some(d)) = (dropped, durable.as_ref()) {
+        super::placement::forget(shared, &d.id, false);
+    }
     shared
         .sessions
         .lock()
@@ -515,6 +536,7 @@ async fn request(
             shared
                 .apply(|core| Ok(((), core.close_durable(&durable_id)?)))
                 .await?;
+            super::placement::forget(shared, &durable_id, false);
             Ok(ResponseBody::ClosedDurable { durable_id })
         }
         RequestBody::Close { keepalive } => Ok(ResponseBody::Closed { keepalive }),

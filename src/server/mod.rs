@@ -13,6 +13,7 @@
 
 mod conn;
 mod forward;
+mod placement;
 mod writer;
 
 use std::collections::HashMap;
@@ -717,6 +718,7 @@ async fn tick_loop(shared: Arc<Shared>) {
         if let Ok(ids) = expired {
             for id in &ids {
                 tracing::info!(durable_id = %id, "durable queue expired");
+                placement::forget(&shared, id, true);
             }
             metrics::counter!(m::QUEUES_EXPIRED).increment(ids.len() as u64);
         }

@@ -47,11 +47,13 @@ pub enum ErrorCode {
     /// The authenticated principal may not do this (ACL, admin role, durable id owned by
     /// another principal).
     Forbidden = 17,
+    /// The cluster could not serve the request now (no metadata leader reachable); retry.
+    Unavailable = 18,
 }
 
 impl ErrorCode {
     /// Every code, in numeric order.
-    pub const ALL: [ErrorCode; 18] = [
+    pub const ALL: [ErrorCode; 19] = [
         ErrorCode::Ok,
         ErrorCode::ClosedByPeer,
         ErrorCode::Internal,
@@ -70,6 +72,7 @@ impl ErrorCode {
         ErrorCode::QueueFull,
         ErrorCode::Unauthenticated,
         ErrorCode::Forbidden,
+        ErrorCode::Unavailable,
     ];
 
     /// The numeric value.
@@ -113,6 +116,7 @@ impl ErrorCode {
             ErrorCode::QueueFull => "queue-full",
             ErrorCode::Unauthenticated => "unauthenticated",
             ErrorCode::Forbidden => "forbidden",
+            ErrorCode::Unavailable => "unavailable",
         }
     }
 

@@ -1,0 +1,112 @@
+//! Where durable queues live in a cluster: placing a new queue on the node its client first
+//! reaches, redirecting a client that reaches another node, and removing the placement when
+//! the queue ends (expiry, close, drop) so the id can start anew anywhere.
+//!
+//! Until queue copies land (issue 3), a queue has one node and redundancy 0.
+
+use std::sync::Arc;
+
+use tether_transport::ErrorCode;
+
+use super::Shared;
+use crate::cluster::Cluster;
+use crate::cluster::meta::{MetaCommand, MetaResponse};
+use crate::protocol::{DurableHello, WireError};
+
+/// Where a durable hello should be served.
+pub(crate) enum Placed {
+    /// Here: proceed with the connection.
+    Here,
+    /// On another member: redirect the client to (node name, address).
+    Elsewhere { node_id: String, addr: String },
+}
+
+/// Finds (or makes, through consensus) the placement of durable id `d` and says whether this
+/// node serves it. A queue never placed goes to this node; placing is idempotent, so two nodes
+/// racing to place one id agree on the winner.
+pub(crate) async fn place_durable(
+    shared: &Arc<Shared>,
+    cluster: &Cluster,
+    d: &DurableHello,
+) -> Result<Placed, WireError> {
+    let me = cluster.id();
+    let placement = match cluster.placement(&d.id) {
+        Some(p) => p,
+        None => {
+            // Expired on whichever node held it: this connection must say `expired` once.
+            if cluster.read(|s| s.expired.contains(&d.id)) {
+                shared
+                    .apply(|core| Ok(((), core.note_expired_elsewhere(&d.id))))
+                    .await?;
+            }
+            let cmd = MetaCommand::Place {
+                id: d.id.clone(),
+                primary: me,
+                secondaries: Vec::new(),
+                redundancy: 0,
+                timeout_ms: d.timeout_secs.saturating_mul(1_000),
+            };
+            match cluster.write(cmd).await {
+                Ok(MetaResponse::Placed(p)) => p,
+                Ok(other) => {
+                    return Err(WireError::new(
+                        ErrorCode::Internal,
+                        format!("placing durable id: unexpected {other:?}"),
+                    ));
+                }
+                Err(e) => {
+                    return Err(WireError::new(
+                        ErrorCode::Unavailable,
+                        format!("cluster metadata unavailable, retry: {e}"),
+                    ));
+                }
+            }
+        }
+    };
+    if placement.primary == me {
+        return Ok(Placed::Here);
+    }
+    match cluster.members().nodes.get(&placement.primary) {
+        Some(n) => Ok(Placed::Elsewhere {
+            node_id: n.name.clone(),
+            addr: n.addr.clone(),
+        }),
+        None => Err(WireError::new(
+            ErrorCode::Unavailable,
+            "the node holding this durable queue is not a configured member",
+        )),
+    }
+}
+
+/// Removes durable id `id`'s placement if this node holds it: its queue ended here, by expiry
+/// (`expired`: its next client learns `expired`) or by a close or drop. Runs in the background;
+/// a failed removal is not retried yet and only means the next client with this id is sent
+/// here, where it starts a new queue.
+pub(crate) fn forget(shared: &Arc<Shared>, id: &str, expired: bool) {
+    let Some(cluster) = shared.cluster.get().cloned() else {
+        return;
+    };
+    let Some(p) = cluster.placement(id) else {
+        return;
+    };
+    if p.primary != cluster.id() {
+        return;
+    }
+    let id = id.to_string();
+    tokio::spawn(async move {
+        let cmd = if expired {
+            MetaCommand::Expire {
+                id: id.clone(),
+                expected_epoch: p.epoch,
+            }
+        } else {
+            MetaCommand::Release {
+                id: id.clone(),
+                expected_epoch: p.epoch,
+            }
+        };
+        if let Err(e) = cluster.write(cmd).await {
+            tracing::warn!(durable_id = %id, error = %e, "could not remove the queue's placement");
+        }
+    });
+}
