@@ -65,8 +65,20 @@ async fn events_published_anywhere_reach_every_node_in_publisher_order() {
         put_range(n2, "R", "c", 0..300)
     );
 
+    let mut ids = Vec::new();
     for stream in [&mut ds, &mut nds] {
         let got = take_events(stream, 600).await;
+        // An event keeps the id its origin gave it, on every node.
+        for e in entries(&got) {
+            let origin = if e.key.starts_with("b-") { "n2" } else { "n3" };
+            assert_eq!(e.event_id.node, origin, "{e:?}");
+        }
+        let mut these: Vec<_> = entries(&got)
+            .iter()
+            .map(|e| (e.event_id.node.clone(), e.event_id.session, e.event_id.seq))
+            .collect();
+        these.sort();
+        ids.push(these);
         let (b, cc) = (values_of(&got, "b-"), values_of(&got, "c-"));
         assert_eq!(
             b,
@@ -79,6 +91,7 @@ async fn events_published_anywhere_reach_every_node_in_publisher_order() {
             "publisher on node 2 in order"
         );
     }
+    assert_eq!(ids[0], ids[1], "both nodes saw the same event ids");
     // Region data is on every node too.
     assert_eq!(c.node(0).get("R", "b-299").unwrap(), Some(b"299".to_vec()));
     drop(ds);

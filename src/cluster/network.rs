@@ -47,12 +47,22 @@ pub enum PeerRequest {
     /// A metadata command forwarded to the node believed to lead.
     Write(MetaCommand),
     /// Publishes made on node `origin`, in its publish-log order: each is (offset in the
-    /// origin's publish log, the operations of one publish). The receiver applies each once
-    /// (it remembers the highest offset applied per origin) and in order.
+    /// origin's publish log, the publish). The receiver applies each once (it remembers the
+    /// highest offset applied per origin) and in order.
     Publish {
         origin: String,
-        entries: Vec<(u64, Vec<PublishOp>)>,
+        entries: Vec<(u64, ForwardedPublish)>,
     },
+}
+
+/// One publish as the origin logged it: its operations and the event ids it gave them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ForwardedPublish {
+    /// The publishing session on the origin.
+    pub session: u64,
+    /// Event sequence of the first operation; the others follow.
+    pub first_seq: u64,
+    pub ops: Vec<PublishOp>,
 }
 
 type WriteResult =
@@ -91,7 +101,7 @@ pub trait PublishSink: Send + Sync + 'static {
     fn apply_forwarded(
         &self,
         origin: String,
-        entries: Vec<(u64, Vec<PublishOp>)>,
+        entries: Vec<(u64, ForwardedPublish)>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>>;
 }
 
@@ -213,11 +223,20 @@ impl PeerPool {
                 .map_err(|e| network(e.to_string()))?;
             codec::decode_body::<PeerResponse>(&reply).map_err(|e| network(e.to_string()))
         };
-        tokio::time::timeout(timeout, exchange)
+        let result = tokio::time::timeout(timeout, exchange)
             .await
             .map_err(|_| PeerError::Timeout {
                 addr: addr.to_string(),
-            })?
+            })
+            .and_then(|r| r);
+        if result.is_err() {
+            // The peer may have died (a killed process never closes its connections, which
+            // then linger until their idle timeout): reconnect on the next call.
+            if let Some(c) = self.conns.lock().expect("pool lock").remove(&sock) {
+                c.close(0u32.into(), b"rpc failed");
+            }
+        }
+        result
     }
 
     /// Closes every outgoing connection.

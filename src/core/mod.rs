@@ -236,6 +236,18 @@ pub struct PublishPlan {
     pub dropped_queues: u64,
     /// Sessions attached to dropped queues: the driver disconnects them.
     pub dropped_sessions: Vec<SessionId>,
+    /// Event id of the first operation (the others follow with consecutive `seq`).
+    pub first_id: Option<EventId>,
+}
+
+/// The event ids of a publish made on another cluster node: operation `i` gets
+/// `(node, session, first_seq + i)`, the ids the origin assigned, so an event keeps one id on
+/// every node.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct EventOrigin {
+    pub node: String,
+    pub session: u64,
+    pub first_seq: u64,
 }
 
 /// What [`NodeCore::disconnect`] did.
@@ -742,6 +754,19 @@ impl NodeCore {
         ops: &[PublishOp],
         exists: &mut dyn FnMut(&str, &str) -> bool,
     ) -> Result<PublishPlan, WireError> {
+        self.publish_from(now_ms, session, ops, None, exists)
+    }
+
+    /// [`NodeCore::publish`] of operations first published on another node: the events keep
+    /// the ids `origin` gives them.
+    pub fn publish_from(
+        &mut self,
+        now_ms: u64,
+        session: SessionId,
+        ops: &[PublishOp],
+        origin: Option<&EventOrigin>,
+        exists: &mut dyn FnMut(&str, &str) -> bool,
+    ) -> Result<PublishPlan, WireError> {
         if ops.len() > PUBLISH_OPS_PER_REQUEST_MAX {
             return Err(WireError::new(
                 ErrorCode::LimitExceeded,
@@ -859,13 +884,26 @@ impl NodeCore {
                     self.overlay.insert(ok, (existed, seq));
                 }
             }
-            let s = self.sessions.get_mut(&session).expect("checked above");
-            let id = EventId {
-                node: self.node_id.clone(),
-                session,
-                seq: s.next_seq,
+            let id = match origin {
+                Some(o) => EventId {
+                    node: o.node.clone(),
+                    session: o.session,
+                    seq: o.first_seq + i as u64,
+                },
+                None => {
+                    let s = self.sessions.get_mut(&session).expect("checked above");
+                    let id = EventId {
+                        node: self.node_id.clone(),
+                        session,
+                        seq: s.next_seq,
+                    };
+                    s.next_seq += 1;
+                    id
+                }
             };
-            s.next_seq += 1;
+            if plan.first_id.is_none() {
+                plan.first_id = Some(id.clone());
+            }
             let record = EventRecord {
                 id,
                 region: region.clone(),

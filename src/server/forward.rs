@@ -30,9 +30,10 @@ use tokio::sync::watch;
 use super::Shared;
 use crate::cluster::Cluster;
 use crate::cluster::meta::{RaftId, raft_id};
-use crate::cluster::network::{PeerRequest, PeerResponse, PublishSink};
-use crate::core::SessionId;
+use crate::cluster::network::{ForwardedPublish, PeerRequest, PeerResponse, PublishSink};
+use crate::core::{EventOrigin, SessionId};
 use crate::metrics as m;
+use crate::protocol::EventId;
 use crate::protocol::PublishOp;
 
 /// Queue id of the publish log in the node's store (never allocated to a subscription queue:
@@ -131,11 +132,22 @@ impl Forwarding {
 
     /// Adds the publish `ops` to the publish log in `batch`; returns its offset. Call under
     /// the core lock, with the batch submitted before the lock is released.
-    pub(crate) fn log_publish(&self, batch: &mut Batch, ops: &[PublishOp]) -> Option<Offset> {
+    pub(crate) fn log_publish(
+        &self,
+        batch: &mut Batch,
+        first_id: Option<&EventId>,
+        ops: &[PublishOp],
+    ) -> Option<Offset> {
+        let first_id = first_id?;
         if self.peers.is_empty() {
             return None;
         }
-        let body = codec::encode_body(&ops).ok()?;
+        let entry = ForwardedPublish {
+            session: first_id.session,
+            first_seq: first_id.seq,
+            ops: ops.to_vec(),
+        };
+        let body = codec::encode_body(&entry).ok()?;
         let offset = self.log_end.fetch_add(1, Ordering::SeqCst) + 1;
         batch.append(PUBLISH_LOG_QUEUE, offset, Entry::new(0, body));
         Some(offset)
@@ -158,7 +170,7 @@ impl Forwarding {
 }
 
 /// Reads the next run of publish-log entries after `from` (contiguous, in order).
-fn read_run(store: &dyn Store, from: Offset, to: Offset) -> Vec<(u64, Vec<PublishOp>)> {
+fn read_run(store: &dyn Store, from: Offset, to: Offset) -> Vec<(u64, ForwardedPublish)> {
     let mut out = Vec::new();
     let mut next = from + 1;
     let _ = store.read_entries(
@@ -170,8 +182,8 @@ fn read_run(store: &dyn Store, from: Offset, to: Offset) -> Vec<(u64, Vec<Publis
             if off != next || out.len() >= FORWARD_BATCH_ENTRIES_MAX {
                 return;
             }
-            if let Ok(ops) = codec::decode_body::<Vec<PublishOp>>(body) {
-                out.push((off, ops));
+            if let Ok(p) = codec::decode_body::<ForwardedPublish>(body) {
+                out.push((off, p));
             }
             next = off + 1;
         },
@@ -298,7 +310,7 @@ impl PublishSink for PeerInbox {
     fn apply_forwarded(
         &self,
         origin: String,
-        entries: Vec<(u64, Vec<PublishOp>)>,
+        entries: Vec<(u64, ForwardedPublish)>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>> {
         Box::pin(async move {
             let Some(s) = self.0.upgrade() else {
@@ -318,7 +330,7 @@ impl PublishSink for PeerInbox {
                 Some(a) => *a,
                 None => read_u64(&*s.store, &applied_key(&origin)).unwrap_or(0),
             };
-            for (offset, ops) in entries {
+            for (offset, publish) in entries {
                 if offset <= done {
                     continue;
                 }
@@ -332,7 +344,16 @@ impl PublishSink for PeerInbox {
                         };
                     }
                 };
-                match s.publish_from(session, &ops, Some((&origin, offset))).await {
+                let from = Origin {
+                    node: &origin,
+                    offset,
+                    ids: EventOrigin {
+                        node: origin.clone(),
+                        session: publish.session,
+                        first_seq: publish.first_seq,
+                    },
+                };
+                match s.publish_from(session, &publish.ops, Some(&from)).await {
                     Ok(_) => done = offset,
                     Err(e) => {
                         applied.insert(origin, done);
@@ -347,6 +368,14 @@ impl PublishSink for PeerInbox {
             PeerResponse::Published { through: done }
         })
     }
+}
+
+/// A publish that came from a peer: the origin node, the entry's offset in its publish log,
+/// and the event ids the origin gave its operations.
+pub(crate) struct Origin<'a> {
+    pub(crate) node: &'a str,
+    pub(crate) offset: Offset,
+    pub(crate) ids: EventOrigin,
 }
 
 /// The state key and value recording that `origin`'s publish `offset` is applied.

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tether_storage::{Batch, Offset, RocksStore, Store};
+use tether_storage::{Batch, RocksStore, Store};
 use tether_transport::tls::{self, TlsFiles};
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
 
@@ -163,7 +163,7 @@ impl Shared {
         self: &Arc<Self>,
         session: SessionId,
         ops: &[PublishOp],
-        origin: Option<(&str, Offset)>,
+        origin: Option<&forward::Origin<'_>>,
     ) -> Result<u64, WireError> {
         let block = Duration::from_millis(self.limits.queue_full_block_ms);
         let deadline = tokio::time::Instant::now() + block;
@@ -202,7 +202,7 @@ impl Shared {
         self: &Arc<Self>,
         session: SessionId,
         ops: &[PublishOp],
-        origin: Option<(&str, Offset)>,
+        origin: Option<&forward::Origin<'_>>,
     ) -> Result<u64, WireError> {
         let _permit = self
             .write_permits
@@ -212,17 +212,18 @@ impl Shared {
         let (count, enqueued, dropped, rx) = {
             let mut core = self.core();
             let store = self.store.clone();
-            let plan = core.publish(now_ms(), session, ops, &mut |region, key| {
+            let ids = origin.map(|o| &o.ids);
+            let plan = core.publish_from(now_ms(), session, ops, ids, &mut |region, key| {
                 matches!(store.region_get(region, key), Ok(Some(_)))
             })?;
             let mut batch = plan.batch;
             let logged = match (origin, &self.forwarding) {
-                (Some((node, offset)), _) => {
-                    let (k, v) = forward::applied_marker(node, offset);
+                (Some(o), _) => {
+                    let (k, v) = forward::applied_marker(o.node, o.offset);
                     batch.state_put(&k, v);
                     None
                 }
-                (None, Some(f)) => f.log_publish(&mut batch, ops),
+                (None, Some(f)) => f.log_publish(&mut batch, plan.first_id.as_ref(), ops),
                 (None, None) => None,
             };
             let shared = self.clone();

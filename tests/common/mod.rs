@@ -215,8 +215,12 @@ impl ServerProc {
     pub fn start(dir: &std::path::Path, extra: &[&str]) -> ServerProc {
         use std::io::{BufRead, BufReader};
         use std::process::{Command, Stdio};
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tether"))
-            .args(["server", "--listen", "127.0.0.1:0", "--metrics", "off"])
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tether"));
+        cmd.args(["server", "--metrics", "off"]);
+        if !extra.contains(&"--listen") {
+            cmd.args(["--listen", "127.0.0.1:0"]);
+        }
+        let mut child = cmd
             .args(extra)
             .arg("--data-dir")
             .arg(dir)

@@ -250,6 +250,11 @@ pub fn server_config_for_cluster(
     Ok(cfg)
 }
 
+/// Idle timeout of node-to-node connections, in milliseconds.
+pub const PEER_IDLE_TIMEOUT_MS: u64 = 3_000;
+/// Keep-alive interval of node-to-node connections, in milliseconds.
+pub const PEER_KEEP_ALIVE_INTERVAL_MS: u64 = 500;
+
 /// Client configuration a node uses towards its peers: trusts the cluster CA (`files.ca`),
 /// presents the node's own certificate, speaks [`PEER_ALPN`].
 pub fn peer_client_config(files: &TlsFiles) -> Result<quinn::ClientConfig, TlsError> {
@@ -263,7 +268,15 @@ pub fn peer_client_config(files: &TlsFiles) -> Result<quinn::ClientConfig, TlsEr
     tls.alpn_protocols = vec![PEER_ALPN.to_vec()];
     let quic = QuicClientConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
     let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
-    cfg.transport_config(Arc::new(transport_config()));
+    let mut transport = transport_config();
+    // A peer that dies without closing (kill -9, network cut) must be noticed quickly: its
+    // RPCs would otherwise wait on a dead connection until the idle timeout.
+    transport.keep_alive_interval(Some(Duration::from_millis(PEER_KEEP_ALIVE_INTERVAL_MS)));
+    transport.max_idle_timeout(Some(
+        quinn::IdleTimeout::try_from(Duration::from_millis(PEER_IDLE_TIMEOUT_MS))
+            .expect("a small timeout"),
+    ));
+    cfg.transport_config(Arc::new(transport));
     Ok(cfg)
 }
 
