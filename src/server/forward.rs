@@ -182,10 +182,17 @@ fn read_run(store: &dyn Store, from: Offset, to: Offset) -> Vec<(u64, ForwardedP
             if off != next || out.len() >= FORWARD_BATCH_ENTRIES_MAX {
                 return;
             }
-            if let Ok(p) = codec::decode_body::<ForwardedPublish>(body) {
-                out.push((off, p));
+            match codec::decode_body::<ForwardedPublish>(body) {
+                Ok(p) => {
+                    out.push((off, p));
+                    next = off + 1;
+                }
+                Err(e) => {
+                    // Never skip an entry: forwarding stops here, loudly, rather than lose it.
+                    tracing::error!(offset = off, error = %e, "corrupt publish-log entry");
+                    next = u64::MAX;
+                }
             }
-            next = off + 1;
         },
     );
     out

@@ -425,6 +425,27 @@ impl Node {
     /// Opens (or creates) the data directory, recovers every durable queue, and starts
     /// accepting clients.
     pub async fn start(config: ServerConfig) -> Result<Node, NodeError> {
+        let db_dir = config.data_dir.join("db");
+        std::fs::create_dir_all(&config.data_dir).map_err(|source| NodeError::DataDir {
+            path: config.data_dir.clone(),
+            source,
+        })?;
+        let store: Arc<dyn Store> = Arc::new(
+            tokio::task::spawn_blocking(move || RocksStore::open(&db_dir))
+                .await
+                .map_err(|e| NodeError::Recovery(e.to_string()))??,
+        );
+        Self::start_with_store(config, store).await
+    }
+
+    /// [`Node::start`] on a store the host provides instead of the RocksDB store in
+    /// `<data-dir>/db` (the data directory still holds TLS material, the node id and, on a
+    /// clustered node, the consensus log). For hosts with their own storage wrapper, and for
+    /// fault-injection tests.
+    pub async fn start_with_store(
+        config: ServerConfig,
+        store: Arc<dyn Store>,
+    ) -> Result<Node, NodeError> {
         tls::install_crypto_provider();
         config.limits.validate().map_err(NodeError::Config)?;
         let auth = match &config.auth {
@@ -465,12 +486,6 @@ impl Node {
                 .map_err(|_| NodeError::Config("idle timeout too large".into()))?,
         ));
         server_config.transport_config(Arc::new(transport));
-        let db_dir = data_dir.join("db");
-        let store: Arc<dyn Store> = Arc::new(
-            tokio::task::spawn_blocking(move || RocksStore::open(&db_dir))
-                .await
-                .map_err(|e| NodeError::Recovery(e.to_string()))??,
-        );
         let mut queues = store.queues()?;
         queues.retain(|(q, _)| *q != forward::PUBLISH_LOG_QUEUE);
         let recovered = queues.len();
@@ -496,7 +511,9 @@ impl Node {
             store.clone(),
             config.sync,
             Box::new(move |e| {
-                let _ = fatal_tx.send(Some(e));
+                // `send_replace`: the value must stick even with no receiver yet (a host may ask
+                // `Node::failed` after the failure).
+                fatal_tx.send_replace(Some(e));
             }),
         );
         let shared = Arc::new(Shared {
