@@ -28,6 +28,10 @@ pub const QUEUES_DROPPED_FULL: &str = "tether_queues_dropped_full_total";
 pub const CLIENT_ERRORS: &str = "tether_client_errors_total";
 pub const FORWARD_LAG: &str = "tether_forward_lag_entries";
 pub const FORWARDED: &str = "tether_forwarded_publishes_total";
+pub const CLUSTER_IS_LEADER: &str = "tether_cluster_is_leader";
+pub const CLUSTER_TERM: &str = "tether_cluster_term";
+pub const CLUSTER_APPLIED_INDEX: &str = "tether_cluster_applied_index";
+pub const CLUSTER_PLACED_QUEUES: &str = "tether_cluster_placed_queues";
 
 /// Bytes of an HTTP request head the endpoint reads.
 const HTTP_REQUEST_BYTES_MAX: usize = 8 * 1024;
@@ -63,6 +67,19 @@ fn describe() {
     describe_gauge!(
         FORWARD_LAG,
         "Publishes of this node not yet applied by a peer (label peer)"
+    );
+    describe_gauge!(
+        CLUSTER_IS_LEADER,
+        "1 while this node leads the metadata group, else 0"
+    );
+    describe_gauge!(CLUSTER_TERM, "Current term of the metadata group");
+    describe_gauge!(
+        CLUSTER_APPLIED_INDEX,
+        "Metadata log index applied on this node"
+    );
+    describe_gauge!(
+        CLUSTER_PLACED_QUEUES,
+        "Durable queues the metadata places on this node"
     );
     describe_counter!(
         FORWARDED,

@@ -237,6 +237,11 @@ impl Cluster {
         self.raft.metrics().borrow().current_leader
     }
 
+    /// The current consensus term as this node knows it.
+    pub fn term(&self) -> u64 {
+        self.raft.metrics().borrow().current_term
+    }
+
     /// The placement of durable queue `id` as applied on this node.
     pub fn placement(&self, id: &str) -> Option<Placement> {
         self.read(|s| s.queues.get(id).cloned())

@@ -747,5 +747,13 @@ async fn tick_loop(shared: Arc<Shared>) {
         metrics::gauge!(m::PENDING_EVENTS).set(c.pending_total as f64);
         metrics::gauge!(m::OLDEST_UNACKED_AGE).set(c.oldest_unacked_age_ms as f64 / 1e3);
         metrics::gauge!(m::CONNECTIONS).set(shared.connections.load(Ordering::Relaxed) as f64);
+        if let Some(cl) = shared.cluster.get() {
+            let me = cl.id();
+            metrics::gauge!(m::CLUSTER_IS_LEADER).set(f64::from(u8::from(cl.leader() == Some(me))));
+            metrics::gauge!(m::CLUSTER_TERM).set(cl.term() as f64);
+            metrics::gauge!(m::CLUSTER_APPLIED_INDEX).set(cl.applied_index() as f64);
+            let placed = cl.read(|s| s.queues.values().filter(|p| p.primary == me).count());
+            metrics::gauge!(m::CLUSTER_PLACED_QUEUES).set(placed as f64);
+        }
     }
 }
