@@ -5,6 +5,7 @@
 mod common;
 
 use tether::cluster::meta::{MetaCommand, MetaResponse, raft_id};
+use tether::cluster::network::{PeerPool, PeerRequest, PeerResponse};
 use tether::config::ServerConfig;
 use tether::server::Node;
 use tether_transport::tls;
@@ -199,4 +200,69 @@ async fn a_clustered_node_needs_a_node_id() {
     cfg.peers = vec![("n2".into(), "127.0.0.1:7402".into())];
     let err = Node::start(cfg).await.err().expect("refused");
     assert!(err.to_string().contains("node id"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_get_through_when_clients_use_every_slot() {
+    let limits = tether::config::Limits {
+        connections_max: 1,
+        ..Default::default()
+    };
+    let c = TestCluster::start_with(3, limits).await;
+    c.leader().await;
+    // Every node's only client slot is taken.
+    let mut held = Vec::new();
+    for i in 0..3 {
+        let n = c.node(i);
+        let client = tether::client::ClientBuilder::new()
+            .server(n.addr())
+            .ca_file(n.ca_file())
+            .connect()
+            .await
+            .unwrap();
+        held.push(client);
+    }
+    let n = c.node(1);
+    let extra = tether::client::ClientBuilder::new()
+        .server(n.addr())
+        .ca_file(n.ca_file())
+        .connect()
+        .await;
+    assert!(extra.is_err(), "a second client is refused");
+    // A new peer connection (a member's certificate, ALPN tether-peer/1) still gets in and
+    // is served: here a metadata write sent straight to the leader.
+    let leader = c.leader().await;
+    let tls_dir = c.dirs[0].path().join("tls");
+    let files = tls::TlsFiles {
+        ca: tls_dir.join(tls::CA_CERT_FILE),
+        cert: tls_dir.join(tls::SERVER_CERT_FILE),
+        key: tls_dir.join(tls::SERVER_KEY_FILE),
+    };
+    let addr = c.node(leader).addr();
+    let peer_cfg = tls::peer_client_config(&files).unwrap();
+    let ep = tether_transport::client_endpoint(peer_cfg.clone(), addr).unwrap();
+    let pool = PeerPool::new(ep, peer_cfg);
+    let cmd = MetaCommand::Place {
+        id: "q".into(),
+        primary: raft_id(&c.names[leader]),
+        secondaries: vec![],
+        redundancy: 0,
+        timeout_ms: 1_000,
+    };
+    let r = pool
+        .call(
+            raft_id(&c.names[leader]),
+            &addr.to_string(),
+            PeerRequest::Write(cmd),
+            std::time::Duration::from_secs(10),
+        )
+        .await
+        .expect("the peer connection is served");
+    let PeerResponse::Write(Ok(w)) = r else {
+        panic!("not a committed write")
+    };
+    assert!(matches!(w.data, MetaResponse::Placed(_)), "{:?}", w.data);
+    pool.close();
+    drop(held);
+    c.shutdown().await;
 }

@@ -27,8 +27,15 @@ const CLOSE_LINGER_MS: u64 = 2_000;
 const TAKEOVER_ATTEMPTS_MAX: usize = 3;
 
 pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) {
+    // A clustered node keeps room for its peers beyond the client limit: which connections
+    // are peers is only known after the handshake (ALPN), where extra clients are refused.
+    let headroom = if shared.forwarding.is_some() {
+        crate::cluster::CLUSTER_NODES_MAX
+    } else {
+        0
+    };
     while let Some(incoming) = endpoint.accept().await {
-        if shared.connections.load(Ordering::Relaxed) >= shared.limits.connections_max {
+        if shared.connections.load(Ordering::Relaxed) >= shared.limits.connections_max + headroom {
             incoming.refuse();
             continue;
         }
@@ -109,6 +116,14 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
     };
     if tls::negotiated_alpn(&conn).as_deref() == Some(tether_transport::PEER_ALPN) {
         return serve_peer(shared, conn);
+    }
+    // This connection is counted: more than the limit means it is one too many.
+    if shared.connections.load(Ordering::Relaxed) > shared.limits.connections_max {
+        conn.close(
+            ErrorCode::LimitExceeded.varint(),
+            b"too many connections to this node",
+        );
+        return Err(());
     }
     let (mut send, recv) = match tokio::time::timeout(deadline, conn.accept_bi()).await {
         Ok(Ok(s)) => s,

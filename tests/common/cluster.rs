@@ -53,10 +53,17 @@ pub struct TestCluster {
     pub ports: Vec<u16>,
     pub peers: Vec<(String, String)>,
     pub nodes: Vec<Option<Node>>,
+    /// Operator limits of every node.
+    pub limits: tether::config::Limits,
 }
 
 impl TestCluster {
     pub async fn start(n: usize) -> TestCluster {
+        Self::start_with(n, tether::config::Limits::default()).await
+    }
+
+    /// A cluster whose nodes have these limits.
+    pub async fn start_with(n: usize, limits: tether::config::Limits) -> TestCluster {
         let dirs = cluster_dirs(n);
         let ports = free_ports(n);
         let names: Vec<String> = (1..=n).map(|i| format!("n{i}")).collect();
@@ -71,6 +78,7 @@ impl TestCluster {
             ports,
             peers,
             nodes: Vec::new(),
+            limits,
         };
         for i in 0..n {
             let node = c.boot(i).await;
@@ -84,12 +92,13 @@ impl TestCluster {
     pub async fn boot(&self, i: usize) -> Node {
         let deadline = tokio::time::Instant::now() + WAIT;
         loop {
-            let cfg = node_config(
+            let mut cfg = node_config(
                 self.dirs[i].path(),
                 &self.names[i],
                 self.ports[i],
                 &self.peers,
             );
+            cfg.limits = self.limits.clone();
             match Node::start(cfg).await {
                 Ok(node) => return node,
                 Err(tether::server::NodeError::Listen { .. })
