@@ -326,6 +326,17 @@ mod tests {
     }
 
     #[test]
+    fn cluster_table_parses() {
+        let f: FileConfig =
+            toml::from_str("[cluster]\npeers = [\"n1=127.0.0.1:7401\", \"n2=127.0.0.1:7402\"]\n")
+                .unwrap();
+        let peers = f.cluster.unwrap().peers;
+        assert_eq!(peers, ["n1=127.0.0.1:7401", "n2=127.0.0.1:7402"]);
+        assert!(peers.iter().all(|p| parse_peer(p).is_ok()));
+        assert!(toml::from_str::<FileConfig>("[cluster]\nmembers = []\n").is_err());
+    }
+
+    #[test]
     fn peers_parse() {
         assert_eq!(
             parse_peer("n2=127.0.0.1:7402").unwrap(),

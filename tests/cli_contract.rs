@@ -1681,3 +1681,22 @@ fn bad_arguments_give_one_error_line() {
     }
     s.stop();
 }
+
+#[test]
+fn dev_ca_creates_a_reusable_ca_without_a_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let out = run(&["dev-ca", "--data-dir", d]);
+    assert!(out.status.success(), "{}", out.stderr);
+    let v = out.json();
+    assert_eq!(v.len(), 1);
+    assert_eq!(v[0]["type"], "dev-ca");
+    let ca = v[0]["ca"].as_str().unwrap().to_string();
+    assert!(ca.ends_with("tls/ca.pem"), "{ca}");
+    let pem = std::fs::read(&ca).unwrap();
+    // A second run keeps the CA (nodes that copied it stay one cluster).
+    let again = run(&["dev-ca", "--data-dir", d]);
+    assert_eq!(again.json()[0]["ca"], ca.as_str());
+    assert_eq!(std::fs::read(&ca).unwrap(), pem);
+    assert!(dir.path().join("tls/ca.key").exists());
+}

@@ -142,10 +142,18 @@ impl Forwarding {
         if self.peers.is_empty() {
             return None;
         }
-        let entry = ForwardedPublish {
+        // Encoded from the borrowed operations (same fields as `ForwardedPublish`): no copy
+        // of the values on the publish path.
+        #[derive(serde::Serialize)]
+        struct Logged<'a> {
+            session: u64,
+            first_seq: u64,
+            ops: &'a [PublishOp],
+        }
+        let entry = Logged {
             session: first_id.session,
             first_seq: first_id.seq,
-            ops: ops.to_vec(),
+            ops,
         };
         let body = codec::encode_body(&entry).ok()?;
         let offset = self.log_end.fetch_add(1, Ordering::SeqCst) + 1;
