@@ -63,6 +63,8 @@ pub enum Op {
     SetDelivered { queue: QueueId, delivered: Offset },
     /// Delete all entries and all metadata of the queue.
     DropQueue { queue: QueueId },
+    /// Delete every entry `>= from` (a divergent tail); metadata is kept.
+    TruncateQueue { queue: QueueId, from: Offset },
     /// Put a key of a region.
     RegionPut {
         region: String,
@@ -130,6 +132,10 @@ impl Batch {
     pub fn drop_queue(&mut self, queue: QueueId) {
         self.ops.push(Op::DropQueue { queue });
     }
+    /// Deletes every entry at or above `from` (one DeleteRange in RocksDB); metadata stays.
+    pub fn truncate_queue(&mut self, queue: QueueId, from: Offset) {
+        self.ops.push(Op::TruncateQueue { queue, from });
+    }
     /// Puts `key = value` in `region`.
     pub fn region_put(&mut self, region: &str, key: &str, value: Vec<u8>) {
         self.ops.push(Op::RegionPut {
@@ -168,7 +174,10 @@ impl Batch {
             match op {
                 Op::Append { entry, .. } => check_value(entry.body.len() + 1)?,
                 Op::PutQueueInfo { info, .. } => check_value(info.len() + 8)?,
-                Op::SetAcked { .. } | Op::SetDelivered { .. } | Op::DropQueue { .. } => {}
+                Op::SetAcked { .. }
+                | Op::SetDelivered { .. }
+                | Op::DropQueue { .. }
+                | Op::TruncateQueue { .. } => {}
                 Op::RegionPut { region, key, value } => {
                     check_region(region)?;
                     check_key(key)?;

@@ -17,6 +17,7 @@ pub fn run_all(make: &mut dyn FnMut() -> Box<dyn Store>) {
     delivered_round_trip(make);
     info_epoch_round_trip(make);
     drop_queue_isolated(make);
+    truncate_queue_keeps_prefix_and_meta(make);
     regions_isolated(make);
     state_round_trip(make);
     batch_mixed_ops_atomic(make);
@@ -274,6 +275,38 @@ pub fn info_epoch_round_trip(make: MakeStore<'_>) {
 
 /// `drop_queue` removes one queue's entries and metadata, leaving adjacent ids intact;
 /// the id can then be reused from scratch.
+pub fn truncate_queue_keeps_prefix_and_meta(make: MakeStore<'_>) {
+    let s = make();
+    let mut b = Batch::new();
+    for q in [1u64, 2] {
+        b.put_queue_info(q, 7, vec![9]);
+        for off in 1..=6u64 {
+            b.append(q, off, entry(0, &[off as u8]));
+        }
+        b.set_acked(q, 1);
+    }
+    write(&*s, &b);
+    let mut b = Batch::new();
+    b.truncate_queue(1, 4);
+    write(&*s, &b);
+    let kept: Vec<u64> = read_all(&*s, 1, 0, u64::MAX).iter().map(|e| e.0).collect();
+    assert_eq!(kept, vec![2, 3]);
+    let m = meta(&*s, 1);
+    assert_eq!((m.acked, m.epoch, m.end, m.info), (1, 7, 3, vec![9]));
+    // The other queue is untouched; truncating at its end or beyond is a no-op.
+    assert_eq!(read_all(&*s, 2, 0, u64::MAX).len(), 5);
+    let mut b = Batch::new();
+    b.truncate_queue(2, 7);
+    b.truncate_queue(2, u64::MAX);
+    write(&*s, &b);
+    assert_eq!(meta(&*s, 2).end, 6);
+    // Appending again after a truncation.
+    let mut b = Batch::new();
+    b.append(1, 4, entry(1, b"new"));
+    write(&*s, &b);
+    assert_eq!(read_all(&*s, 1, 4, 4), vec![(4, 1, b"new".to_vec())]);
+}
+
 pub fn drop_queue_isolated(make: MakeStore<'_>) {
     let s = make();
     let mut b = Batch::new();

@@ -73,6 +73,16 @@ impl Inner {
                 self.delete_entries(*queue, Offset::MAX);
                 self.meta.remove(queue);
             }
+            Op::TruncateQueue { queue, from } => {
+                let doomed: Vec<(QueueId, Offset)> = self
+                    .entries
+                    .range((*queue, *from)..=(*queue, Offset::MAX))
+                    .map(|(k, _)| *k)
+                    .collect();
+                for k in doomed {
+                    self.entries.remove(&k);
+                }
+            }
             Op::RegionPut { region, key, value } => {
                 self.regions
                     .insert((region.clone(), key.clone()), value.clone());

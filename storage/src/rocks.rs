@@ -202,6 +202,11 @@ impl Store for RocksStore {
                         wb.delete_cf(meta, keys::meta_key(*queue, field));
                     }
                 }
+                Op::TruncateQueue { queue, from } => wb.delete_range_cf(
+                    entries,
+                    &keys::entry_key(*queue, *from)[..],
+                    &keys::entry_key_after(*queue, Offset::MAX)[..],
+                ),
                 Op::RegionPut { region, key, value } => {
                     wb.put_cf(regions, keys::region_key(region, key)?, value)
                 }
