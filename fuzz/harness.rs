@@ -1038,7 +1038,11 @@ impl SessionSim {
             4 => u.u64(),
             _ => 1 + u.below(600) as u64,
         };
-        DurableHello { id, timeout_secs }
+        DurableHello {
+            id,
+            timeout_secs,
+            redundancy: 0,
+        }
     }
 
     fn register_op(
@@ -1160,6 +1164,7 @@ impl SessionSim {
                 let hello = DurableHello {
                     id: pick(u, DURABLE_IDS).to_string(),
                     timeout_secs: 1 + u.below(600) as u64,
+                    redundancy: 0,
                 };
                 self.connect(Some(hello), true);
                 if let Some(&s) = self.alive.last() {
@@ -1213,6 +1218,7 @@ pub fn session_with(data: &[u8], check_op_kind: bool) -> SessionStats {
             Some(DurableHello {
                 id: id.to_string(),
                 timeout_secs: 60,
+                redundancy: 0,
             }),
             false,
         );
@@ -1263,6 +1269,7 @@ pub fn hello_frame(version: u32, durable: Option<(&str, u64)>) -> Vec<u8> {
         durable: durable.map(|(id, t)| DurableHello {
             id: id.into(),
             timeout_secs: t,
+            redundancy: 0,
         }),
         token: None,
         client: "seed".into(),

@@ -13,7 +13,7 @@ use tether::config::{
     FileConfig, ServerConfig, SyncMode, parse_addr, parse_metrics, parse_peer, validate_node_id,
 };
 use tether::limits::{DURABLE_TIMEOUT_SECS_DEFAULT, PUBLISH_OPS_PER_REQUEST_MAX};
-use tether::protocol::{EventOp, PublishOp, ResultPolicy};
+use tether::protocol::{EventOp, PublishAck, PublishOp, ResultPolicy};
 use tether::server::Node;
 
 /// The server is allocation-heavy on its hot paths (one record per event on the client side,
@@ -163,6 +163,10 @@ struct PutArgs {
     /// Number of puts.
     #[arg(long)]
     count: Option<u64>,
+    /// When the server acknowledges: `local` (committed on the contacted node) or `replicated`
+    /// (every matching queue and its copies hold the events).
+    #[arg(long, default_value = "local")]
+    ack: String,
     /// Key prefix for --count.
     #[arg(long, default_value = "key-")]
     key_prefix: String,
@@ -184,6 +188,9 @@ struct SubscribeArgs {
     durable_id: Option<String>,
     #[arg(long, default_value_t = DURABLE_TIMEOUT_SECS_DEFAULT)]
     timeout: u64,
+    /// Secondary copies of the durable queue on a cluster (0 to 2).
+    #[arg(long, default_value_t = 0)]
+    redundancy: u8,
     #[arg(long)]
     key: Vec<String>,
     #[arg(long)]
@@ -313,7 +320,7 @@ async fn run(cmd: Command) -> Result<(), Fail> {
         Command::Queues(conn) => {
             let c = connect(&conn, None, 100).await?;
             for q in c.queues().await? {
-                emit(json!({
+                let mut line = json!({
                     "type": "queue",
                     "durable_id": q.durable_id,
                     "state": q.state,
@@ -323,7 +330,20 @@ async fn run(cmd: Command) -> Result<(), Fail> {
                     "timeout_secs": q.timeout_secs,
                     "role": q.role,
                     "interests": q.interests.iter().map(|i| json!({"region":i.region,"kind":i.kind,"spec":i.spec,"durable":i.durable})).collect::<Vec<_>>(),
-                }));
+                });
+                // Cluster additions: a primary's copies with their lag, a copy's primary.
+                if !q.copies.is_empty() {
+                    line["copies"] = json!(
+                        q.copies
+                            .iter()
+                            .map(|c| json!({"node":c.node,"lag_entries":c.lag_entries}))
+                            .collect::<Vec<_>>()
+                    );
+                }
+                if let Some(p) = &q.primary {
+                    line["primary"] = json!(p);
+                }
+                emit(line);
             }
             c.close(false).await?;
             Ok(())
@@ -404,7 +424,10 @@ fn ca_path(conn: &Conn) -> Result<PathBuf, Fail> {
     }
 }
 
-async fn connect(conn: &Conn, durable: Option<(String, u64)>, ack_ms: u64) -> Result<Client, Fail> {
+/// A durable identity for [`connect`]: id, timeout in seconds, redundancy.
+type DurableArgs = (String, u64, u8);
+
+async fn connect(conn: &Conn, durable: Option<DurableArgs>, ack_ms: u64) -> Result<Client, Fail> {
     let mut b = ClientBuilder::new()
         .servers(parse_servers(&conn.server)?)
         .ca_file(ca_path(conn)?)
@@ -422,8 +445,8 @@ async fn connect(conn: &Conn, durable: Option<(String, u64)>, ack_ms: u64) -> Re
         }
         b = b.identity(cert, key);
     }
-    if let Some((id, timeout)) = durable {
-        b = b.durable(id, timeout);
+    if let Some((id, timeout, redundancy)) = durable {
+        b = b.durable(id, timeout).redundancy(redundancy);
     }
     Ok(b.connect().await?)
 }
@@ -505,6 +528,15 @@ fn sized_value(i: u64, size: usize) -> Vec<u8> {
 }
 
 async fn put(a: PutArgs) -> Result<(), Fail> {
+    let ack = match a.ack.as_str() {
+        "local" => PublishAck::Local,
+        "replicated" => PublishAck::Replicated,
+        other => {
+            return Err(Fail(format!(
+                "invalid --ack {other:?} (expected local or replicated)"
+            )));
+        }
+    };
     let c = connect(&a.conn, None, 100).await?;
     let count = match (&a.key, a.count) {
         (Some(k), None) => {
@@ -512,11 +544,14 @@ async fn put(a: PutArgs) -> Result<(), Fail> {
                 .value
                 .clone()
                 .ok_or_else(|| Fail("--key needs --value".into()))?;
-            c.publish(vec![PublishOp::Put {
-                region: a.region.clone(),
-                key: k.clone(),
-                value: v.into_bytes(),
-            }])
+            c.publish_with(
+                vec![PublishOp::Put {
+                    region: a.region.clone(),
+                    key: k.clone(),
+                    value: v.into_bytes(),
+                }],
+                ack,
+            )
             .await?
         }
         (None, Some(n)) => {
@@ -538,7 +573,7 @@ async fn put(a: PutArgs) -> Result<(), Fail> {
                         },
                     })
                     .collect();
-                sent += c.publish(ops).await?;
+                sent += c.publish_with(ops, ack).await?;
                 i = end;
             }
             sent
@@ -566,9 +601,16 @@ async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
     if a.ack_interval_ms == 0 {
         return Err(Fail("--ack-interval-ms must be at least 1".into()));
     }
+    if a.redundancy > tether::cluster::meta::REDUNDANCY_MAX {
+        return Err(Fail(format!(
+            "--redundancy {} is above the limit of {}",
+            a.redundancy,
+            tether::cluster::meta::REDUNDANCY_MAX
+        )));
+    }
     let c = connect(
         &a.conn,
-        a.durable_id.clone().map(|id| (id, a.timeout)),
+        a.durable_id.clone().map(|id| (id, a.timeout, a.redundancy)),
         a.ack_interval_ms,
     )
     .await?;

@@ -32,6 +32,11 @@ pub const CLUSTER_IS_LEADER: &str = "tether_cluster_is_leader";
 pub const CLUSTER_TERM: &str = "tether_cluster_term";
 pub const CLUSTER_APPLIED_INDEX: &str = "tether_cluster_applied_index";
 pub const CLUSTER_PLACED_QUEUES: &str = "tether_cluster_placed_queues";
+pub const REPLICATION_LAG: &str = "tether_replication_lag_entries";
+pub const REPLICATION_SNAPSHOTS_SENT: &str = "tether_replication_snapshots_sent_total";
+pub const REPLICATION_SNAPSHOTS_RECEIVED: &str = "tether_replication_snapshots_received_total";
+pub const FAILOVERS: &str = "tether_failovers_total";
+pub const QUEUE_COPIES: &str = "tether_queue_copies";
 
 /// Bytes of an HTTP request head the endpoint reads.
 const HTTP_REQUEST_BYTES_MAX: usize = 8 * 1024;
@@ -81,6 +86,23 @@ fn describe() {
         CLUSTER_PLACED_QUEUES,
         "Durable queues the metadata places on this node"
     );
+    describe_gauge!(
+        REPLICATION_LAG,
+        "Largest replication lag towards a secondary over this node's primary queues, in entries"
+    );
+    describe_counter!(
+        REPLICATION_SNAPSHOTS_SENT,
+        "Queue snapshots sent to new or far-behind secondaries"
+    );
+    describe_counter!(
+        REPLICATION_SNAPSHOTS_RECEIVED,
+        "Queue snapshots installed as a secondary"
+    );
+    describe_counter!(
+        FAILOVERS,
+        "Queues this node took over as primary after their primary failed"
+    );
+    describe_gauge!(QUEUE_COPIES, "Queue copies this node holds as a secondary");
     describe_counter!(
         FORWARDED,
         "Publishes of this node applied by a peer (label peer)"

@@ -133,11 +133,46 @@ pub enum PublishOp {
     },
 }
 
+/// When a publish is acknowledged to its publisher.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PublishAck {
+    /// Once the contacted node has committed it (under its sync mode): it then reaches every
+    /// matching queue, also through failures of other nodes, but a copy of a queue may not
+    /// hold it yet.
+    #[default]
+    Local,
+    /// Once every matching queue in the cluster holds it and each of those queues' copies
+    /// holds it too (members that are down are not waited for).
+    Replicated,
+}
+
+impl PublishAck {
+    pub fn is_local(&self) -> bool {
+        *self == PublishAck::Local
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            PublishAck::Local => "local",
+            PublishAck::Replicated => "replicated",
+        }
+    }
+}
+
 /// Durable identity presented in the hello.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DurableHello {
     pub id: String,
     pub timeout_secs: u64,
+    /// Secondary copies the client asks for on a cluster (0 to 2; see `docs/cluster.md`).
+    /// Taken when the queue is placed; a single node ignores it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub redundancy: u8,
+}
+
+fn is_zero(n: &u8) -> bool {
+    *n == 0
 }
 
 /// Client → server frames on the control stream.
@@ -183,6 +218,9 @@ pub enum RequestBody {
     Ready,
     Publish {
         ops: Vec<PublishOp>,
+        /// When the publish is acknowledged (see [`PublishAck`]).
+        #[serde(default, skip_serializing_if = "PublishAck::is_local")]
+        ack: PublishAck,
     },
     Get {
         region: String,
@@ -293,6 +331,21 @@ pub struct QueueReport {
     pub timeout_secs: u64,
     pub role: String,
     pub interests: Vec<InterestInfo>,
+    /// Cluster, on a primary: each secondary copy and how far behind it is.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub copies: Vec<CopyLag>,
+    /// Cluster, on a secondary's copy: the node holding the primary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub primary: Option<String>,
+}
+
+/// One secondary copy of a queue, as its primary sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyLag {
+    /// The node holding the copy.
+    pub node: String,
+    /// Entries the copy has not acknowledged yet.
+    pub lag_entries: u64,
 }
 
 /// Successful responses.

@@ -243,6 +243,7 @@ fn durable_hello(id: &str, timeout_secs: u64) -> Option<DurableHello> {
     Some(DurableHello {
         id: id.into(),
         timeout_secs,
+        redundancy: 0,
     })
 }
 
@@ -276,7 +277,10 @@ fn put(region: &str, key: &str, value: &[u8]) -> PublishOp {
 }
 
 fn publish(ops: Vec<PublishOp>) -> RequestBody {
-    RequestBody::Publish { ops }
+    RequestBody::Publish {
+        ops,
+        ack: Default::default(),
+    }
 }
 
 /// The well-behaved durable client: connected, registered for all keys of [`REGION`] and ready

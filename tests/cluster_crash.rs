@@ -12,54 +12,13 @@ use std::time::Duration;
 use tether::client::{ClientEvent, Interest};
 use tether::protocol::{PublishOp, QueueStatus};
 
-use common::cluster::{cluster_dirs, free_ports};
+use common::cluster::ProcCluster;
 use common::{ServerProc, take_events};
 
 /// Events published in the test.
 const EVENTS: u32 = 10_000;
 /// Operations per publish request.
 const OPS_PER_PUBLISH: u32 = 20;
-
-struct Procs {
-    dirs: Vec<tempfile::TempDir>,
-    ports: Vec<u16>,
-    procs: Vec<Option<ServerProc>>,
-}
-
-impl Procs {
-    fn start() -> Procs {
-        let dirs = cluster_dirs(3);
-        let ports = free_ports(3);
-        let mut p = Procs {
-            dirs,
-            ports,
-            procs: Vec::new(),
-        };
-        for i in 0..3 {
-            let s = p.spawn(i);
-            p.procs.push(Some(s));
-        }
-        p
-    }
-
-    fn spawn(&self, i: usize) -> ServerProc {
-        let listen = format!("127.0.0.1:{}", self.ports[i]);
-        let name = format!("n{}", i + 1);
-        let peers: Vec<String> = (0..3)
-            .map(|j| format!("n{}=127.0.0.1:{}", j + 1, self.ports[j]))
-            .collect();
-        let mut args: Vec<&str> = vec!["--listen", &listen, "--node-id", &name];
-        for p in &peers {
-            args.push("--peer");
-            args.push(p);
-        }
-        ServerProc::start(self.dirs[i].path(), &args)
-    }
-
-    fn get(&self, i: usize) -> &ServerProc {
-        self.procs[i].as_ref().expect("running")
-    }
-}
 
 /// Publishes puts `k-{from..to}` (value = the number) through `server`, each request
 /// acknowledged before the next; returns how many were acknowledged before an error.
@@ -129,7 +88,7 @@ async fn receive_through(server: &ServerProc, last: u32) -> Vec<u32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_publishes_survive_kill_9_of_origin_and_receiver() {
-    let mut p = Procs::start();
+    let mut p = ProcCluster::start(3);
     // The durable subscriber's queue lives on n1.
     let d = p
         .get(0)

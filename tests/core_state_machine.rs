@@ -32,6 +32,7 @@ impl Sim {
         let hello = id.map(|id| DurableHello {
             id: id.into(),
             timeout_secs: timeout,
+            redundancy: 0,
         });
         let c = self.core.connect(hello.as_ref()).expect("connect");
         self.apply(c.batch);
@@ -214,7 +215,8 @@ fn acks_beyond_delivery_are_refused_and_duplicates_attached_ids_conflict() {
         sim.core
             .connect(Some(&DurableHello {
                 id: "X".into(),
-                timeout_secs: 1
+                timeout_secs: 1,
+                redundancy: 0,
             }))
             .unwrap_err(),
         ConnectError::Attached(s)
@@ -237,6 +239,7 @@ fn expiry_happens_once_at_the_timeout_and_is_reported_once() {
         .connect(Some(&DurableHello {
             id: "X".into(),
             timeout_secs: 10,
+            redundancy: 0,
         }))
         .unwrap();
     assert_eq!(c.status, QueueStatus::Expired);
@@ -245,6 +248,7 @@ fn expiry_happens_once_at_the_timeout_and_is_reported_once() {
         .connect(Some(&DurableHello {
             id: "X".into(),
             timeout_secs: 10,
+            redundancy: 0,
         }))
         .unwrap();
     assert_eq!(c.status, QueueStatus::New);

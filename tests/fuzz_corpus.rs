@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use harness::{HandshakeOutcome, hello_frame, request_frame};
 use tether::protocol::{
-    ClientMsg, InterestSpec, PublishOp, QueueStatus, RequestBody, ResultPolicy,
+    ClientMsg, InterestSpec, PublishAck, PublishOp, QueueStatus, RequestBody, ResultPolicy,
 };
 use tether::transport::ErrorCode;
 
@@ -471,6 +471,7 @@ fn request_frames() -> Vec<Vec<u8>> {
                     key: "k".into(),
                 },
             ],
+            ack: PublishAck::Replicated,
         },
         RequestBody::Get {
             region: "R".into(),
@@ -585,6 +586,7 @@ mod findings {
         let hello = DurableHello {
             id: "X".into(),
             timeout_secs: 60,
+            redundancy: 0,
         };
         let c = core.connect(Some(&hello)).unwrap();
         store.write(&c.batch, true).unwrap();
@@ -650,6 +652,9 @@ mod findings {
                     },
                 )],
                 owner: None,
+                prior_runs: Vec::new(),
+                promoted_at: 0,
+                copy: None,
             })
             .unwrap()
         };

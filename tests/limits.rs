@@ -236,43 +236,6 @@ async fn handshake_timeout_closes_silent_connections() {
     n.plain().await.close(false).await.unwrap();
 }
 
-/// A UDP relay between a client and the node that can go silent, like a network cut.
-async fn relay(
-    server: std::net::SocketAddr,
-) -> (
-    std::net::SocketAddr,
-    std::sync::Arc<std::sync::atomic::AtomicBool>,
-) {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let front = std::sync::Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
-    let back = std::sync::Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
-    back.connect(server).await.unwrap();
-    let addr = front.local_addr().unwrap();
-    let cut = std::sync::Arc::new(AtomicBool::new(false));
-    let client = std::sync::Arc::new(std::sync::Mutex::new(None));
-    let (f, b, c, k) = (front.clone(), back.clone(), client.clone(), cut.clone());
-    tokio::spawn(async move {
-        let mut buf = vec![0u8; 65536];
-        while let Ok((n, from)) = f.recv_from(&mut buf).await {
-            *c.lock().unwrap() = Some(from);
-            if !k.load(Ordering::Relaxed) {
-                let _ = b.send(&buf[..n]).await;
-            }
-        }
-    });
-    let k = cut.clone();
-    tokio::spawn(async move {
-        let mut buf = vec![0u8; 65536];
-        while let Ok(n) = back.recv(&mut buf).await {
-            let to = *client.lock().unwrap();
-            if let (Some(to), false) = (to, k.load(Ordering::Relaxed)) {
-                let _ = front.send_to(&buf[..n], to).await;
-            }
-        }
-    });
-    (addr, cut)
-}
-
 #[tokio::test]
 async fn idle_timeout_closes_silent_connections_as_crashes() {
     let n = TestNode::start_with(Limits {
@@ -280,7 +243,7 @@ async fn idle_timeout_closes_silent_connections_as_crashes() {
         ..Limits::default()
     })
     .await;
-    let (addr, cut) = relay(n.node().addr()).await;
+    let (addr, cut) = common::relay(n.node().addr()).await;
     let c = tether::client::ClientBuilder::new()
         .server(addr)
         .ca_file(n.node().ca_file())

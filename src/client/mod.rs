@@ -84,7 +84,8 @@ pub enum ClientEvent {
     /// The live marker: everything queued before ready has been delivered. The first marker of
     /// a session ends the replay and lists the regions the queue had interest in (none if it
     /// had none); a region that gets interest later gets a marker of its own. Each region is
-    /// announced once per session.
+    /// announced once per session; a client resuming a queue with the [`DedupState`] of an
+    /// earlier client whose server failed under it (a failover) is not told again.
     Live {
         regions: Vec<String>,
     },
@@ -114,6 +115,10 @@ pub struct DedupState(Arc<Mutex<DedupInner>>);
 struct DedupInner {
     durable_id: Option<String>,
     processed_through: u64,
+    /// Whether the queue's live marker was shown, and for which regions: a resumed session
+    /// (after a reconnect or a failover) announces only regions not announced before.
+    live_shown: bool,
+    live_regions: std::collections::BTreeSet<String>,
 }
 
 impl DedupState {
@@ -123,7 +128,37 @@ impl DedupState {
         if d.durable_id.as_deref() != durable_id || status != QueueStatus::Resumed {
             d.durable_id = durable_id.map(str::to_string);
             d.processed_through = 0;
+            d.live_shown = false;
+            d.live_regions.clear();
         }
+    }
+
+    /// The client ended its session itself (a close or a crash): its next session is told
+    /// live again, as any reconnecting durable client. Only a session whose server failed
+    /// under it resumes without a second marker.
+    fn forget_live(&self) {
+        let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        d.live_shown = false;
+        d.live_regions.clear();
+    }
+
+    /// Filters a live marker: None if everything it announces was announced already to this
+    /// process for this queue (a session resumed after its server failed).
+    fn live(&self, regions: Vec<String>) -> Option<Vec<String>> {
+        let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if d.durable_id.is_none() {
+            return Some(regions); // Non-durable: every session is new.
+        }
+        let fresh: Vec<String> = regions
+            .into_iter()
+            .filter(|r| !d.live_regions.contains(r))
+            .collect();
+        if d.live_shown && fresh.is_empty() {
+            return None;
+        }
+        d.live_shown = true;
+        d.live_regions.extend(fresh.iter().cloned());
+        Some(fresh)
     }
 
     fn processed(&self, offset: u64) {
@@ -146,6 +181,9 @@ pub struct ClientBuilder {
     ca_file: Option<PathBuf>,
     ca_pem: Option<Vec<u8>>,
     durable: Option<DurableHello>,
+    redundancy: u8,
+    failure_timeout: Option<Duration>,
+    publish_ack: PublishAck,
     token: Option<String>,
     identity: Option<(PathBuf, PathBuf)>,
     ack_interval: Duration,
@@ -168,6 +206,9 @@ impl ClientBuilder {
             ca_file: None,
             ca_pem: None,
             durable: None,
+            redundancy: 0,
+            failure_timeout: None,
+            publish_ack: PublishAck::Local,
             token: None,
             identity: None,
             ack_interval: Duration::from_millis(ACK_INTERVAL_MS_DEFAULT),
@@ -204,7 +245,34 @@ impl ClientBuilder {
         self.durable = Some(DurableHello {
             id: id.into(),
             timeout_secs,
+            redundancy: self.redundancy,
         });
+        self
+    }
+
+    /// Secondary copies of the durable queue on a cluster (0 to 2): with 1 or more the queue
+    /// survives the death of the node holding it, online or away. Taken when the queue is
+    /// created; ignored by a single node.
+    pub fn redundancy(mut self, copies: u8) -> Self {
+        self.redundancy = copies;
+        if let Some(d) = &mut self.durable {
+            d.redundancy = copies;
+        }
+        self
+    }
+
+    /// How long the server may stay silent before the connection counts as lost (the QUIC idle
+    /// timeout; keep-alives go out at a third of it). Default 30 s. A client of a cluster with
+    /// redundancy sets it low (a few seconds) to fail over quickly when its server dies.
+    pub fn failure_timeout(mut self, timeout: Duration) -> Self {
+        self.failure_timeout = Some(timeout);
+        self
+    }
+
+    /// When this client's publishes are acknowledged: [`PublishAck::Local`] (default) or
+    /// [`PublishAck::Replicated`] (every matching queue and its copies hold them).
+    pub fn publish_ack(mut self, ack: PublishAck) -> Self {
+        self.publish_ack = ack;
         self
     }
 
@@ -248,7 +316,7 @@ impl ClientBuilder {
         if self.servers.is_empty() {
             return Err(ClientError::NoServer);
         }
-        let config = match (&self.ca_pem, &self.ca_file) {
+        let mut config = match (&self.ca_pem, &self.ca_file) {
             (_, Some(f)) if self.identity.is_some() => {
                 let (cert, key) = self.identity.as_ref().expect("checked");
                 tls::client_config_with_identity(f, cert, key)?
@@ -266,6 +334,14 @@ impl ClientBuilder {
                 ));
             }
         };
+        if let Some(t) = self.failure_timeout {
+            let mut transport = tls::transport_config();
+            let idle = quinn::IdleTimeout::try_from(t)
+                .map_err(|_| ClientError::Usage("failure timeout too large".into()))?;
+            transport.max_idle_timeout(Some(idle));
+            transport.keep_alive_interval(Some(t / 3));
+            config.transport_config(Arc::new(transport));
+        }
         let mut errors = Vec::new();
         for &first in &self.servers {
             let mut addr = first;
@@ -381,6 +457,7 @@ impl ClientBuilder {
             durable: self.durable.is_some(),
             events: Mutex::new(Some(events_rx)),
             dedup,
+            publish_ack: self.publish_ack,
             tasks: vec![control, delivery, acker],
         }))
     }
@@ -503,7 +580,10 @@ async fn delivery_task(
     let mut reader = FrameReader::new(recv);
     while let Ok(Some(frame)) = reader.next_raw().await {
         let batch = match codec::decode_body::<Delivery<'_>>(&frame) {
-            Ok(Delivery::Live(regions)) => vec![ClientEvent::Live { regions }],
+            Ok(Delivery::Live(regions)) => match dedup.live(regions) {
+                Some(regions) => vec![ClientEvent::Live { regions }],
+                None => Vec::new(),
+            },
             Ok(Delivery::Events(entries)) => {
                 let seen = dedup.processed_through();
                 let mut out = Vec::with_capacity(entries.len());
@@ -579,6 +659,7 @@ pub struct Client {
     durable: bool,
     events: Mutex<Option<mpsc::Receiver<Vec<ClientEvent>>>>,
     dedup: DedupState,
+    publish_ack: PublishAck,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -667,9 +748,19 @@ impl Client {
         }
     }
 
-    /// Publishes a batch of operations; resolves once the server committed them.
+    /// Publishes a batch of operations; resolves once the server committed them (or, with
+    /// [`ClientBuilder::publish_ack`] replicated, once every matching queue's copies hold them).
     pub async fn publish(&self, ops: Vec<PublishOp>) -> Result<u64, ClientError> {
-        match self.inner.call(RequestBody::Publish { ops }).await? {
+        self.publish_with(ops, self.publish_ack).await
+    }
+
+    /// [`Client::publish`] with an explicit acknowledgement mode.
+    pub async fn publish_with(
+        &self,
+        ops: Vec<PublishOp>,
+        ack: PublishAck,
+    ) -> Result<u64, ClientError> {
+        match self.inner.call(RequestBody::Publish { ops, ack }).await? {
             ResponseBody::Published { count } => Ok(count),
             other => Err(unexpected(other)),
         }
@@ -683,6 +774,7 @@ impl Client {
     /// Closes the session. `keepalive`: a durable queue and its durable interest are kept for
     /// the timeout; otherwise both are destroyed. Processed events are acked first.
     pub async fn close(self, keepalive: bool) -> Result<(), ClientError> {
+        self.dedup.forget_live();
         let ack = self.inner.flush_ack().await;
         let result = match self.inner.call(RequestBody::Close { keepalive }).await {
             Ok(ResponseBody::Closed { .. }) => ack,
@@ -701,6 +793,7 @@ impl Client {
 
     /// Vanishes like a killed process: no acks flushed, no close request.
     pub fn crash(self) {
+        self.dedup.forget_live();
         for t in &self.tasks {
             t.abort();
         }

@@ -55,6 +55,10 @@ pub struct Placement {
     pub redundancy: u8,
     /// Durable timeout, in milliseconds.
     pub timeout_ms: u64,
+    /// Secondaries added to repair redundancy that have not caught up yet: never promoted
+    /// (they may lack entries the primary already delivered).
+    #[serde(default)]
+    pub syncing: Vec<RaftId>,
 }
 
 /// A change to the metadata, proposed through consensus.
@@ -76,20 +80,28 @@ pub enum MetaCommand {
         expected_epoch: u64,
         new_primary: RaftId,
     },
-    /// Replaces the secondaries (repairing or shrinking redundancy).
+    /// Replaces the secondaries (repairing or shrinking redundancy). Secondaries not in the
+    /// current set join as `syncing`.
     SetSecondaries {
         id: String,
         expected_epoch: u64,
         secondaries: Vec<RaftId>,
+    },
+    /// The primary reports that syncing secondary `node` caught up: it may be promoted.
+    /// Leaves the epoch unchanged.
+    Synced {
+        id: String,
+        expected_epoch: u64,
+        node: RaftId,
     },
     /// Expires the queue cluster-wide, once: its next client learns `expired`.
     Expire { id: String, expected_epoch: u64 },
     /// Removes the queue without recording an expiry (the client closed it, or it was
     /// dropped): its next client starts a `new` queue.
     Release { id: String, expected_epoch: u64 },
-    /// A node is gone: every queue it is primary of is promoted to its first secondary
-    /// (queues without a secondary keep their primary: nothing else holds them), and the node
-    /// is dropped from every replica set.
+    /// A node is gone: every queue it is primary of is promoted to its first secondary that is
+    /// not syncing (queues without such a secondary keep their primary: nothing else holds
+    /// them all), and the node is dropped from every replica set.
     NodeFailed { node: RaftId },
 }
 
@@ -155,6 +167,7 @@ impl MetaState {
                     epoch: index,
                     redundancy: *redundancy,
                     timeout_ms: *timeout_ms,
+                    syncing: Vec::new(),
                 };
                 self.queues.insert(id.clone(), p.clone());
                 MetaResponse::Placed(p)
@@ -167,7 +180,10 @@ impl MetaState {
                 let Some(p) = self.queues.get_mut(id) else {
                     return self.unknown(id);
                 };
-                if p.epoch != *expected_epoch || !p.secondaries.contains(new_primary) {
+                if p.epoch != *expected_epoch
+                    || !p.secondaries.contains(new_primary)
+                    || p.syncing.contains(new_primary)
+                {
                     return MetaResponse::Stale(Some(p.clone()));
                 }
                 p.secondaries.retain(|s| s != new_primary);
@@ -186,8 +202,28 @@ impl MetaState {
                 if p.epoch != *expected_epoch || !valid_replicas(p.primary, secondaries) {
                     return MetaResponse::Stale(Some(p.clone()));
                 }
-                p.secondaries = secondaries.clone();
+                let old = std::mem::replace(&mut p.secondaries, secondaries.clone());
+                p.syncing.retain(|s| secondaries.contains(s));
+                for s in secondaries {
+                    if !old.contains(s) && !p.syncing.contains(s) {
+                        p.syncing.push(*s);
+                    }
+                }
                 p.epoch = index;
+                MetaResponse::Placed(p.clone())
+            }
+            MetaCommand::Synced {
+                id,
+                expected_epoch,
+                node,
+            } => {
+                let Some(p) = self.queues.get_mut(id) else {
+                    return self.unknown(id);
+                };
+                if p.epoch != *expected_epoch {
+                    return MetaResponse::Stale(Some(p.clone()));
+                }
+                p.syncing.retain(|s| s != node);
                 MetaResponse::Placed(p.clone())
             }
             MetaCommand::Expire { id, expected_epoch }
@@ -212,10 +248,13 @@ impl MetaState {
                 let mut changed = 0u64;
                 for p in self.queues.values_mut() {
                     let before = (p.primary, p.secondaries.len());
-                    if p.primary == *node && !p.secondaries.is_empty() {
-                        p.primary = p.secondaries.remove(0);
+                    if p.primary == *node
+                        && let Some(i) = p.secondaries.iter().position(|s| !p.syncing.contains(s))
+                    {
+                        p.primary = p.secondaries.remove(i);
                     }
                     p.secondaries.retain(|s| s != node);
+                    p.syncing.retain(|s| s != node);
                     if (p.primary, p.secondaries.len()) != before {
                         p.epoch = index;
                         changed += 1;
@@ -295,6 +334,40 @@ mod tests {
         // Nothing else holds "c": it stays where it is, waiting for node 1.
         assert_eq!((s.queues["c"].primary, s.queues["c"].epoch), (1, 3));
         assert_eq!(s.queues["d"].epoch, 4);
+    }
+
+    #[test]
+    fn repaired_secondaries_are_promoted_only_once_synced() {
+        let mut s = MetaState::default();
+        s.apply(1, &place("q", 1, &[2]));
+        let MetaResponse::Placed(p) = s.apply(
+            2,
+            &MetaCommand::SetSecondaries {
+                id: "q".into(),
+                expected_epoch: 1,
+                secondaries: vec![3, 2],
+            },
+        ) else {
+            panic!()
+        };
+        assert_eq!((p.syncing.clone(), p.epoch), (vec![3], 2));
+        // Node 2 fails: 3 is not synced, so 1 stays primary.
+        s.apply(3, &MetaCommand::NodeFailed { node: 2 });
+        assert_eq!(
+            (s.queues["q"].primary, s.queues["q"].secondaries.clone()),
+            (1, vec![3])
+        );
+        let epoch = s.queues["q"].epoch;
+        let synced = MetaCommand::Synced {
+            id: "q".into(),
+            expected_epoch: epoch,
+            node: 3,
+        };
+        assert!(
+            matches!(s.apply(4, &synced), MetaResponse::Placed(p) if p.syncing.is_empty() && p.epoch == epoch)
+        );
+        s.apply(5, &MetaCommand::NodeFailed { node: 1 });
+        assert_eq!((s.queues["q"].primary, s.queues["q"].epoch), (3, 5));
     }
 
     #[test]

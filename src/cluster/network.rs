@@ -53,6 +53,42 @@ pub enum PeerRequest {
         origin: String,
         entries: Vec<(u64, ForwardedPublish)>,
     },
+    /// Queue log shipping from a primary to one of its secondaries.
+    Replicate(ReplicateMsg),
+    /// Liveness probe (failure detection).
+    Ping,
+}
+
+/// One replication message: the header decided by the primary's
+/// [`Shipper`](crate::replication::Shipper), the entries it names and the queue's info.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReplicateMsg {
+    /// The sending primary.
+    pub from: RaftId,
+    /// The queue's durable id (the same on every copy).
+    pub durable_id: String,
+    pub header: ReplicateHeader,
+    /// The primary's queue info (durable interest, timeout, away time), CBOR.
+    #[serde(with = "serde_bytes")]
+    pub info: Vec<u8>,
+    /// The entries `[first, last)` of an append, or the whole log of a snapshot, in order:
+    /// (flags, body) as stored.
+    pub entries: Vec<ShippedEntry>,
+}
+
+/// A queue entry as stored: flags and body.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShippedEntry {
+    pub flags: u8,
+    #[serde(with = "serde_bytes")]
+    pub body: Vec<u8>,
+}
+
+/// What a [`ReplicateMsg`] carries.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum ReplicateHeader {
+    Append(crate::replication::AppendHeader),
+    Snapshot(crate::replication::SnapshotHeader),
 }
 
 /// One publish as the origin logged it: its operations and the event ids it gave them.
@@ -93,6 +129,10 @@ pub enum PeerResponse {
         through: u64,
         reason: String,
     },
+    /// The answer to a [`PeerRequest::Replicate`]: the secondary's reply, if it has one.
+    Replicated(Option<crate::replication::Reply>),
+    /// The answer to a [`PeerRequest::Ping`].
+    Pong,
 }
 
 /// Where a node applies the publishes its peers forward to it (the server implements it).
@@ -102,6 +142,12 @@ pub trait PublishSink: Send + Sync + 'static {
         &self,
         origin: String,
         entries: Vec<(u64, ForwardedPublish)>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>>;
+
+    /// Handles a replication message from a queue's primary.
+    fn replicate(
+        &self,
+        msg: ReplicateMsg,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>>;
 }
 
@@ -298,6 +344,11 @@ async fn dispatch(
                 reason: "this node does not take publishes yet".into(),
             },
         },
+        PeerRequest::Replicate(msg) => match sink {
+            Some(sink) => sink.replicate(msg).await,
+            None => PeerResponse::Replicated(None),
+        },
+        PeerRequest::Ping => PeerResponse::Pong,
     }
 }
 

@@ -25,6 +25,7 @@ use crate::config::{Limits, QueueFullPolicy};
 use crate::interest::{InterestIndex, Registration, Selector, validate_key};
 use crate::limits::*;
 use crate::protocol::*;
+use crate::replication::{EpochStart, LogState, ReplicaState};
 
 /// Identifies a connection (and a publisher: event ids carry it). Persisted before use.
 pub type SessionId = u64;
@@ -76,6 +77,19 @@ pub struct QueueInfo {
     /// principal may attach to it.
     #[serde(default)]
     pub owner: Option<String>,
+    /// Epoch runs of the entries appended before this node became the queue's primary (a
+    /// promoted copy's log), for log matching with the secondaries. Empty for a queue created
+    /// here.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prior_runs: Vec<EpochStart>,
+    /// The log end (replication offset) when this node became primary: entries from here on
+    /// were appended under the queue's epoch.
+    #[serde(default)]
+    pub promoted_at: Offset,
+    /// Set on a secondary's copy of a queue (cluster): its replication state. A copy is not a
+    /// queue of this node's core; it becomes one when this node is promoted to primary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy: Option<ReplicaState>,
 }
 
 /// Where a queue's client is.
@@ -105,6 +119,26 @@ pub struct Queue {
     /// after that time. The first one dates the oldest unacknowledged entry (to within
     /// `ENQUEUE_CHECKPOINT_INTERVAL_MS`).
     pub checkpoints: VecDeque<(Offset, u64)>,
+    /// Delivery stops at this offset (cluster: what every secondary holds, while this node holds
+    /// its primary lease). None: no cap (single node, or no copies).
+    pub deliver_cap: Option<Offset>,
+    /// See [`QueueInfo::prior_runs`].
+    pub prior_runs: Vec<EpochStart>,
+    /// See [`QueueInfo::promoted_at`].
+    pub promoted_at: Offset,
+    /// On a queue promoted here (cluster failover): per publisher `(origin node, session)`, the
+    /// highest event sequence the queue holds, so a forwarded event the failed primary had
+    /// already appended (and shipped) is not appended twice. None elsewhere.
+    pub seen: Option<HashMap<(String, u64), u64>>,
+}
+
+/// A publish forwarded by a peer, as applied here: kept for a while on a node holding copies,
+/// so a promotion can append what the failed primary had not shipped yet.
+#[derive(Clone, Debug)]
+pub struct RecentForward {
+    pub origin: EventOrigin,
+    /// Each operation with the event kind it produced when it was applied here.
+    pub ops: Vec<(PublishOp, EventOp)>,
 }
 
 /// Spacing of a queue's enqueue-time checkpoints, in milliseconds.
@@ -147,7 +181,16 @@ impl Queue {
         self.end - self.acked
     }
 
-    fn info(&self) -> QueueInfo {
+    /// Whether this (promoted) queue already holds event `seq` of publisher `(node, session)`.
+    fn holds(&self, node: &str, session: u64, seq: u64) -> bool {
+        self.seen.as_ref().is_some_and(|seen| {
+            seen.get(&(node.to_string(), session))
+                .is_some_and(|&max| max >= seq)
+        })
+    }
+
+    /// The queue's info as stored with its metadata.
+    pub fn info(&self) -> QueueInfo {
         QueueInfo {
             durable_id: self.durable_id.clone(),
             timeout_secs: self.timeout_secs,
@@ -162,7 +205,28 @@ impl Queue {
                 .map(|((region, sel), r)| (region.clone(), sel.clone(), *r))
                 .collect(),
             owner: self.owner.clone(),
+            prior_runs: self.prior_runs.clone(),
+            promoted_at: self.promoted_at,
+            copy: None,
         }
+    }
+
+    /// The queue log's shape for replication: offsets `[acked, end)` (replication offset `o` is
+    /// the queue's entry `o + 1`) and the epoch of every entry.
+    pub fn log_state(&self) -> Result<LogState, String> {
+        let mut runs = self.prior_runs.clone();
+        if self.end > self.promoted_at {
+            runs.push(EpochStart {
+                epoch: self.epoch,
+                first: self.promoted_at,
+            });
+        }
+        LogState::new(self.acked, self.end, runs).map_err(|e| {
+            format!(
+                "queue {} has an invalid replication log shape: {e}",
+                self.id
+            )
+        })
     }
 
     fn persist_info(&self, batch: &mut Batch) {
@@ -238,6 +302,8 @@ pub struct PublishPlan {
     pub dropped_sessions: Vec<SessionId>,
     /// Event id of the first operation (the others follow with consecutive `seq`).
     pub first_id: Option<EventId>,
+    /// The event kind each operation produced, in order.
+    pub event_ops: Vec<EventOp>,
 }
 
 /// The event ids of a publish made on another cluster node: operation `i` gets
@@ -248,6 +314,12 @@ pub struct EventOrigin {
     pub node: String,
     pub session: u64,
     pub first_seq: u64,
+}
+
+/// Records event `id` in a per-publisher high-water map (see [`Queue::seen`]).
+pub fn note_seen(seen: &mut HashMap<(String, u64), u64>, id: &EventId) {
+    let max = seen.entry((id.node.clone(), id.session)).or_insert(0);
+    *max = (*max).max(id.seq);
 }
 
 /// What [`NodeCore::disconnect`] did.
@@ -386,42 +458,266 @@ impl NodeCore {
         for (id, meta) in queues {
             let info: QueueInfo =
                 decode_body(&meta.info).map_err(|e| format!("corrupt info of queue {id}: {e}"))?;
-            let Some(durable_id) = info.durable_id.clone() else {
+            if info.durable_id.is_none() {
                 batch.drop_queue(id);
                 continue;
-            };
-            let since_ms = info.away_since_ms.unwrap_or(now_ms);
-            let mut queue = Queue {
-                id,
-                durable_id: Some(durable_id.clone()),
-                owner: info.owner.clone(),
-                timeout_secs: info.timeout_secs,
-                acked: meta.acked,
-                end: meta.end,
-                visible_end: meta.end,
-                delivered: meta.delivered.max(meta.acked),
-                epoch: meta.epoch,
-                interests: BTreeMap::new(),
-                state: QueueState::Away { since_ms },
-                // Enqueue times are not stored: ages count from the restart.
-                checkpoints: if meta.end > meta.acked {
-                    VecDeque::from([(meta.acked + 1, now_ms)])
-                } else {
-                    VecDeque::new()
-                },
-            };
-            for (region, sel, reg) in info.interests {
-                core.index.insert(&region, &sel, id, reg.receive_values);
-                queue.interests.insert((region, sel), reg);
             }
-            if info.away_since_ms.is_none() {
-                queue.persist_info(&mut batch);
-            }
-            core.next_queue_id = core.next_queue_id.max(id + 1);
-            core.durable.insert(durable_id, id);
-            core.queues.insert(id, queue);
+            core.restore_queue(id, &meta, info, now_ms, &mut batch);
         }
         Ok((core, batch))
+    }
+
+    /// Splits stored queues into this node's queues and the copies it holds for other
+    /// primaries (cluster secondaries), decoding the copies' info.
+    pub fn split_copies(
+        queues: Vec<(QueueId, QueueMeta)>,
+    ) -> Result<
+        (
+            Vec<(QueueId, QueueMeta)>,
+            Vec<(QueueId, QueueMeta, QueueInfo)>,
+        ),
+        String,
+    > {
+        let mut own = Vec::new();
+        let mut copies = Vec::new();
+        for (id, meta) in queues {
+            let info: QueueInfo =
+                decode_body(&meta.info).map_err(|e| format!("corrupt info of queue {id}: {e}"))?;
+            if info.copy.is_some() {
+                copies.push((id, meta, info));
+            } else {
+                own.push((id, meta));
+            }
+        }
+        Ok((own, copies))
+    }
+
+    /// Brings a stored durable queue back as an away queue with its durable interest.
+    fn restore_queue(
+        &mut self,
+        id: QueueId,
+        meta: &QueueMeta,
+        info: QueueInfo,
+        now_ms: u64,
+        batch: &mut Batch,
+    ) {
+        let durable_id = info.durable_id.clone().expect("checked by the caller");
+        let since_ms = info.away_since_ms.unwrap_or(now_ms);
+        let mut queue = Queue {
+            id,
+            durable_id: Some(durable_id.clone()),
+            owner: info.owner.clone(),
+            timeout_secs: info.timeout_secs,
+            acked: meta.acked,
+            end: meta.end,
+            visible_end: meta.end,
+            delivered: meta.delivered.max(meta.acked),
+            epoch: meta.epoch,
+            interests: BTreeMap::new(),
+            state: QueueState::Away { since_ms },
+            // Enqueue times are not stored: ages count from the restart.
+            checkpoints: if meta.end > meta.acked {
+                VecDeque::from([(meta.acked + 1, now_ms)])
+            } else {
+                VecDeque::new()
+            },
+            deliver_cap: None,
+            prior_runs: info.prior_runs.clone(),
+            promoted_at: info.promoted_at,
+            seen: None,
+        };
+        for (region, sel, reg) in info.interests {
+            self.index.insert(&region, &sel, id, reg.receive_values);
+            queue.interests.insert((region, sel), reg);
+        }
+        if info.away_since_ms.is_none() {
+            queue.persist_info(batch);
+        }
+        self.next_queue_id = self.next_queue_id.max(id + 1);
+        self.durable.insert(durable_id, id);
+        self.queues.insert(id, queue);
+    }
+
+    /// Promotion: the copy `id` of a queue (`info.copy` holds its replication state) becomes this node's queue, primary at `epoch`, away (its client was connected to the
+    /// failed primary, or away already). Every entry it holds counts as possibly delivered: the
+    /// old primary may have sent any of them. Returns the batch that makes it durable; fails if
+    /// the durable id already has a queue here.
+    pub fn adopt_copy(
+        &mut self,
+        id: QueueId,
+        mut info: QueueInfo,
+        epoch: u64,
+        now_ms: u64,
+    ) -> Result<Batch, String> {
+        let Some(copy) = info.copy.take() else {
+            return Err(format!("queue {id} is not a copy"));
+        };
+        let durable_id = info
+            .durable_id
+            .clone()
+            .ok_or_else(|| format!("copy {id} has no durable id"))?;
+        if self.durable.contains_key(&durable_id) {
+            return Err(format!(
+                "durable id {durable_id:?} already has a queue here"
+            ));
+        }
+        info.prior_runs = copy.log.epochs().to_vec();
+        info.promoted_at = copy.log.end();
+        info.away_since_ms = Some(info.away_since_ms.unwrap_or(now_ms));
+        let meta = QueueMeta {
+            acked: copy.acked,
+            delivered: copy.log.end(),
+            epoch,
+            info: Vec::new(),
+            end: copy.log.end(),
+        };
+        let mut batch = Batch::new();
+        self.restore_queue(id, &meta, info, now_ms, &mut batch);
+        let q = &self.queues[&id];
+        q.persist_info(&mut batch);
+        batch.set_acked(id, meta.acked);
+        batch.set_delivered(id, meta.delivered);
+        Ok(batch)
+    }
+
+    /// Right after [`adopt_copy`](Self::adopt_copy): appends to the promoted queue `qid` the
+    /// events of `forwards` (publishes peers forwarded here, oldest first) that match its
+    /// interest and that it does not hold yet, the ones the failed primary had not shipped.
+    /// `seen` holds, per publisher, the highest sequence the copy ever held (see
+    /// [`Queue::seen`]). Everything now in the queue
+    /// counts as possibly delivered. Returns the batch and the new end (visible once the batch
+    /// is committed, through [`committed`](Self::committed)).
+    pub fn reapply_forwarded(
+        &mut self,
+        qid: QueueId,
+        now_ms: u64,
+        seen: HashMap<(String, u64), u64>,
+        forwards: &[RecentForward],
+    ) -> Option<(Batch, Offset)> {
+        self.queues.get_mut(&qid)?.seen = Some(seen);
+        let mut batch = Batch::new();
+        let mut scratch = BTreeMap::new();
+        for f in forwards {
+            for (i, (op, event_op)) in f.ops.iter().enumerate() {
+                let seq = f.origin.first_seq + i as u64;
+                let (region, key) = op_target(op);
+                scratch.clear();
+                self.index.matches(region, key, &mut scratch);
+                let Some(&wants_values) = scratch.get(&qid) else {
+                    continue;
+                };
+                let q = self.queues.get_mut(&qid)?;
+                if q.holds(&f.origin.node, f.origin.session, seq) {
+                    continue;
+                }
+                let record = EventRecord {
+                    id: EventId {
+                        node: f.origin.node.clone(),
+                        session: f.origin.session,
+                        seq,
+                    },
+                    region: region.to_string(),
+                    key: key.to_string(),
+                    op: *event_op,
+                    value: match (op, event_op) {
+                        (PublishOp::Put { value, .. }, EventOp::Create | EventOp::Update) => {
+                            Some(value.clone())
+                        }
+                        _ => None,
+                    },
+                };
+                let body: Arc<[u8]> = encode_body_packed(&record).expect("records encode").into();
+                q.end += 1;
+                q.note_append(now_ms);
+                let flags = if wants_values { 0 } else { FLAG_NO_VALUE };
+                batch.append(qid, q.end, Entry { flags, body });
+                if let Some(seen) = &mut q.seen {
+                    note_seen(seen, &record.id);
+                }
+            }
+        }
+        let q = self.queues.get_mut(&qid)?;
+        q.delivered = q.end;
+        batch.set_delivered(qid, q.end);
+        Some((batch, q.end))
+    }
+
+    /// A queue id for a copy this node starts holding (persisted with the returned batch).
+    pub fn alloc_copy_id(&mut self) -> (QueueId, Batch) {
+        let mut batch = Batch::new();
+        let id = self.alloc_queue(&mut batch);
+        (id, batch)
+    }
+
+    /// Cluster: this node no longer holds durable id `id`'s queue (another node was promoted).
+    /// Drops it without recording an expiry; returns the batch and the attached session, which
+    /// the driver disconnects.
+    pub fn depose(&mut self, id: &str) -> (Batch, Option<SessionId>) {
+        let mut batch = Batch::new();
+        let Some(&qid) = self.durable.get(id) else {
+            return (batch, None);
+        };
+        let session = self.attached_session(qid);
+        if let Some(s) = session {
+            self.sessions.remove(&s);
+        }
+        self.drop_queue(qid, &mut batch);
+        (batch, session)
+    }
+
+    /// Caps delivery of every queue at what is acknowledged (a clustered node at start, until
+    /// it knows which queues have copies).
+    pub fn cap_all_queues(&mut self) {
+        for q in self.queues.values_mut() {
+            q.deliver_cap = Some(q.acked);
+        }
+    }
+
+    /// Every durable queue here: (durable id, primary epoch).
+    pub fn durable_epochs(&self) -> Vec<(String, u64)> {
+        self.durable
+            .iter()
+            .filter_map(|(id, q)| self.queues.get(q).map(|q| (id.clone(), q.epoch)))
+            .collect()
+    }
+
+    /// The queue of durable id `id`, if it lives here.
+    pub fn durable_queue(&self, id: &str) -> Option<&Queue> {
+        self.durable.get(id).and_then(|q| self.queues.get(q))
+    }
+
+    /// Sets the primary epoch of a queue just placed by the cluster (persisted in the batch).
+    pub fn set_queue_epoch(&mut self, queue: QueueId, epoch: u64) -> Batch {
+        let mut batch = Batch::new();
+        if let Some(q) = self.queues.get_mut(&queue)
+            && q.epoch != epoch
+        {
+            q.epoch = epoch;
+            q.persist_info(&mut batch);
+        }
+        batch
+    }
+
+    /// The queue's info as stored (what a primary ships to its secondaries).
+    pub fn queue_info(&self, queue: QueueId) -> Option<QueueInfo> {
+        self.queues.get(&queue).map(Queue::info)
+    }
+
+    /// Caps delivery of a queue (see [`Queue::deliver_cap`]). Returns the attached session when
+    /// the cap rose, for the driver to wake.
+    pub fn set_deliver_cap(&mut self, queue: QueueId, cap: Option<Offset>) -> Option<SessionId> {
+        let q = self.queues.get_mut(&queue)?;
+        let rose = match (q.deliver_cap, cap) {
+            (Some(old), Some(new)) => new > old,
+            (Some(_), None) => true,
+            _ => false,
+        };
+        q.deliver_cap = cap;
+        if rose {
+            self.attached_session(queue)
+        } else {
+            None
+        }
     }
 
     pub fn node_id(&self) -> &str {
@@ -607,6 +903,10 @@ impl NodeCore {
             interests: BTreeMap::new(),
             state: QueueState::Attached(session),
             checkpoints: VecDeque::new(),
+            deliver_cap: None,
+            prior_runs: Vec::new(),
+            promoted_at: 0,
+            seen: None,
         };
         q.persist_info(batch);
         self.queues.insert(id, q);
@@ -801,6 +1101,14 @@ impl NodeCore {
             let (region, key) = op_target(op);
             self.index.matches(region, key, &mut scratch);
             for (&q, &values) in scratch.iter() {
+                if let Some(o) = origin
+                    && self
+                        .queues
+                        .get(&q)
+                        .is_some_and(|q| q.holds(&o.node, o.session, o.first_seq + i as u64))
+                {
+                    continue; // Appended by a failed primary before this node took over.
+                }
                 matches.push((i, q, values));
                 *growth.entry(q).or_default() += 1;
             }
@@ -904,6 +1212,7 @@ impl NodeCore {
             if plan.first_id.is_none() {
                 plan.first_id = Some(id.clone());
             }
+            plan.event_ops.push(event_op);
             let record = EventRecord {
                 id,
                 region: region.clone(),
@@ -933,6 +1242,9 @@ impl NodeCore {
                         body: body.clone(),
                     },
                 );
+                if let Some(seen) = &mut q.seen {
+                    note_seen(seen, &record.id);
+                }
                 last.insert(qid, q.end);
                 plan.enqueued += 1;
             }
@@ -973,7 +1285,8 @@ impl NodeCore {
             return Step::Idle;
         };
         c.step(
-            q.visible_end,
+            q.deliver_cap
+                .map_or(q.visible_end, |cap| cap.min(q.visible_end)),
             q.acked,
             self.limits.inflight_events_max,
             || q.regions(),
@@ -1152,6 +1465,8 @@ impl NodeCore {
                     .iter()
                     .map(|((r, sel), reg)| sel.info(r, reg.durable))
                     .collect(),
+                copies: Vec::new(),
+                primary: None,
             })
             .collect()
     }

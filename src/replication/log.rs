@@ -2,10 +2,28 @@
 
 use std::fmt;
 
+use serde::{Deserialize, Serialize};
+
 use super::{Epoch, Offset};
 
+/// A [`LogState`] as read from storage or a peer, before validation.
+#[derive(Deserialize)]
+struct RawLogState {
+    start: Offset,
+    end: Offset,
+    epochs: Vec<EpochStart>,
+}
+
+impl TryFrom<RawLogState> for LogState {
+    type Error = InvalidLog;
+
+    fn try_from(raw: RawLogState) -> Result<Self, InvalidLog> {
+        LogState::new(raw.start, raw.end, raw.epochs)
+    }
+}
+
 /// The first offset of a run of entries appended under one epoch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EpochStart {
     pub epoch: Epoch,
     pub first: Offset,
@@ -19,7 +37,8 @@ pub struct EpochStart {
 /// `start`. Persist it with the entries (it changes only at a new epoch's first append, at a
 /// truncation and at a trim); a restarted node rebuilds its [`Shipper`](super::Shipper) or
 /// [`Replica`](super::Replica) from it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "RawLogState")]
 pub struct LogState {
     start: Offset,
     end: Offset,

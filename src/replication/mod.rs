@@ -63,6 +63,8 @@
 //!   [`Shipper::on_rival_primary`] and sends back the reply it returns.
 //! - **Promotion**: let pending writes become durable, then [`Replica::promote`], persist the new
 //!   epoch and call [`Shipper::set_secondaries`].
+use serde::{Deserialize, Serialize};
+
 mod log;
 mod replica;
 mod shipper;
@@ -124,7 +126,7 @@ pub enum ToSecondary {
 /// Header of an append batch: entries `[first, last)`, all appended under `entries_epoch`.
 ///
 /// A batch never spans two epoch runs, so one epoch describes all its entries.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AppendHeader {
     /// The sending primary's epoch.
     pub epoch: Epoch,
@@ -147,7 +149,7 @@ pub struct AppendHeader {
 
 /// Header of a snapshot: the primary's whole log, sent when a secondary needs entries below the
 /// primary's `start`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SnapshotHeader {
     /// The sending primary's epoch.
     pub epoch: Epoch,
@@ -160,7 +162,7 @@ pub struct SnapshotHeader {
 }
 
 /// A secondary's answer to an [`AppendHeader`] or [`SnapshotHeader`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Reply {
     /// My durable log equals the epoch-`epoch` primary's log on `[.., end)`.
     Ack { epoch: Epoch, end: Offset },

@@ -11,7 +11,7 @@ use super::{
 
 /// The durable state of a queue copy on a secondary. Every [`Write`] carries the value to persist
 /// atomically with its entries; [`Replica::recover`] rebuilds a replica from it after a crash.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ReplicaState {
     /// Highest epoch this copy has followed (0: none yet).
     pub epoch: Epoch,

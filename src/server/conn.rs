@@ -198,9 +198,10 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         }
     };
     let owner = principal.as_ref().map(|p| p.name.as_str());
+    let mut placed = None;
     if let (Some(d), Some(cluster)) = (durable.as_ref(), shared.cluster.get()) {
         match super::placement::place_durable(shared, cluster, d).await {
-            Ok(super::placement::Placed::Here) => {}
+            Ok(super::placement::Placed::Here(p)) => placed = Some(p),
             Ok(super::placement::Placed::Elsewhere { node_id, addr }) => {
                 let _ = codec::write_frame(&mut send, &ServerMsg::Redirect { node_id, addr }).await;
                 let _ = send.finish();
@@ -215,7 +216,7 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
             }
         }
     }
-    let connected = match connect(shared, durable.as_ref(), owner).await {
+    let connected = match connect(shared, durable.as_ref(), owner, placed.as_ref()).await {
         Ok(c) => c,
         Err(e) => {
             refuse(&conn, &mut send, e).await;
@@ -223,6 +224,9 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         }
     };
     let session = connected.session;
+    if let (Some(p), Some(d), Some(cluster)) = (&placed, &durable, shared.cluster.get()) {
+        super::failover::ensure_shipping(shared, cluster, &d.id, p);
+    }
     let (probe_tx, probe_rx) = mpsc::channel(PROBES_QUEUED_MAX);
     let (finished_tx, finished_rx) = watch::channel(false);
     let wake = Arc::new(Notify::new());
@@ -292,13 +296,27 @@ async fn connect(
     shared: &Arc<Shared>,
     durable: Option<&DurableHello>,
     principal: Option<&str>,
+    placed: Option<&crate::cluster::meta::Placement>,
 ) -> Result<crate::core::Connected, WireError> {
     for _ in 0..TAKEOVER_ATTEMPTS_MAX {
         let attempt = {
             let mut core = shared.core();
             match core.connect_as(durable, principal) {
                 Ok(mut c) => {
-                    let batch = std::mem::take(&mut c.batch);
+                    let mut batch = std::mem::take(&mut c.batch);
+                    if let Some(p) = placed {
+                        // A queue placed by the cluster appends under its placement's epoch;
+                        // one with copies delivers only what they hold.
+                        let qid = core.session(c.session).map_or(0, |s| s.queue);
+                        if c.status != QueueStatus::Resumed {
+                            batch.extend(core.set_queue_epoch(qid, p.epoch));
+                        }
+                        let shipped = durable.is_some_and(|d| shared.shipping.get(&d.id).is_some());
+                        if !p.secondaries.is_empty() && !shipped {
+                            let acked = core.queue(qid).map_or(0, |q| q.acked);
+                            core.set_deliver_cap(qid, Some(acked));
+                        }
+                    }
                     Ok((c, shared.writer.submit(batch, None)))
                 }
                 Err(e) => Err(e),
@@ -493,7 +511,7 @@ fn authorize(
         RequestBody::RegisterInterest { region, .. }
         | RequestBody::UnregisterInterest { region, .. }
         | RequestBody::Get { region, .. } => auth.check(p, Access::Subscribe(region)),
-        RequestBody::Publish { ops } => ops.iter().try_for_each(|op| {
+        RequestBody::Publish { ops, .. } => ops.iter().try_for_each(|op| {
             let region = match op {
                 PublishOp::Put { region, .. }
                 | PublishOp::Destroy { region, .. }
@@ -537,15 +555,20 @@ async fn request(
             shared.wake(session);
             Ok(ResponseBody::Ready { replay_end })
         }
-        RequestBody::Publish { ops } => {
-            let count = shared.publish(session, &ops).await?;
-            Ok(ResponseBody::Published { count })
+        RequestBody::Publish { ops, ack } => {
+            let receipt = shared.publish_receipt(session, &ops, None).await?;
+            if ack == PublishAck::Replicated {
+                shared.wait_replicated(&receipt).await?;
+            }
+            Ok(ResponseBody::Published {
+                count: receipt.count,
+            })
         }
         RequestBody::Get { region, key } => Ok(ResponseBody::Value {
             value: shared.get(&region, &key)?,
         }),
         RequestBody::ListQueues => Ok(ResponseBody::Queues {
-            queues: shared.core().queue_reports(),
+            queues: shared.queue_reports().await,
         }),
         RequestBody::CloseDurable { durable_id } => {
             shared

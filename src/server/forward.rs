@@ -75,6 +75,8 @@ pub(crate) struct Forwarding {
     pub(crate) committed: watch::Sender<Offset>,
     /// Per peer: highest offset it has applied (mirrors `fwd-sent/<peer>`).
     sent: Mutex<HashMap<String, Offset>>,
+    /// Notified whenever a peer's applied offset moves.
+    pub(crate) sent_changed: tokio::sync::Notify,
     /// Offsets at or below this are trimmed from the log.
     trimmed: AtomicU64,
     /// Per origin: highest offset applied here; the lock also serializes forwarded applies.
@@ -124,6 +126,7 @@ impl Forwarding {
             log_end: AtomicU64::new(end),
             committed: watch::channel(end).0,
             sent: Mutex::new(sent),
+            sent_changed: tokio::sync::Notify::new(),
             trimmed: AtomicU64::new(acked),
             applied: tokio::sync::Mutex::new(HashMap::new()),
             session: Mutex::new(None),
@@ -315,6 +318,7 @@ async fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) -> bool {
         f.trimmed.store(min, Ordering::SeqCst);
     }
     let _ = s.writer.submit(b, None).await;
+    f.sent_changed.notify_waiters();
     true
 }
 
@@ -345,6 +349,7 @@ impl PublishSink for PeerInbox {
                 Some(a) => *a,
                 None => read_u64(&*s.store, &applied_key(&origin)).unwrap_or(0),
             };
+            let mut appended = Vec::new();
             for (offset, publish) in entries {
                 if offset <= done {
                     continue;
@@ -368,8 +373,11 @@ impl PublishSink for PeerInbox {
                         first_seq: publish.first_seq,
                     },
                 };
-                match s.publish_from(session, &publish.ops, Some(&from)).await {
-                    Ok(_) => done = offset,
+                match s.publish_receipt(session, &publish.ops, Some(&from)).await {
+                    Ok(r) => {
+                        done = offset;
+                        appended.extend(r.appended);
+                    }
                     Err(e) => {
                         applied.insert(origin, done);
                         return PeerResponse::PublishDeferred {
@@ -379,8 +387,27 @@ impl PublishSink for PeerInbox {
                     }
                 }
             }
-            applied.insert(origin, done);
+            applied.insert(origin.clone(), done);
+            drop(applied);
+            // The origin counts a publish as held here once this answer arrives: wait until
+            // the queues it reached hold it on their copies too (`--ack replicated`).
+            let wait = Duration::from_millis(super::REPLICATED_ACK_TIMEOUT_MS);
+            if !s.wait_local_replicated(&appended, wait).await {
+                tracing::warn!(origin, "forwarded publishes not replicated in time");
+            }
             PeerResponse::Published { through: done }
+        })
+    }
+
+    fn replicate(
+        &self,
+        msg: crate::cluster::network::ReplicateMsg,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>> {
+        Box::pin(async move {
+            match self.0.upgrade() {
+                Some(s) => super::copies::handle(&s, msg).await,
+                None => PeerResponse::Replicated(None),
+            }
         })
     }
 }

@@ -12,8 +12,11 @@
 //! events through a [`Publisher`] without the network.
 
 mod conn;
+mod copies;
+mod failover;
 mod forward;
 mod placement;
+mod shipping;
 mod writer;
 
 use std::collections::HashMap;
@@ -105,6 +108,15 @@ pub(crate) struct Shared {
     pub(crate) cluster_ca: PathBuf,
     /// Publish forwarding to the other members (clustered nodes).
     pub(crate) forwarding: Option<forward::Forwarding>,
+    /// Copies of other primaries' queues held here (clustered nodes).
+    pub(crate) copies: copies::Copies,
+    /// Queues this node ships to their secondaries (clustered nodes).
+    pub(crate) shipping: shipping::Shipping,
+    /// When each member last answered (clustered nodes).
+    pub(crate) liveness: failover::Liveness,
+    /// Publishes forwarded here lately, kept while this node holds copies (see
+    /// `failover.rs`: a promotion appends those the failed primary had not shipped).
+    pub(crate) recent: Mutex<failover::RecentForwards>,
 }
 
 impl Shared {
@@ -153,18 +165,18 @@ impl Shared {
         session: SessionId,
         ops: &[PublishOp],
     ) -> Result<u64, WireError> {
-        self.publish_from(session, ops, None).await
+        Ok(self.publish_receipt(session, ops, None).await?.count)
     }
 
     /// [`Shared::publish`] of operations that came from a peer: `origin` is the origin node
     /// and the entry's offset in its publish log (recorded with the publish, never forwarded
     /// again). `None`: a local publish (forwarded to the peers on a clustered node).
-    pub(crate) async fn publish_from(
+    pub(crate) async fn publish_receipt(
         self: &Arc<Self>,
         session: SessionId,
         ops: &[PublishOp],
         origin: Option<&forward::Origin<'_>>,
-    ) -> Result<u64, WireError> {
+    ) -> Result<Receipt, WireError> {
         let block = Duration::from_millis(self.limits.queue_full_block_ms);
         let deadline = tokio::time::Instant::now() + block;
         loop {
@@ -203,12 +215,14 @@ impl Shared {
         session: SessionId,
         ops: &[PublishOp],
         origin: Option<&forward::Origin<'_>>,
-    ) -> Result<u64, WireError> {
+    ) -> Result<Receipt, WireError> {
         let _permit = self
             .write_permits
             .acquire()
             .await
             .map_err(|_| shutdown_error())?;
+        let receipt_appended;
+        let receipt_logged;
         let (count, enqueued, dropped, rx) = {
             let mut core = self.core();
             let store = self.store.clone();
@@ -221,13 +235,36 @@ impl Shared {
                 (Some(o), _) => {
                     let (k, v) = forward::applied_marker(o.node, o.offset);
                     batch.state_put(&k, v);
+                    if self.copies.len() > 0 {
+                        self.recent
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .record(&o.ids, ops, &plan.event_ops);
+                    }
                     None
                 }
-                (None, Some(f)) => f.log_publish(&mut batch, plan.first_id.as_ref(), ops),
+                (None, Some(f)) => {
+                    // This node's own publishes count too: a copy held here may be promoted
+                    // before its failed primary got them through forwarding.
+                    if let (Some(id), true) = (&plan.first_id, self.copies.len() > 0) {
+                        let origin = crate::core::EventOrigin {
+                            node: id.node.clone(),
+                            session: id.session,
+                            first_seq: id.seq,
+                        };
+                        self.recent
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .record(&origin, ops, &plan.event_ops);
+                    }
+                    f.log_publish(&mut batch, plan.first_id.as_ref(), ops)
+                }
                 (None, None) => None,
             };
             let shared = self.clone();
             let (seq, appended) = (plan.seq, plan.appended);
+            receipt_appended = appended.clone();
+            receipt_logged = logged;
             let on_commit: writer::OnCommit = Box::new(move || {
                 if let (Some(offset), Some(f)) = (logged, &shared.forwarding) {
                     f.committed.send_replace(offset);
@@ -242,6 +279,9 @@ impl Shared {
                 };
                 for s in wake {
                     shared.wake(s);
+                }
+                for (q, _) in &appended {
+                    shared.shipping.wake(*q);
                 }
             });
             metrics::counter!(m::QUEUES_DROPPED_FULL).increment(plan.dropped_queues);
@@ -264,7 +304,70 @@ impl Shared {
         }
         metrics::counter!(m::EVENTS_PUBLISHED).increment(count);
         metrics::counter!(m::EVENTS_ENQUEUED).increment(enqueued);
-        Ok(count)
+        Ok(Receipt {
+            count,
+            appended: receipt_appended,
+            logged: receipt_logged,
+        })
+    }
+
+    /// Waits until this node's queues that received `appended` entries hold them on every
+    /// copy (queues without copies hold them once committed). False on timeout.
+    pub(crate) async fn wait_local_replicated(
+        &self,
+        appended: &[(tether_storage::QueueId, tether_storage::Offset)],
+        timeout: Duration,
+    ) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        for &(qid, off) in appended {
+            if !self.shipping.wait_replicated(qid, off, deadline).await {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// `--ack replicated`: waits until every matching queue in the cluster and each of its
+    /// copies holds the publish of `receipt` (members that are down are not waited for: their
+    /// queues' copies take over with the publish, see `failover.rs`).
+    pub(crate) async fn wait_replicated(&self, receipt: &Receipt) -> Result<(), WireError> {
+        let timeout = Duration::from_millis(REPLICATED_ACK_TIMEOUT_MS);
+        let late = || {
+            WireError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "the publish is committed but not replicated within {REPLICATED_ACK_TIMEOUT_MS} ms; it will reach every queue"
+                ),
+            )
+        };
+        if !self.wait_local_replicated(&receipt.appended, timeout).await {
+            return Err(late());
+        }
+        let (Some(offset), Some(f)) = (receipt.logged, &self.forwarding) else {
+            return Ok(());
+        };
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let applied = f.sent_changed.notified();
+            tokio::pin!(applied);
+            applied.as_mut().enable();
+            let waiting = f
+                .peers
+                .iter()
+                .any(|(name, id)| f.sent(name) < offset && self.liveness.is_live(*id));
+            if !waiting {
+                return Ok(());
+            }
+            // Liveness changes without a notification: look again at least this often.
+            let step = tokio::time::Instant::now() + Duration::from_millis(REPLICATED_POLL_MS);
+            if tokio::time::timeout_at(step.min(deadline), applied)
+                .await
+                .is_err()
+                && tokio::time::Instant::now() >= deadline
+            {
+                return Err(late());
+            }
+        }
     }
 
     /// The session forwarded publishes are made under (created once).
@@ -292,6 +395,85 @@ impl Shared {
                 c.close(code.varint(), why.as_bytes());
             }
         }
+    }
+
+    /// Reports of this node's queues, with each copy's replication lag on a cluster.
+    fn primary_reports(&self) -> Vec<QueueReport> {
+        let mut reports = self.core().queue_reports();
+        let Some(cluster) = self.cluster.get() else {
+            return reports;
+        };
+        let name = |n: u64| {
+            cluster
+                .members()
+                .nodes
+                .get(&n)
+                .map_or_else(|| n.to_string(), |m| m.name.clone())
+        };
+        for r in &mut reports {
+            let Some(sq) = r.durable_id.as_deref().and_then(|d| self.shipping.get(d)) else {
+                continue;
+            };
+            r.copies = sq
+                .lags()
+                .into_iter()
+                .map(|(n, lag)| CopyLag {
+                    node: name(n),
+                    lag_entries: lag,
+                })
+                .collect();
+        }
+        reports
+    }
+
+    /// [`Shared::primary_reports`] followed by the copies held here for other primaries.
+    pub(crate) async fn queue_reports(&self) -> Vec<QueueReport> {
+        let mut reports = self.primary_reports();
+        let Some(cluster) = self.cluster.get() else {
+            return reports;
+        };
+        let mut ids = self.copies.ids();
+        ids.sort();
+        for id in ids {
+            let Some(cell) = self.copies.get(&id) else {
+                continue;
+            };
+            let copy = cell.lock().await;
+            if copy.gone {
+                continue;
+            }
+            let log = copy.replica.log();
+            let primary = cluster.placement(&id).and_then(|p| {
+                cluster
+                    .members()
+                    .nodes
+                    .get(&p.primary)
+                    .map(|n| n.name.clone())
+            });
+            reports.push(QueueReport {
+                durable_id: Some(id.clone()),
+                state: if copy.info.away_since_ms.is_some() {
+                    "away"
+                } else {
+                    "connected"
+                }
+                .to_string(),
+                pending: log.end() - copy.replica.acked(),
+                acked_offset: copy.replica.acked(),
+                end_offset: log.end(),
+                timeout_secs: copy.info.timeout_secs,
+                role: "secondary".to_string(),
+                interests: copy
+                    .info
+                    .interests
+                    .iter()
+                    .map(|(r, sel, reg)| sel.info(r, reg.durable))
+                    .collect(),
+                copies: Vec::new(),
+                primary,
+            });
+        }
+        reports
     }
 
     /// Current value of a key (None when absent or invalidated).
@@ -322,6 +504,20 @@ async fn wait_commit(rx: oneshot::Receiver<Result<(), String>>) -> Result<(), Wi
         Err(_) => Err(shutdown_error()),
     }
 }
+
+/// What a publish did here, for `--ack replicated`.
+pub(crate) struct Receipt {
+    pub(crate) count: u64,
+    /// Last offset appended per local queue.
+    pub(crate) appended: Vec<(tether_storage::QueueId, tether_storage::Offset)>,
+    /// The publish's offset in this node's publish log (a local publish on a cluster).
+    pub(crate) logged: Option<tether_storage::Offset>,
+}
+
+/// Longest wait of a `--ack replicated` publish for its copies, in milliseconds.
+pub const REPLICATED_ACK_TIMEOUT_MS: u64 = 10_000;
+/// How often a `--ack replicated` publish looks again at which members are alive, in ms.
+pub const REPLICATED_POLL_MS: u64 = 100;
 
 /// A running node.
 pub struct Node {
@@ -488,15 +684,27 @@ impl Node {
         server_config.transport_config(Arc::new(transport));
         let mut queues = store.queues()?;
         queues.retain(|(q, _)| *q != forward::PUBLISH_LOG_QUEUE);
+        let (queues, copies) = NodeCore::split_copies(queues).map_err(NodeError::Recovery)?;
+        let copies = copies::Copies::recover(copies).map_err(NodeError::Recovery)?;
         let recovered = queues.len();
         let st = store.clone();
         let (core, batch) = NodeCore::recover(node_id.clone(), now_ms(), queues, |k| {
             st.state_get(k).ok().flatten()
         })
         .map_err(NodeError::Recovery)?;
-        let core = core.with_limits(config.limits.clone());
+        let mut core = core.with_limits(config.limits.clone());
+        if clustered {
+            // Until the reconciler has looked at the metadata, deliver only what is acked
+            // (nothing): a queue with copies must not deliver what they may lack.
+            core.cap_all_queues();
+        }
         store.write(&batch, true)?;
-        tracing::info!(node_id, queues = recovered, "recovered storage");
+        tracing::info!(
+            node_id,
+            queues = recovered,
+            copies = copies.len(),
+            "recovered storage"
+        );
         let forwarding = if clustered {
             Some(
                 forward::Forwarding::open(&*store, &node_id, &config.peers)
@@ -532,6 +740,10 @@ impl Node {
             cluster: std::sync::OnceLock::new(),
             cluster_ca: tls_files.ca.clone(),
             forwarding,
+            copies,
+            shipping: shipping::Shipping::default(),
+            liveness: failover::Liveness::default(),
+            recent: Mutex::new(failover::RecentForwards::default()),
         });
         let endpoint = tether_transport::endpoint::server_endpoint(config.listen, server_config)
             .map_err(|source| NodeError::Listen {
@@ -576,6 +788,14 @@ impl Node {
                     )));
                 }
             }
+            tasks.push(tokio::spawn(failover::reconcile_loop(
+                Arc::downgrade(&shared),
+                cluster.clone(),
+            )));
+            tasks.push(tokio::spawn(failover::detect_loop(
+                Arc::downgrade(&shared),
+                cluster.clone(),
+            )));
             let _ = shared.cluster.set(cluster);
         }
         tasks.push(tokio::spawn(conn::accept_loop(
@@ -636,7 +856,7 @@ impl Node {
 
     /// Every queue this node holds.
     pub fn queues(&self) -> Vec<QueueReport> {
-        self.shared.core().queue_reports()
+        self.shared.primary_reports()
     }
 
     /// Resolves with the reason if storage fails (the node then refuses all work).
@@ -754,6 +974,22 @@ async fn tick_loop(shared: Arc<Shared>) {
             metrics::gauge!(m::CLUSTER_APPLIED_INDEX).set(cl.applied_index() as f64);
             let placed = cl.read(|s| s.queues.values().filter(|p| p.primary == me).count());
             metrics::gauge!(m::CLUSTER_PLACED_QUEUES).set(placed as f64);
+            metrics::gauge!(m::QUEUE_COPIES).set(shared.copies.len() as f64);
+            let mut lag: HashMap<u64, u64> = HashMap::new();
+            for sq in shared.shipping.all() {
+                for (peer, l) in sq.lags() {
+                    let e = lag.entry(peer).or_default();
+                    *e = (*e).max(l);
+                }
+            }
+            for (peer, l) in lag {
+                let name = cl
+                    .members()
+                    .nodes
+                    .get(&peer)
+                    .map_or_else(|| peer.to_string(), |n| n.name.clone());
+                metrics::gauge!(m::REPLICATION_LAG, "peer" => name).set(l as f64);
+            }
         }
     }
 }

@@ -2,7 +2,8 @@
 //! reaches, redirecting a client that reaches another node, and removing the placement when
 //! the queue ends (expiry, close, drop) so the id can start anew anywhere.
 //!
-//! Until queue copies land (issue 3), a queue has one node and redundancy 0.
+//! A new queue gets up to `redundancy` secondaries among the members that answer pings,
+//! chosen by rendezvous hashing of (durable id, member) so placements spread evenly.
 
 use std::sync::Arc;
 
@@ -10,13 +11,13 @@ use tether_transport::ErrorCode;
 
 use super::Shared;
 use crate::cluster::Cluster;
-use crate::cluster::meta::{MetaCommand, MetaResponse};
+use crate::cluster::meta::{MetaCommand, MetaResponse, REDUNDANCY_MAX, RaftId, raft_id};
 use crate::protocol::{DurableHello, WireError};
 
 /// Where a durable hello should be served.
 pub(crate) enum Placed {
-    /// Here: proceed with the connection.
-    Here,
+    /// Here: proceed with the connection; the queue's placement.
+    Here(crate::cluster::meta::Placement),
     /// On another member: redirect the client to (node name, address).
     Elsewhere { node_id: String, addr: String },
 }
@@ -30,6 +31,15 @@ pub(crate) async fn place_durable(
     d: &DurableHello,
 ) -> Result<Placed, WireError> {
     let me = cluster.id();
+    if d.redundancy > REDUNDANCY_MAX {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "redundancy {} is above the limit of {REDUNDANCY_MAX}",
+                d.redundancy
+            ),
+        ));
+    }
     let placement = match cluster.placement(&d.id) {
         Some(p) => p,
         None => {
@@ -42,8 +52,8 @@ pub(crate) async fn place_durable(
             let cmd = MetaCommand::Place {
                 id: d.id.clone(),
                 primary: me,
-                secondaries: Vec::new(),
-                redundancy: 0,
+                secondaries: choose_secondaries(shared, cluster, &d.id, d.redundancy, &[me]),
+                redundancy: d.redundancy,
                 timeout_ms: d.timeout_secs.saturating_mul(1_000),
             };
             match cluster.write(cmd).await {
@@ -64,7 +74,7 @@ pub(crate) async fn place_durable(
         }
     };
     if placement.primary == me {
-        return Ok(Placed::Here);
+        return Ok(Placed::Here(placement));
     }
     match cluster.members().nodes.get(&placement.primary) {
         Some(n) => Ok(Placed::Elsewhere {
@@ -109,4 +119,29 @@ pub(crate) fn forget(shared: &Arc<Shared>, id: &str, expired: bool) {
             tracing::warn!(durable_id = %id, error = %e, "could not remove the queue's placement");
         }
     });
+}
+
+/// Up to `count` live members for copies of `id`, none of them in `exclude`: the members with
+/// the highest rendezvous hash of (id, member), so each id has a stable preference order and
+/// queues spread over the members.
+pub(crate) fn choose_secondaries(
+    shared: &Shared,
+    cluster: &Cluster,
+    id: &str,
+    count: u8,
+    exclude: &[RaftId],
+) -> Vec<RaftId> {
+    let mut candidates: Vec<(u64, RaftId)> = cluster
+        .members()
+        .nodes
+        .iter()
+        .filter(|(n, _)| !exclude.contains(n) && shared.liveness.is_live(**n))
+        .map(|(&n, node)| (raft_id(&format!("{id}\u{0}{}", node.name)), n))
+        .collect();
+    candidates.sort_unstable_by(|a, b| b.cmp(a));
+    candidates
+        .into_iter()
+        .take(usize::from(count))
+        .map(|(_, n)| n)
+        .collect()
 }

@@ -155,3 +155,101 @@ impl TestCluster {
         }
     }
 }
+
+/// A cluster of real `tether server` processes on loopback (node `i` is named `n{i+1}`), each
+/// with its data in a temp dir; nodes can be killed with SIGKILL and started again on their port.
+pub struct ProcCluster {
+    pub dirs: Vec<tempfile::TempDir>,
+    pub ports: Vec<u16>,
+    pub procs: Vec<Option<super::ServerProc>>,
+    /// `routes[i][j]`: the address node `i` uses for node `j`, when not its real port (a relay).
+    pub routes: Vec<Vec<Option<std::net::SocketAddr>>>,
+}
+
+impl ProcCluster {
+    pub fn start(n: usize) -> ProcCluster {
+        Self::start_routed(free_ports(n), vec![vec![None; n]; n])
+    }
+
+    /// Starts nodes on `ports`, node `i` reaching node `j` at `routes[i][j]` when set.
+    pub fn start_routed(
+        ports: Vec<u16>,
+        routes: Vec<Vec<Option<std::net::SocketAddr>>>,
+    ) -> ProcCluster {
+        let n = ports.len();
+        let mut p = ProcCluster {
+            dirs: cluster_dirs(n),
+            ports,
+            procs: Vec::new(),
+            routes,
+        };
+        for i in 0..n {
+            let s = p.spawn(i);
+            p.procs.push(Some(s));
+        }
+        p
+    }
+
+    /// Starts node `i` (not yet running) and waits for its listening line.
+    pub fn spawn(&self, i: usize) -> super::ServerProc {
+        let listen = format!("127.0.0.1:{}", self.ports[i]);
+        let name = format!("n{}", i + 1);
+        let peers: Vec<String> = (0..self.ports.len())
+            .map(|j| match self.routes[i][j] {
+                Some(via) => format!("n{}={via}", j + 1),
+                None => format!("n{}=127.0.0.1:{}", j + 1, self.ports[j]),
+            })
+            .collect();
+        let mut args: Vec<&str> = vec!["--listen", &listen, "--node-id", &name];
+        for p in &peers {
+            args.push("--peer");
+            args.push(p);
+        }
+        super::ServerProc::start(self.dirs[i].path(), &args)
+    }
+
+    pub fn get(&self, i: usize) -> &super::ServerProc {
+        self.procs[i].as_ref().expect("running")
+    }
+
+    /// SIGKILL node `i`.
+    pub fn kill9(&mut self, i: usize) {
+        self.procs[i].take().expect("running").kill9();
+    }
+
+    /// Starts node `i` again after a kill.
+    pub fn restart(&mut self, i: usize) {
+        assert!(self.procs[i].is_none(), "node {i} is running");
+        self.procs[i] = Some(self.spawn(i));
+    }
+
+    /// The address of node `i` (running or not).
+    pub fn addr(&self, i: usize) -> std::net::SocketAddr {
+        format!("127.0.0.1:{}", self.ports[i]).parse().unwrap()
+    }
+
+    /// The index of the node named `name`.
+    pub fn index(&self, name: &str) -> usize {
+        name.strip_prefix('n')
+            .and_then(|n| n.parse::<usize>().ok())
+            .map(|n| n - 1)
+            .filter(|&i| i < self.ports.len())
+            .unwrap_or_else(|| panic!("no node named {name:?}"))
+    }
+
+    /// A client builder trying the running nodes among `nodes`, in order.
+    pub fn builder(&self, nodes: &[usize]) -> tether::client::ClientBuilder {
+        let any = nodes
+            .iter()
+            .find_map(|&i| self.procs[i].as_ref())
+            .expect("a running node");
+        tether::client::ClientBuilder::new()
+            .servers(
+                nodes
+                    .iter()
+                    .filter(|&&i| self.procs[i].is_some())
+                    .map(|&i| self.addr(i)),
+            )
+            .ca_file(&any.ca)
+    }
+}

@@ -259,3 +259,57 @@ impl Drop for ServerProc {
         let _ = self.child.wait();
     }
 }
+
+/// A UDP relay in front of `server` for one client (the first address that sends to it); while
+/// `cut` is set it drops every datagram both ways, like a network cut.
+pub async fn relay(
+    server: std::net::SocketAddr,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let addr = relay_with(server, cut.clone()).await;
+    (addr, cut)
+}
+
+/// [`relay`] controlled by a `cut` flag the caller may share between relays.
+pub async fn relay_with(
+    server: std::net::SocketAddr,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::net::SocketAddr {
+    use std::sync::atomic::Ordering;
+    let front = std::sync::Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
+    let back = std::sync::Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
+    back.connect(server).await.unwrap();
+    let addr = front.local_addr().unwrap();
+    let client = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (f, b, c, k) = (front.clone(), back.clone(), client.clone(), cut.clone());
+    // A receive error (an ICMP "port unreachable" reported for an earlier send, while the
+    // server is not up yet) does not end the relay.
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65536];
+        loop {
+            let Ok((n, from)) = f.recv_from(&mut buf).await else {
+                continue;
+            };
+            *c.lock().unwrap() = Some(from);
+            if !k.load(Ordering::Relaxed) {
+                let _ = b.send(&buf[..n]).await;
+            }
+        }
+    });
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65536];
+        loop {
+            let Ok(n) = back.recv(&mut buf).await else {
+                continue;
+            };
+            let to = *client.lock().unwrap();
+            if let (Some(to), false) = (to, cut.load(Ordering::Relaxed)) {
+                let _ = front.send_to(&buf[..n], to).await;
+            }
+        }
+    });
+    addr
+}

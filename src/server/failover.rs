@@ -1,0 +1,482 @@
+//! Keeping each node's queues and copies in line with cluster metadata, and detecting failed
+//! members.
+//!
+//! - The **detector** pings every member; the metadata leader proposes
+//!   [`MetaCommand::NodeFailed`] for a member silent for [`NODE_FAILURE_MS`], which promotes the
+//!   first secondary of every queue the member was primary of and drops it from replica sets.
+//! - The **reconciler** looks at the applied metadata every [`RECONCILE_MS`]: a queue this node
+//!   is primary of is shipped to its secondaries; a queue another node now holds at a higher
+//!   epoch is deposed here (its client is disconnected and reconnects to the new primary); a
+//!   copy this node was promoted for becomes a queue of the core; a copy this node no longer
+//!   holds is dropped.
+//!
+//! Promotion is safe because delivery on the old primary was capped at what every secondary
+//! held, and the lease (`shipping.rs`) keeps the two primaries from delivering at once.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use tether_transport::ErrorCode;
+
+use super::{Shared, now_ms};
+use crate::cluster::Cluster;
+use crate::cluster::meta::{MetaCommand, Placement, RaftId};
+use crate::cluster::network::{PeerRequest, PeerResponse};
+use crate::core::RecentForward;
+use crate::metrics as m;
+use crate::protocol::{EventId, EventRecord};
+use crate::replication::{Replica, Shipper, ShipperConfig};
+
+/// Interval of the reconciler, in milliseconds.
+pub const RECONCILE_MS: u64 = 100;
+/// Interval between liveness pings to each member, in milliseconds.
+pub const PING_INTERVAL_MS: u64 = 300;
+/// Timeout of one ping, in milliseconds.
+pub const PING_TIMEOUT_MS: u64 = 1_000;
+/// A member silent for this long is declared failed by the metadata leader, in milliseconds.
+pub const NODE_FAILURE_MS: u64 = 2_500;
+
+const _: () = assert!(PING_INTERVAL_MS < NODE_FAILURE_MS && PING_TIMEOUT_MS < NODE_FAILURE_MS);
+
+/// Longest time a forwarded publish is kept for promotions, in milliseconds. A failover
+/// recovers the events its failed primary had not shipped if they were forwarded here within
+/// this time (failure detection takes [`NODE_FAILURE_MS`]).
+pub const RECENT_FORWARDS_MS: u64 = 30_000;
+/// Most operations kept for promotions (older ones go first).
+pub const RECENT_FORWARD_OPS_MAX: usize = 500_000;
+
+const _: () = assert!(NODE_FAILURE_MS * 4 < RECENT_FORWARDS_MS);
+
+/// Publishes applied on this node lately (forwarded by peers or made here), oldest first, with
+/// the event kinds they produced.
+#[derive(Default)]
+pub(crate) struct RecentForwards {
+    entries: std::collections::VecDeque<(Instant, RecentForward)>,
+    ops: usize,
+}
+
+impl RecentForwards {
+    pub(crate) fn record(
+        &mut self,
+        origin: &crate::core::EventOrigin,
+        ops: &[crate::protocol::PublishOp],
+        kinds: &[crate::protocol::EventOp],
+    ) {
+        let now = Instant::now();
+        let f = RecentForward {
+            origin: origin.clone(),
+            ops: ops.iter().cloned().zip(kinds.iter().copied()).collect(),
+        };
+        self.ops += f.ops.len();
+        self.entries.push_back((now, f));
+        let keep = Duration::from_millis(RECENT_FORWARDS_MS);
+        while let Some((t, f)) = self.entries.front() {
+            if self.ops <= RECENT_FORWARD_OPS_MAX && now.duration_since(*t) < keep {
+                break;
+            }
+            self.ops -= f.ops.len();
+            self.entries.pop_front();
+        }
+    }
+
+    fn snapshot(&self) -> Vec<RecentForward> {
+        self.entries.iter().map(|(_, f)| f.clone()).collect()
+    }
+}
+
+/// When each member last answered a ping.
+#[derive(Default)]
+pub(crate) struct Liveness {
+    last_seen: Mutex<HashMap<RaftId, Instant>>,
+}
+
+impl Liveness {
+    /// Whether `node` answered within [`NODE_FAILURE_MS`] (members never heard of since this
+    /// node started count as alive until the failure timeout has passed once).
+    pub(crate) fn is_live(&self, node: RaftId) -> bool {
+        let seen = self.last_seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.get(&node)
+            .is_some_and(|t| t.elapsed() < Duration::from_millis(NODE_FAILURE_MS))
+    }
+
+    fn seen(&self, node: RaftId, at: Instant) {
+        self.last_seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(node, at);
+    }
+}
+
+/// Pings every member and, on the leader, declares silent members failed.
+pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
+    let me = cluster.id();
+    let others: Vec<RaftId> = cluster
+        .members()
+        .nodes
+        .keys()
+        .copied()
+        .filter(|&n| n != me)
+        .collect();
+    {
+        let Some(shared) = weak.upgrade() else {
+            return;
+        };
+        let start = Instant::now();
+        for &n in &others {
+            shared.liveness.seen(n, start);
+        }
+    }
+    let mut reported: HashSet<RaftId> = HashSet::new();
+    let mut interval = tokio::time::interval(Duration::from_millis(PING_INTERVAL_MS));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let pings = others.iter().map(|&n| {
+            let cluster = cluster.clone();
+            async move {
+                let r = cluster
+                    .call(n, PeerRequest::Ping, Duration::from_millis(PING_TIMEOUT_MS))
+                    .await;
+                (n, matches!(r, Ok(PeerResponse::Pong)))
+            }
+        });
+        let results = futures_join_all(pings).await;
+        let Some(shared) = weak.upgrade() else {
+            return;
+        };
+        let now = Instant::now();
+        for (n, ok) in results {
+            if ok {
+                shared.liveness.seen(n, now);
+                reported.remove(&n);
+            }
+        }
+        if cluster.leader() != Some(me) {
+            continue;
+        }
+        for &n in &others {
+            if shared.liveness.is_live(n) || reported.contains(&n) {
+                continue;
+            }
+            let involved = cluster.read(|s| {
+                s.queues
+                    .values()
+                    .any(|p| p.primary == n || p.secondaries.contains(&n))
+            });
+            if involved {
+                match cluster.write(MetaCommand::NodeFailed { node: n }).await {
+                    Ok(r) => {
+                        tracing::warn!(node = n, result = ?r, "member declared failed");
+                        reported.insert(n);
+                    }
+                    Err(e) => {
+                        tracing::warn!(node = n, error = %e, "could not declare a member failed")
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Runs futures concurrently and collects their outputs in order.
+async fn futures_join_all<F: std::future::Future>(futs: impl Iterator<Item = F>) -> Vec<F::Output>
+where
+    F: Send + 'static,
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = futs.map(tokio::spawn).collect();
+    let mut out = Vec::with_capacity(handles.len());
+    for h in handles {
+        if let Ok(v) = h.await {
+            out.push(v);
+        }
+    }
+    out
+}
+
+/// Follows the metadata every [`RECONCILE_MS`].
+pub(crate) async fn reconcile_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
+    let mut interval = tokio::time::interval(Duration::from_millis(RECONCILE_MS));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let Some(shared) = weak.upgrade() else {
+            return;
+        };
+        reconcile(&shared, &cluster).await;
+    }
+}
+
+async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
+    let me = cluster.id();
+    let own: Vec<(String, u64)> = shared.core().durable_epochs();
+    for (id, epoch) in own {
+        match cluster.placement(&id) {
+            Some(p) if p.primary == me => {
+                ensure_shipping(shared, cluster, &id, &p);
+                repair(shared, cluster, &id, &p).await;
+            }
+            Some(p) if p.epoch > epoch => depose(shared, &id, &p).await,
+            Some(_) => {}
+            None => {
+                // Never placed (made before the node joined a cluster) or released: no copies.
+                let mut core = shared.core();
+                let qid = core.durable_queue(&id).map(|q| q.id);
+                if let Some(s) = qid.and_then(|q| core.set_deliver_cap(q, None)) {
+                    drop(core);
+                    shared.wake(s);
+                }
+            }
+        }
+    }
+    let applied = cluster.applied_index();
+    for id in shared.copies.ids() {
+        let Some(cell) = shared.copies.get(&id) else {
+            continue;
+        };
+        let mut copy = cell.lock().await;
+        if copy.gone {
+            continue;
+        }
+        match cluster.placement(&id) {
+            Some(p) if p.primary == me && p.epoch > copy.replica.epoch() => {
+                promote(shared, cluster, &id, &mut copy, &p).await;
+            }
+            Some(p) if p.secondaries.contains(&me) => {}
+            _ if applied >= copy.replica.epoch() => {
+                // Not ours any more (expired, released, or another replica set): drop it.
+                let qid = copy.qid;
+                let mut batch = tether_storage::Batch::new();
+                batch.drop_queue(qid);
+                if shared.apply(|_| Ok(((), batch))).await.is_ok() {
+                    copy.gone = true;
+                    shared.copies.remove(&id);
+                    tracing::info!(durable_id = %id, "dropped a copy this node no longer holds");
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Makes sure a queue this node is primary of ships to its current secondaries (and is capped
+/// accordingly); a queue without secondaries delivers everything committed.
+pub(crate) fn ensure_shipping(
+    shared: &Arc<Shared>,
+    cluster: &Arc<Cluster>,
+    id: &str,
+    p: &Placement,
+) {
+    if shared.shipping.set_secondaries(id, &p.secondaries) {
+        return;
+    }
+    let (qid, shipper) = {
+        let mut core = shared.core();
+        let Some(q) = core.durable_queue(id) else {
+            return;
+        };
+        let (qid, epoch, acked) = (q.id, q.epoch, q.acked);
+        if p.secondaries.is_empty() {
+            if let Some(s) = core.set_deliver_cap(qid, None) {
+                drop(core);
+                shared.wake(s);
+            }
+            return;
+        }
+        let log = match q.log_state() {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(durable_id = %id, error = %e, "cannot ship queue");
+                return;
+            }
+        };
+        if epoch == 0 || log.last_epoch().is_some_and(|e| e > epoch) {
+            tracing::error!(durable_id = %id, epoch, "queue epoch below its entries'");
+            return;
+        }
+        // Nothing beyond what is acknowledged until the secondaries confirm.
+        core.set_deliver_cap(qid, Some(acked));
+        (
+            qid,
+            Shipper::new(epoch, log, acked, ShipperConfig::default()),
+        )
+    };
+    shared.shipping.start(
+        shared,
+        cluster,
+        id,
+        qid,
+        shipper,
+        &p.secondaries,
+        Instant::now(),
+    );
+}
+
+/// Restores a queue's redundancy: a syncing secondary that caught up is reported (it may be
+/// promoted from then on), and a missing secondary is replaced by a live member.
+async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Placement) {
+    if let Some(sq) = shared.shipping.get(id)
+        && let Some(&node) = p.syncing.iter().find(|&&s| sq.in_sync(s))
+    {
+        let cmd = MetaCommand::Synced {
+            id: id.to_string(),
+            expected_epoch: p.epoch,
+            node,
+        };
+        if let Err(e) = cluster.write(cmd).await {
+            tracing::debug!(durable_id = %id, error = %e, "could not report a synced copy");
+        }
+        return;
+    }
+    let have = p.secondaries.len();
+    if have >= usize::from(p.redundancy) {
+        return;
+    }
+    let mut exclude = p.secondaries.clone();
+    exclude.push(cluster.id());
+    let want = p.redundancy - have as u8;
+    let add = super::placement::choose_secondaries(shared, cluster, id, want, &exclude);
+    if add.is_empty() {
+        return;
+    }
+    let mut secondaries = p.secondaries.clone();
+    secondaries.extend(add);
+    let cmd = MetaCommand::SetSecondaries {
+        id: id.to_string(),
+        expected_epoch: p.epoch,
+        secondaries: secondaries.clone(),
+    };
+    match cluster.write(cmd).await {
+        Ok(r) => {
+            tracing::info!(durable_id = %id, ?secondaries, result = ?r, "repairing redundancy")
+        }
+        Err(e) => tracing::debug!(durable_id = %id, error = %e, "could not repair redundancy"),
+    }
+}
+
+/// Another node holds `id` at a higher epoch: drop this node's queue and send its client on.
+async fn depose(shared: &Arc<Shared>, id: &str, p: &Placement) {
+    shared.shipping.stop(id);
+    let result = shared
+        .apply(|core| {
+            let (batch, session) = core.depose(id);
+            Ok((session, batch))
+        })
+        .await;
+    tracing::warn!(durable_id = %id, new_primary = p.primary, epoch = p.epoch, "queue deposed here");
+    if let Ok(Some(session)) = result {
+        shared.disconnect_session(
+            session,
+            ErrorCode::Unavailable,
+            "this queue moved to another node; reconnect",
+        );
+    }
+}
+
+/// This node was promoted for the copy `copy` of `id`: it becomes a queue of the core, primary
+/// at the placement's epoch, shipped to the remaining secondaries once the old lease is over.
+async fn promote(
+    shared: &Arc<Shared>,
+    cluster: &Arc<Cluster>,
+    id: &str,
+    copy: &mut super::copies::Copy,
+    p: &Placement,
+) {
+    if copy.replica.has_pending_writes() {
+        return; // Writes complete under the copy's lock: cannot happen; try again later.
+    }
+    let state = copy.replica.state().clone();
+    let mut info = copy.info.clone();
+    info.copy = Some(state);
+    let qid = copy.qid;
+    let epoch = p.epoch;
+    let held = match held_ids(shared, qid, copy.replica.acked(), copy.replica.log().end()) {
+        Ok(ids) => {
+            let mut seen = copy.seen.clone();
+            for id in &ids {
+                crate::core::note_seen(&mut seen, id);
+            }
+            seen
+        }
+        Err(e) => {
+            tracing::error!(durable_id = %id, error = %e, "promotion: reading the copy failed");
+            return;
+        }
+    };
+    let adopted = shared
+        .apply(|core| {
+            let now = now_ms();
+            let mut batch = core
+                .adopt_copy(qid, info, epoch, now)
+                .map_err(super::internal)?;
+            let recent = shared
+                .recent
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .snapshot();
+            let (more, end) = core
+                .reapply_forwarded(qid, now, held, &recent)
+                .ok_or_else(|| super::internal("promoted queue vanished"))?;
+            batch.extend(more);
+            Ok((end, batch))
+        })
+        .await;
+    let end = match adopted {
+        Ok(end) => end,
+        Err(e) => {
+            tracing::error!(durable_id = %id, error = %e.message, "promotion failed");
+            return;
+        }
+    };
+    let appended = end - copy.replica.log().end();
+    shared.core().committed(0, &[(qid, end)]);
+    let replica = std::mem::replace(&mut copy.replica, Replica::new());
+    copy.gone = true;
+    shared.copies.remove(id);
+    let shipper = replica.promote(epoch, ShipperConfig::default());
+    let deliver_after = Instant::now() + Duration::from_millis(super::shipping::LEASE_MS);
+    shared.core().set_deliver_cap(qid, Some(0));
+    shared.shipping.start(
+        shared,
+        cluster,
+        id,
+        qid,
+        shipper,
+        &p.secondaries,
+        deliver_after,
+    );
+    metrics::counter!(m::FAILOVERS).increment(1);
+    tracing::warn!(
+        durable_id = %id,
+        epoch,
+        recovered_from_forwards = appended,
+        "promoted: this node is the queue's primary now"
+    );
+}
+
+/// The event ids of a copy's entries `(acked, end]` (stored offsets).
+fn held_ids(
+    shared: &Shared,
+    qid: tether_storage::QueueId,
+    acked: u64,
+    end: u64,
+) -> Result<Vec<EventId>, String> {
+    let mut ids = Vec::new();
+    let mut bad = None;
+    if end > acked {
+        shared
+            .store
+            .read_entries(qid, acked + 1, end, usize::MAX, &mut |o, _, body| {
+                match tether_transport::codec::decode_body::<EventRecord>(body) {
+                    Ok(r) => ids.push(r.id),
+                    Err(e) => bad = Some(format!("entry {o}: {e}")),
+                }
+            })
+            .map_err(|e| e.to_string())?;
+    }
+    match bad {
+        Some(e) => Err(e),
+        None => Ok(ids),
+    }
+}

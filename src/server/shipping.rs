@@ -1,0 +1,476 @@
+//! The primary side of queue replication: one task per queue with secondaries drives its
+//! sans-IO [`Shipper`], reads the entries the shipper names from storage and sends them to each
+//! secondary through one ordered sender per peer.
+//!
+//! The shipper's `replicated_end` caps delivery (the core's [`deliver_cap`]), so a client only
+//! ever receives entries that every secondary holds durably. Delivery also needs the primary
+//! **lease**: every secondary acknowledged a message sent less than [`LEASE_MS`] ago. A secondary
+//! that is promoted stops acknowledging the old epoch at once, and the new primary waits
+//! [`LEASE_MS`] before it delivers, so a deposed primary cut off from its peers stops delivering
+//! before the new one starts: at most one primary delivers.
+//!
+//! [`deliver_cap`]: crate::core::Queue::deliver_cap
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use tether_storage::QueueId;
+use tether_transport::ErrorCode;
+use tether_transport::codec::encode_body;
+use tokio::sync::{Notify, mpsc};
+
+use super::Shared;
+use crate::cluster::Cluster;
+use crate::cluster::meta::RaftId;
+use crate::cluster::network::{
+    PeerRequest, PeerResponse, ReplicateHeader, ReplicateMsg, ShippedEntry,
+};
+use crate::metrics as m;
+use crate::replication::{Epoch, Reply, Shipper, ToSecondary, Transmit};
+
+/// How long a secondary's ack keeps the primary's lease, in milliseconds (from when the
+/// acknowledged message was sent). A promoted secondary's node waits this long before it
+/// delivers.
+pub const LEASE_MS: u64 = 1_500;
+/// Longest sleep of a shipping task between looks at its queue, in milliseconds.
+pub const SHIP_IDLE_MS: u64 = 100;
+/// Timeout of one replication RPC, in milliseconds.
+pub const REPLICATE_TIMEOUT_MS: u64 = 5_000;
+/// Pause after a failed replication RPC before the next one to that peer, in milliseconds.
+pub const REPLICATE_RETRY_MS: u64 = 200;
+/// Most entry bytes read for one append batch (the batch is cut short beyond it).
+pub const REPLICATE_BATCH_BYTES_MAX: usize = 4 << 20;
+/// Most entry bytes of a snapshot (one message; a larger queue cannot seed a new secondary
+/// yet).
+pub const REPLICATE_SNAPSHOT_BYTES_MAX: usize = 6 << 20;
+
+const _: () = assert!(SHIP_IDLE_MS < LEASE_MS);
+
+/// Milliseconds on a monotonic clock, for the shippers.
+fn mono_ms() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_millis() as u64
+}
+
+/// One queue's shipping state.
+pub(crate) struct ShipQueue {
+    pub(crate) durable_id: String,
+    pub(crate) qid: QueueId,
+    shipper: Mutex<Shipper>,
+    secondaries: Mutex<Vec<RaftId>>,
+    /// Per secondary: when the latest message it acknowledged in this epoch was sent.
+    acked_at: Mutex<HashMap<RaftId, Instant>>,
+    senders: Mutex<HashMap<RaftId, mpsc::UnboundedSender<(Instant, ReplicateMsg)>>>,
+    /// No delivery before this instant (a promoted primary waits out the old lease).
+    deliver_after: Instant,
+    wake: Notify,
+    stopped: std::sync::atomic::AtomicBool,
+    /// The shipper's `replicated_end`, for publishers waiting on `--ack replicated`.
+    replicated: tokio::sync::watch::Sender<u64>,
+}
+
+impl ShipQueue {
+    fn shipper(&self) -> std::sync::MutexGuard<'_, Shipper> {
+        self.shipper.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn stop(&self) {
+        self.stopped
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.wake.notify_one();
+        // Waiting publishers stop waiting: the queue moved or ended.
+        self.replicated.send_replace(u64::MAX);
+    }
+
+    fn is_stopped(&self) -> bool {
+        self.stopped.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Whether every secondary acknowledged a message sent within the lease.
+    fn lease_held(&self, now: Instant) -> bool {
+        if now < self.deliver_after {
+            return false;
+        }
+        let acked_at = self.acked_at.lock().unwrap_or_else(|p| p.into_inner());
+        let lease = Duration::from_millis(LEASE_MS);
+        self.secondaries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .all(|s| {
+                acked_at
+                    .get(s)
+                    .is_some_and(|t| now.duration_since(*t) < lease)
+            })
+    }
+
+    /// Whether `peer` holds everything any primary of this queue may have exposed.
+    pub(crate) fn in_sync(&self, peer: RaftId) -> bool {
+        self.shipper().peer_in_sync(peer)
+    }
+
+    /// Replication lag of each secondary, in entries.
+    pub(crate) fn lags(&self) -> Vec<(RaftId, u64)> {
+        let s = self.shipper();
+        s.secondaries()
+            .map(|p| (p, s.peer_lag(p).unwrap_or(0)))
+            .collect()
+    }
+}
+
+/// The queues this node ships, by durable id and by queue id.
+#[derive(Default)]
+pub(crate) struct Shipping {
+    by_id: Mutex<HashMap<String, Arc<ShipQueue>>>,
+    by_qid: Mutex<HashMap<QueueId, Arc<ShipQueue>>>,
+}
+
+impl Shipping {
+    fn ids(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<ShipQueue>>> {
+        self.by_id.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn qids(&self) -> std::sync::MutexGuard<'_, HashMap<QueueId, Arc<ShipQueue>>> {
+        self.by_qid.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn get(&self, id: &str) -> Option<Arc<ShipQueue>> {
+        self.ids().get(id).cloned()
+    }
+
+    /// Wakes the shipping task of a queue that grew.
+    pub(crate) fn wake(&self, qid: QueueId) {
+        if let Some(sq) = self.qids().get(&qid) {
+            sq.wake.notify_one();
+        }
+    }
+
+    /// Another node shipped to us as primary of `epoch`, for a queue we ship: the reply for it
+    /// (`Some(None)`: nothing to answer; we may be fenced now). `None`: we do not ship it.
+    pub(crate) fn on_rival(&self, id: &str, epoch: Epoch) -> Option<Option<Reply>> {
+        let sq = self.get(id)?;
+        let reply = sq.shipper().on_rival_primary(epoch);
+        sq.wake.notify_one();
+        Some(reply)
+    }
+
+    /// Waits until queue `qid` holds stored offset `off` on every copy (at once if it is not
+    /// shipped). False if `deadline` passes first.
+    pub(crate) async fn wait_replicated(
+        &self,
+        qid: QueueId,
+        off: u64,
+        deadline: tokio::time::Instant,
+    ) -> bool {
+        let Some(sq) = self.qids().get(&qid).cloned() else {
+            return true;
+        };
+        sq.wake.notify_one();
+        let mut rx = sq.replicated.subscribe();
+        drop(sq);
+        // Stored offset `off` is replication offset `off - 1`: held once the end passes it.
+        tokio::time::timeout_at(deadline, rx.wait_for(|&end| end >= off))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    /// Stops shipping a queue (deposed, dropped or expired here).
+    pub(crate) fn stop(&self, id: &str) {
+        if let Some(sq) = self.ids().remove(id) {
+            self.qids().remove(&sq.qid);
+            sq.stop();
+        }
+    }
+
+    /// Every shipped queue.
+    pub(crate) fn all(&self) -> Vec<Arc<ShipQueue>> {
+        self.ids().values().cloned().collect()
+    }
+
+    /// Updates the secondaries of a shipped queue; false if it is not shipped here.
+    pub(crate) fn set_secondaries(&self, id: &str, secondaries: &[RaftId]) -> bool {
+        let Some(sq) = self.get(id) else {
+            return false;
+        };
+        let mut current = sq.secondaries.lock().unwrap_or_else(|p| p.into_inner());
+        if *current != secondaries {
+            *current = secondaries.to_vec();
+            sq.shipper().set_secondaries(secondaries, mono_ms());
+            sq.wake.notify_one();
+        }
+        true
+    }
+
+    /// Starts shipping queue `qid` (durable id `id`) with `shipper`.
+    pub(crate) fn start(
+        &self,
+        shared: &Arc<Shared>,
+        cluster: &Arc<Cluster>,
+        id: &str,
+        qid: QueueId,
+        mut shipper: Shipper,
+        secondaries: &[RaftId],
+        deliver_after: Instant,
+    ) {
+        shipper.set_secondaries(secondaries, mono_ms());
+        let sq = Arc::new(ShipQueue {
+            durable_id: id.to_string(),
+            qid,
+            shipper: Mutex::new(shipper),
+            secondaries: Mutex::new(secondaries.to_vec()),
+            acked_at: Mutex::new(HashMap::new()),
+            senders: Mutex::new(HashMap::new()),
+            deliver_after,
+            wake: Notify::new(),
+            stopped: Default::default(),
+            replicated: tokio::sync::watch::channel(0).0,
+        });
+        if let Some(old) = self.ids().insert(id.to_string(), sq.clone()) {
+            old.stop();
+        }
+        self.qids().insert(qid, sq.clone());
+        tokio::spawn(ship_loop(Arc::downgrade(shared), cluster.clone(), sq));
+    }
+}
+
+/// Drives one queue's shipper until the queue stops being shipped here.
+async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>) {
+    loop {
+        if sq.is_stopped() {
+            return;
+        }
+        let Some(shared) = weak.upgrade() else {
+            return;
+        };
+        let seen = shared
+            .core()
+            .queue(sq.qid)
+            .map(|q| (q.visible_end, q.acked, q.info()));
+        let Some((visible_end, acked, info)) = seen else {
+            shared.shipping.stop(&sq.durable_id);
+            return;
+        };
+        let now = mono_ms();
+        let (transmits, replicated_end, fenced, timeout) = {
+            let mut s = sq.shipper();
+            if visible_end > s.log().end() {
+                s.on_local_append(visible_end);
+            }
+            s.on_client_ack(acked);
+            let trim_to = s.acked().min(acked);
+            if trim_to > s.log().start() {
+                s.on_local_trim(trim_to);
+            }
+            s.on_tick(now);
+            let mut out = Vec::new();
+            while let Some(t) = s.poll_transmit(now) {
+                out.push(t);
+            }
+            (out, s.replicated_end(), s.fenced(), s.poll_timeout())
+        };
+        if let Some(epoch) = fenced {
+            tracing::warn!(durable_id = %sq.durable_id, epoch, "deposed: a newer primary exists");
+            let session = {
+                let mut core = shared.core();
+                core.set_deliver_cap(sq.qid, Some(0));
+                core.attached_session(sq.qid)
+            };
+            if let Some(s) = session {
+                shared.disconnect_session(
+                    s,
+                    ErrorCode::Unavailable,
+                    "this queue moved to another node; reconnect",
+                );
+            }
+            shared.shipping.stop(&sq.durable_id);
+            return;
+        }
+        sq.replicated.send_if_modified(|r| {
+            let moved = replicated_end > *r;
+            *r = (*r).max(replicated_end);
+            moved
+        });
+        let cap = if sq.lease_held(Instant::now()) {
+            replicated_end
+        } else {
+            0
+        };
+        let wake = shared.core().set_deliver_cap(sq.qid, Some(cap));
+        if let Some(s) = wake {
+            shared.wake(s);
+        }
+        if !transmits.is_empty() {
+            let info = encode_body(&info).expect("queue info always encodes");
+            for t in transmits {
+                send(&shared, &cluster, &sq, t, &info);
+            }
+        }
+        drop(shared);
+        let sleep_ms = timeout
+            .map(|t| t.saturating_sub(now))
+            .unwrap_or(SHIP_IDLE_MS)
+            .clamp(1, SHIP_IDLE_MS);
+        tokio::select! {
+            _ = sq.wake.notified() => {}
+            _ = tokio::time::sleep(Duration::from_millis(sleep_ms)) => {}
+        }
+    }
+}
+
+/// Reads what a transmit names and queues it on the peer's ordered sender.
+fn send(
+    shared: &Arc<Shared>,
+    cluster: &Arc<Cluster>,
+    sq: &Arc<ShipQueue>,
+    t: Transmit<ToSecondary>,
+    info: &[u8],
+) {
+    let (header, entries) = match t.message {
+        ToSecondary::Append(mut h) => {
+            let n = h.last - h.first;
+            let (entries, _) = match read(shared, sq.qid, h.first, n, REPLICATE_BATCH_BYTES_MAX) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(durable_id = %sq.durable_id, error = %e, "reading entries to ship");
+                    sq.shipper().on_peer_lost(t.to);
+                    return;
+                }
+            };
+            if (entries.len() as u64) < n {
+                // Cut short by size, or trimmed meanwhile (then the shipper moves on).
+                if entries.is_empty() {
+                    sq.shipper().on_peer_lost(t.to);
+                    return;
+                }
+                h.last = h.first + entries.len() as u64;
+            }
+            (ReplicateHeader::Append(h), entries)
+        }
+        ToSecondary::Snapshot(h) => {
+            let (entries, _) = match read(
+                shared,
+                sq.qid,
+                h.log.start(),
+                h.log.len(),
+                REPLICATE_SNAPSHOT_BYTES_MAX,
+            ) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(durable_id = %sq.durable_id, error = %e, "reading a snapshot");
+                    sq.shipper().on_peer_lost(t.to);
+                    return;
+                }
+            };
+            if entries.len() as u64 != h.log.len() {
+                tracing::warn!(
+                    durable_id = %sq.durable_id,
+                    entries = h.log.len(),
+                    "queue too large for a one-message snapshot; the new secondary waits"
+                );
+                sq.shipper().on_peer_lost(t.to);
+                return;
+            }
+            metrics::counter!(m::REPLICATION_SNAPSHOTS_SENT).increment(1);
+            (ReplicateHeader::Snapshot(h), entries)
+        }
+    };
+    let msg = ReplicateMsg {
+        from: cluster.id(),
+        durable_id: sq.durable_id.clone(),
+        header,
+        info: info.to_vec(),
+        entries,
+    };
+    let mut senders = sq.senders.lock().unwrap_or_else(|p| p.into_inner());
+    let tx = senders.entry(t.to).or_insert_with(|| {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(peer_sender(cluster.clone(), Arc::downgrade(sq), t.to, rx));
+        tx
+    });
+    let _ = tx.send((Instant::now(), msg));
+}
+
+/// Reads `count` entries from replication offset `first` (stored at `first + 1`).
+fn read(
+    shared: &Shared,
+    qid: QueueId,
+    first: u64,
+    count: u64,
+    max_bytes: usize,
+) -> Result<(Vec<ShippedEntry>, usize), String> {
+    let mut out = Vec::with_capacity(count.min(4096) as usize);
+    let mut bytes = 0usize;
+    if count == 0 {
+        return Ok((out, 0));
+    }
+    shared
+        .store
+        .read_entries(
+            qid,
+            first + 1,
+            first + count,
+            max_bytes,
+            &mut |_, flags, body| {
+                bytes += body.len();
+                out.push(ShippedEntry {
+                    flags,
+                    body: body.to_vec(),
+                });
+            },
+        )
+        .map_err(|e| e.to_string())?;
+    Ok((out, bytes))
+}
+
+/// Sends one peer's messages of one queue in order, feeding the replies to the shipper.
+async fn peer_sender(
+    cluster: Arc<Cluster>,
+    sq: Weak<ShipQueue>,
+    peer: RaftId,
+    mut rx: mpsc::UnboundedReceiver<(Instant, ReplicateMsg)>,
+) {
+    let timeout = Duration::from_millis(REPLICATE_TIMEOUT_MS);
+    while let Some((sent_at, msg)) = rx.recv().await {
+        let result = cluster
+            .call(peer, PeerRequest::Replicate(msg), timeout)
+            .await;
+        let Some(sq) = sq.upgrade() else {
+            return;
+        };
+        if sq.is_stopped() {
+            return;
+        }
+        match result {
+            Ok(PeerResponse::Replicated(Some(reply))) => {
+                tracing::trace!(peer, durable_id = %sq.durable_id, ?reply, "replication reply");
+                let mut s = sq.shipper();
+                let epoch = s.epoch();
+                s.on_reply(peer, reply, mono_ms());
+                if matches!(reply, Reply::Ack { epoch: e, .. } if e == epoch) {
+                    sq.acked_at
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(peer, sent_at);
+                }
+            }
+            Ok(PeerResponse::Replicated(None)) => {
+                tracing::debug!(peer, durable_id = %sq.durable_id, "replication message ignored");
+            }
+            other => {
+                match &other {
+                    Err(e) => tracing::debug!(peer, error = %e, "replication rpc failed"),
+                    Ok(PeerResponse::BadRequest(e)) => {
+                        tracing::warn!(peer, error = %e, "replication message refused")
+                    }
+                    Ok(_) => tracing::warn!(peer, "unexpected answer to a replication message"),
+                }
+                sq.shipper().on_peer_lost(peer);
+                // What is queued was built for the lost pipeline: drop it, the shipper resends.
+                while rx.try_recv().is_ok() {}
+                tokio::time::sleep(Duration::from_millis(REPLICATE_RETRY_MS)).await;
+            }
+        }
+        sq.wake.notify_one();
+    }
+}

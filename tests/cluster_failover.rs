@@ -1,0 +1,616 @@
+//! Queue copies and failover in a cluster of three real `tether server` processes (QUIC with
+//! mutual TLS, RocksDB), the primary killed with SIGKILL: Geode's group G with Tether's
+//! stronger outcomes. With redundancy 1 a durable queue survives the death of its primary
+//! whether its client is away (G2: Geode loses the queue) or online (G1/G4: the client fails
+//! over, nothing is lost, redelivered events are flagged, the live marker is not repeated).
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use tether::client::{Client, ClientBuilder, ClientEvent, DedupState, Interest};
+use tether::protocol::{PublishOp, QueueReport, QueueStatus};
+
+use common::cluster::ProcCluster;
+
+/// Operations per publish request.
+const OPS_PER_PUBLISH: u32 = 50;
+/// How long a failover may take before a test gives up.
+const FAILOVER_WAIT: Duration = Duration::from_secs(60);
+
+/// Publishes puts `k-{from..to}` of region R (value = the number) through node `via`, each
+/// request acknowledged before the next; returns how many were acknowledged.
+async fn publish(builder: ClientBuilder, from: u32, to: u32, progress: Arc<AtomicU32>) -> u32 {
+    let c = builder.connect().await.expect("publisher connects");
+    let mut done = from;
+    while done < to {
+        let n = OPS_PER_PUBLISH.min(to - done);
+        let ops = (done..done + n)
+            .map(|i| PublishOp::Put {
+                region: "R".into(),
+                key: format!("k-{i}"),
+                value: i.to_string().into_bytes(),
+            })
+            .collect();
+        if let Err(e) = c.publish(ops).await {
+            panic!("publish through a live node failed: {e}");
+        }
+        done += n;
+        progress.store(done, Ordering::SeqCst);
+    }
+    done
+}
+
+/// The reports of node `i` (through a plain admin connection).
+async fn queues(p: &ProcCluster, i: usize) -> Vec<QueueReport> {
+    let c = p.get(i).builder().connect().await.expect("admin connects");
+    let q = c.queues().await.expect("queues");
+    c.close(false).await.ok();
+    q
+}
+
+async fn report(p: &ProcCluster, i: usize, id: &str, role: &str) -> Option<QueueReport> {
+    queues(p, i)
+        .await
+        .into_iter()
+        .find(|q| q.durable_id.as_deref() == Some(id) && q.role == role)
+}
+
+/// Waits until `f` holds, polling.
+async fn wait_for<T, F: std::future::Future<Output = Option<T>>>(
+    what: &str,
+    mut f: impl FnMut() -> F,
+) -> T {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            start.elapsed() < FAILOVER_WAIT,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A durable client `id` with redundancy 1 and interest in all keys of R, placed on node 0.
+async fn durable_on_n1(p: &ProcCluster, id: &str) -> Client {
+    let c = p
+        .get(0)
+        .builder()
+        .durable(id, 600)
+        .redundancy(1)
+        .failure_timeout(Duration::from_secs(3))
+        .ack_interval(Duration::from_millis(20))
+        .connect()
+        .await
+        .expect("durable client connects");
+    assert_eq!(c.node_id(), "n1");
+    c.region("R").register(Interest::all_keys()).await.unwrap();
+    c
+}
+
+/// The node (index) holding the copy of `id`, from the primary's report once it is in sync.
+async fn in_sync_secondary(p: &ProcCluster, primary: usize, id: &str, end: u64) -> usize {
+    let r = wait_for("the copy to catch up", || async {
+        report(p, primary, id, "primary")
+            .await
+            .filter(|r| r.end_offset == end && r.copies.len() == 1 && r.copies[0].lag_entries == 0)
+    })
+    .await;
+    p.index(&r.copies[0].node)
+}
+
+/// G1 (copies exist and follow the primary): a queue with redundancy 1 has a copy on another
+/// node holding every entry, its interest and its acked offset; both report it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g1_copy_holds_the_queue_and_reports_lag() {
+    let p = ProcCluster::start(3);
+    let d = durable_on_n1(&p, "d").await;
+    d.ready_for_events().await.unwrap();
+    let mut ev = d.events().unwrap();
+    let progress = Arc::new(AtomicU32::new(0));
+    assert_eq!(publish(p.get(1).builder(), 0, 1_000, progress).await, 1_000);
+    let mut got = 0;
+    while got < 1_000 {
+        let batch = tokio::time::timeout(FAILOVER_WAIT, ev.next())
+            .await
+            .expect("events keep coming")
+            .expect("stream open");
+        if let ClientEvent::Event(_) = batch {
+            got += 1;
+        }
+    }
+    ev.commit();
+    drop(ev);
+    d.ack_now().await.unwrap();
+    d.close(true).await.unwrap();
+    let secondary = in_sync_secondary(&p, 0, "d", 1_000).await;
+    assert_ne!(secondary, 0);
+    let copy = wait_for("the copy to learn the ack", || async {
+        report(&p, secondary, "d", "secondary")
+            .await
+            .filter(|c| c.acked_offset == 1_000 && c.state == "away")
+    })
+    .await;
+    assert_eq!((copy.pending, copy.end_offset), (0, 1_000));
+    assert_eq!(copy.primary.as_deref(), Some("n1"));
+    assert_eq!(copy.interests.len(), 1, "the durable interest is copied");
+    // The third node holds nothing of it.
+    let third = (0..3).find(|&i| i != 0 && i != secondary).unwrap();
+    assert!(
+        queues(&p, third)
+            .await
+            .iter()
+            .all(|q| q.durable_id.as_deref() != Some("d"))
+    );
+}
+
+/// G2, stronger than Geode: the client is away when its primary is killed; the copy becomes
+/// primary, keeps queueing (also the events published while the failure was being detected),
+/// and the client, coming back through another node, finds its queue `resumed` with the exact
+/// pending count and every event once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g2_away_queue_survives_kill_9_of_its_primary() {
+    const BEFORE: u32 = 3_000;
+    const TOTAL: u32 = 8_000;
+    let mut p = ProcCluster::start(3);
+    let d = durable_on_n1(&p, "d").await;
+    d.ready_for_events().await.unwrap();
+    d.close(true).await.unwrap();
+    let progress = Arc::new(AtomicU32::new(0));
+    assert_eq!(
+        publish(p.get(1).builder(), 0, BEFORE, progress.clone()).await,
+        BEFORE
+    );
+    let secondary = in_sync_secondary(&p, 0, "d", u64::from(BEFORE)).await;
+    // Keep publishing through a node that stays up while n1 dies.
+    let via = if secondary == 1 { 2 } else { 1 };
+    let publisher = tokio::spawn(publish(
+        p.get(via).builder(),
+        BEFORE,
+        TOTAL,
+        progress.clone(),
+    ));
+    while progress.load(Ordering::SeqCst) < BEFORE + 500 {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    p.kill9(0);
+    assert_eq!(publisher.await.unwrap(), TOTAL);
+    let promoted = wait_for("the copy to be promoted", || async {
+        report(&p, secondary, "d", "primary").await
+    })
+    .await;
+    assert!(promoted.pending >= u64::from(BEFORE));
+    // Back through the other surviving node: it redirects to the new primary.
+    let other = (1..3).find(|&i| i != secondary).unwrap();
+    let d = wait_for("the queue to be pending in full", || async {
+        let c = p.builder(&[other]).durable("d", 600).connect().await.ok()?;
+        if c.pending() == Some(u64::from(TOTAL)) {
+            return Some(c);
+        }
+        c.close(true).await.ok();
+        None
+    })
+    .await;
+    assert_eq!(d.queue_status(), QueueStatus::Resumed);
+    assert_eq!(d.node_id(), format!("n{}", secondary + 1));
+    d.ready_for_events().await.unwrap();
+    let mut ev = d.events().unwrap();
+    let mut values = Vec::new();
+    let mut lives = 0;
+    while lives == 0 {
+        match tokio::time::timeout(FAILOVER_WAIT, ev.next()).await {
+            Ok(Some(ClientEvent::Event(e))) => values.push(
+                String::from_utf8(e.value.unwrap())
+                    .unwrap()
+                    .parse::<u32>()
+                    .unwrap(),
+            ),
+            Ok(Some(ClientEvent::Live { .. })) => lives += 1,
+            other => panic!("stream ended before live: {other:?}"),
+        }
+    }
+    let expected: Vec<u32> = (0..TOTAL).collect();
+    assert_eq!(values.len(), expected.len(), "every event once");
+    assert_eq!(values, expected, "in publisher order");
+}
+
+/// G1/G4 with a kill -9 during the stream: the online client's primary dies; the client
+/// reconnects through the other nodes (same process, same duplicate state), resumes on the
+/// promoted copy from its acked offset, gets the unacked events again flagged
+/// `possible_duplicate` (dropped by the library when already processed), loses nothing, and
+/// sees the live marker once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g4_online_client_fails_over_on_kill_9_of_its_primary() {
+    let total: u32 = std::env::var("TETHER_FAILOVER_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    let mut p = ProcCluster::start(3);
+    let d = durable_on_n1(&p, "d").await;
+    d.ready_for_events().await.unwrap();
+    let dedup: DedupState = d.dedup_state();
+    let progress = Arc::new(AtomicU32::new(0));
+    let publisher = tokio::spawn(publish(p.get(1).builder(), 0, total, progress.clone()));
+    let mut fresh: Vec<u32> = Vec::new();
+    let mut seen: HashSet<u32> = HashSet::new();
+    let mut flagged = 0u64;
+    let mut lives = 0;
+    let mut killed = false;
+    let mut client = Some(d);
+    let mut reconnects = 0;
+    let mut last_offset = 0;
+    while fresh.len() < total as usize {
+        let c = match client.take() {
+            Some(c) => c,
+            None => {
+                reconnects += 1;
+                assert!(reconnects < 20, "too many reconnects");
+                let c = wait_for("a reconnect to the new primary", || async {
+                    p.builder(&[1, 2])
+                        .durable("d", 600)
+                        .failure_timeout(Duration::from_secs(3))
+                        .ack_interval(Duration::from_millis(20))
+                        .dedup_state(dedup.clone())
+                        .connect()
+                        .await
+                        .ok()
+                })
+                .await;
+                assert_eq!(c.queue_status(), QueueStatus::Resumed, "the queue survived");
+                eprintln!(
+                    "reconnected to {} with {:?} pending",
+                    c.node_id(),
+                    c.pending()
+                );
+                c.ready_for_events().await.unwrap();
+                c
+            }
+        };
+        let mut ev = c.events().unwrap();
+        loop {
+            if !killed && fresh.len() as u32 >= total / 3 {
+                p.kill9(0);
+                killed = true;
+                eprintln!(
+                    "killed n1 at {} fresh events, {} published, last offset {last_offset}",
+                    fresh.len(),
+                    progress.load(Ordering::SeqCst)
+                );
+            }
+            let next = tokio::time::timeout(FAILOVER_WAIT, ev.next()).await;
+            match next {
+                Ok(Some(ClientEvent::Event(e))) => {
+                    let v: u32 = String::from_utf8(e.value.clone().unwrap())
+                        .unwrap()
+                        .parse()
+                        .unwrap();
+                    last_offset = e.offset;
+                    if seen.contains(&v) {
+                        assert!(e.possible_duplicate, "an unflagged duplicate: {v}");
+                        flagged += 1;
+                    } else {
+                        seen.insert(v);
+                        fresh.push(v);
+                    }
+                    ev.commit();
+                    if fresh.len() == total as usize {
+                        break;
+                    }
+                }
+                Ok(Some(ClientEvent::Live { .. })) => lives += 1,
+                Ok(None) => {
+                    eprintln!(
+                        "stream ended after {} fresh events, last offset {last_offset}",
+                        fresh.len()
+                    );
+                    break; // The connection died: fail over.
+                }
+                Err(_) => panic!("no event for {FAILOVER_WAIT:?}"),
+            }
+        }
+        drop(ev);
+        if fresh.len() == total as usize {
+            c.close(true).await.ok();
+        }
+    }
+    assert!(killed, "the primary was killed during the stream");
+    assert_eq!(publisher.await.unwrap(), total);
+    assert_eq!(lives, 1, "the live marker is seen once");
+    let disorder = fresh.windows(2).position(|w| w[1] < w[0]);
+    assert_eq!(disorder, None, "events of one publisher stay in order");
+    eprintln!("failover: {reconnects} reconnect(s), {flagged} flagged redeliveries shown");
+}
+
+/// `--ack replicated`: once the publish is acknowledged, the copy of the matching queue holds
+/// it (its report shows it at once); `--ack local` returns after the local commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicated_ack_returns_once_the_copy_holds_the_events() {
+    let p = ProcCluster::start(3);
+    let d = durable_on_n1(&p, "d").await;
+    d.ready_for_events().await.unwrap();
+    d.close(true).await.unwrap();
+    let secondary = in_sync_secondary(&p, 0, "d", 0).await;
+    let publisher = p
+        .get(2)
+        .builder()
+        .publish_ack(tether::protocol::PublishAck::Replicated)
+        .connect()
+        .await
+        .unwrap();
+    for round in 1..=5u64 {
+        let ops = (0..100)
+            .map(|i| PublishOp::Put {
+                region: "R".into(),
+                key: format!("k-{round}-{i}"),
+                value: b"v".to_vec(),
+            })
+            .collect();
+        assert_eq!(publisher.publish(ops).await.unwrap(), 100);
+        let copy = report(&p, secondary, "d", "secondary")
+            .await
+            .expect("the copy exists");
+        assert!(
+            copy.end_offset >= round * 100,
+            "acknowledged as replicated, but the copy ends at {} after round {round}",
+            copy.end_offset
+        );
+    }
+}
+
+/// G7 and rejoin: with redundancy 2 on three nodes, the primary is killed and restarted; the
+/// promoted copy serves the queue meanwhile, and the restarted node rejoins as a secondary,
+/// receives the queue (snapshot and tail) and catches up; then the queue survives the death
+/// of the new primary too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g7_killed_primary_rejoins_as_a_secondary_and_catches_up() {
+    let mut p = ProcCluster::start(3);
+    let c = p
+        .get(0)
+        .builder()
+        .durable("d", 600)
+        .redundancy(2)
+        .connect()
+        .await
+        .unwrap();
+    c.region("R").register(Interest::all_keys()).await.unwrap();
+    c.ready_for_events().await.unwrap();
+    c.close(true).await.unwrap();
+    let progress = Arc::new(AtomicU32::new(0));
+    assert_eq!(
+        publish(p.get(1).builder(), 0, 2_000, progress.clone()).await,
+        2_000
+    );
+    wait_for("both copies in sync", || async {
+        report(&p, 0, "d", "primary")
+            .await
+            .filter(|r| r.copies.len() == 2 && r.copies.iter().all(|c| c.lag_entries == 0))
+    })
+    .await;
+    p.kill9(0);
+    let (primary, _) = wait_for("a copy promoted", || async {
+        for i in 1..3 {
+            if let Some(r) = report(&p, i, "d", "primary").await {
+                return Some((i, r));
+            }
+        }
+        None
+    })
+    .await;
+    assert_eq!(
+        publish(p.get(1).builder(), 2_000, 3_000, progress.clone()).await,
+        3_000
+    );
+    p.restart(0);
+    let r = wait_for("the restarted node to catch up as a secondary", || async {
+        report(&p, primary, "d", "primary").await.filter(|r| {
+            r.end_offset == 3_000
+                && r.copies.len() == 2
+                && r.copies.iter().all(|c| c.lag_entries == 0)
+                && r.copies.iter().any(|c| c.node == "n1")
+        })
+    })
+    .await;
+    assert_eq!(r.pending, 3_000);
+    let copy = report(&p, 0, "d", "secondary")
+        .await
+        .expect("n1 holds a copy");
+    assert_eq!((copy.end_offset, copy.pending), (3_000, 3_000));
+    // The queue survives its second primary's death as well.
+    p.kill9(primary);
+    let survivors: Vec<usize> = (0..3).filter(|&i| i != primary).collect();
+    let d = wait_for("the queue to come back", || async {
+        let c = p
+            .builder(&survivors)
+            .durable("d", 600)
+            .connect()
+            .await
+            .ok()?;
+        if c.pending() == Some(3_000) {
+            return Some(c);
+        }
+        c.close(true).await.ok();
+        None
+    })
+    .await;
+    assert_eq!(d.queue_status(), QueueStatus::Resumed);
+}
+
+/// A partition, made by UDP relays on every link between the primary (n1) and its peers that
+/// drop every datagram while cut (clients still reach n1): the cut-off primary stops delivering
+/// once its lease runs out, before the promoted copy delivers anything (at most one primary
+/// delivers at a time); after healing, the old primary steps down, and no acknowledged event is
+/// lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_primary_stops_delivering_before_the_new_one_starts() {
+    use std::sync::atomic::AtomicBool;
+    const BEFORE: u32 = 20_000;
+    const TOTAL: u32 = 23_000;
+    let ports = common::cluster::free_ports(3);
+    let cut = Arc::new(AtomicBool::new(false));
+    let mut routes = vec![vec![None; 3]; 3];
+    for (i, j) in [(0, 1), (0, 2), (1, 0), (2, 0)] {
+        let target: std::net::SocketAddr = format!("127.0.0.1:{}", ports[j]).parse().unwrap();
+        routes[i][j] = Some(common::relay_with(target, cut.clone()).await);
+    }
+    let p = ProcCluster::start_routed(ports, routes);
+    // Client A on n1, registered but not ready: a backlog waits on n1 and on its copy.
+    let a = durable_on_n1(&p, "d").await;
+    let progress = Arc::new(AtomicU32::new(0));
+    assert_eq!(
+        publish(p.get(1).builder(), 0, BEFORE, progress.clone()).await,
+        BEFORE
+    );
+    let secondary = in_sync_secondary(&p, 0, "d", u64::from(BEFORE)).await;
+    cut.store(true, Ordering::SeqCst);
+    let cut_at = std::time::Instant::now();
+    // A now asks for its events: n1 delivers at most until its lease runs out.
+    a.ready_for_events().await.unwrap();
+    let mut a_events = a.events().unwrap();
+    let a_last = Arc::new(std::sync::Mutex::new(None::<std::time::Instant>));
+    let a_reader = tokio::spawn({
+        let a_last = a_last.clone();
+        async move {
+            let mut n = 0u32;
+            while let Some(ev) = a_events.next().await {
+                if let ClientEvent::Event(_) = ev {
+                    n += 1;
+                    *a_last.lock().unwrap() = Some(std::time::Instant::now());
+                }
+            }
+            n
+        }
+    });
+    // More publishes through a node on the majority side, during the partition.
+    let via = if secondary == 1 { 2 } else { 1 };
+    assert_eq!(
+        publish(p.get(via).builder(), BEFORE, TOTAL, progress.clone()).await,
+        TOTAL
+    );
+    // Client B reaches the promoted copy through the majority side.
+    let b = wait_for("the promoted copy to take client B", || async {
+        let c = p
+            .builder(&[secondary])
+            .durable("d", 600)
+            .ack_interval(Duration::from_millis(20))
+            .connect()
+            .await
+            .ok()?;
+        if c.node_id() == format!("n{}", secondary + 1) {
+            return Some(c);
+        }
+        c.close(true).await.ok();
+        None
+    })
+    .await;
+    b.ready_for_events().await.unwrap();
+    let mut b_events = b.events().unwrap();
+    let mut b_first = None;
+    let mut b_values = HashSet::new();
+    while b_values.len() < TOTAL as usize {
+        match tokio::time::timeout(FAILOVER_WAIT, b_events.next()).await {
+            Ok(Some(ClientEvent::Event(e))) => {
+                b_first.get_or_insert_with(std::time::Instant::now);
+                let v: u32 = String::from_utf8(e.value.unwrap())
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                b_values.insert(v);
+            }
+            Ok(Some(_)) => {}
+            other => panic!("B's stream ended: {other:?}"),
+        }
+    }
+    b_events.commit();
+    let b_first = b_first.expect("B received events");
+    if let Some(a_last) = *a_last.lock().unwrap() {
+        assert!(
+            a_last < b_first,
+            "the old primary delivered {:?} after the new one started",
+            a_last - b_first
+        );
+        assert!(
+            a_last.duration_since(cut_at) < Duration::from_millis(3_000),
+            "the cut-off primary kept delivering {:?} after the cut",
+            a_last.duration_since(cut_at)
+        );
+    }
+    // Heal: the old primary learns it was deposed and sends A away.
+    cut.store(false, Ordering::SeqCst);
+    let a_got = tokio::time::timeout(FAILOVER_WAIT, a_reader)
+        .await
+        .expect("the old primary closes A's session after healing")
+        .unwrap();
+    eprintln!("A received {a_got} events from the cut-off primary");
+    drop(a);
+    drop(b_events);
+    b.close(true).await.unwrap();
+    // Nothing acknowledged is lost.
+    let missing: Vec<u32> = (0..TOTAL)
+        .filter(|v| !b_values.contains(v))
+        .take(10)
+        .collect();
+    assert!(missing.is_empty(), "lost: {missing:?}");
+}
+
+/// kill -9 of the secondary while the client is online: the primary stops waiting for it once
+/// it is declared failed, delivery goes on, redundancy is repaired on the third node, and
+/// nothing is lost or delivered twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secondary_kill_9_neither_stops_nor_loses_the_stream() {
+    const TOTAL: u32 = 10_000;
+    let mut p = ProcCluster::start(3);
+    let d = durable_on_n1(&p, "d").await;
+    d.ready_for_events().await.unwrap();
+    let secondary = in_sync_secondary(&p, 0, "d", 0).await;
+    let via = (1..3).find(|&i| i != secondary).unwrap();
+    let progress = Arc::new(AtomicU32::new(0));
+    let publisher = tokio::spawn(publish(p.get(via).builder(), 0, TOTAL, progress.clone()));
+    let mut ev = d.events().unwrap();
+    let mut values = Vec::new();
+    while values.len() < TOTAL as usize {
+        if values.len() == TOTAL as usize / 4 && p.procs[secondary].is_some() {
+            p.kill9(secondary);
+        }
+        match tokio::time::timeout(FAILOVER_WAIT, ev.next()).await {
+            Ok(Some(ClientEvent::Event(e))) => {
+                assert!(!e.possible_duplicate, "no redelivery without a failover");
+                values.push(
+                    String::from_utf8(e.value.unwrap())
+                        .unwrap()
+                        .parse::<u32>()
+                        .unwrap(),
+                );
+                ev.commit();
+            }
+            Ok(Some(ClientEvent::Live { .. })) => {}
+            other => panic!("the stream stopped: {other:?}"),
+        }
+    }
+    assert_eq!(publisher.await.unwrap(), TOTAL);
+    assert!(
+        p.procs[secondary].is_none(),
+        "the secondary was killed mid-stream"
+    );
+    assert_eq!(
+        values,
+        (0..TOTAL).collect::<Vec<_>>(),
+        "every event once, in order"
+    );
+    // Redundancy is back, on the third node.
+    let third = (1..3).find(|&i| i != secondary).unwrap();
+    let r = wait_for("redundancy repaired", || async {
+        report(&p, 0, "d", "primary").await.filter(|r| {
+            r.copies.len() == 1
+                && r.copies[0].node == format!("n{}", third + 1)
+                && r.copies[0].lag_entries == 0
+        })
+    })
+    .await;
+    assert_eq!(r.end_offset, u64::from(TOTAL));
+}
