@@ -663,59 +663,63 @@ async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
         emit(json!({"type":"live","region":a.region}));
         done = a.exit_on_live;
     }
-    while !done {
-        if a.max_events.is_some_and(|m| printed >= m) {
-            break;
-        }
-        let next = async {
-            match idle {
-                Some(d) => tokio::time::timeout(d, events.next()).await.ok(),
-                None => Some(events.next().await),
-            }
-        };
-        let ev = tokio::select! {
-            ev = next => ev,
-            _ = tokio::signal::ctrl_c() => break,
-            _ = term.recv() => break,
-        };
-        match ev {
-            None => break, // idle timeout
-            Some(None) => {
-                lost = true;
+    if done {
+        // `--exit-on-live` with nothing to replay: done already.
+    } else {
+        loop {
+            if a.max_events.is_some_and(|m| printed >= m) {
                 break;
             }
-            Some(Some(ClientEvent::Live { regions })) => {
-                // The marker that ends the replay lists no region when the queue had no
-                // interest: the session is live all the same, for the subscriber's region.
-                if regions.is_empty() {
-                    emit(json!({"type":"live","region":a.region}));
+            let next = async {
+                match idle {
+                    Some(d) => tokio::time::timeout(d, events.next()).await.ok(),
+                    None => Some(events.next().await),
                 }
-                for region in &regions {
-                    emit(json!({"type":"live","region":region}));
-                }
-                if a.exit_on_live {
+            };
+            let ev = tokio::select! {
+                ev = next => ev,
+                _ = tokio::signal::ctrl_c() => break,
+                _ = term.recv() => break,
+            };
+            match ev {
+                None => break, // idle timeout
+                Some(None) => {
+                    lost = true;
                     break;
                 }
-            }
-            Some(Some(ClientEvent::Event(e))) => {
-                let value = match e.op {
-                    EventOp::Create | EventOp::Update => {
-                        e.value.map(|v| String::from_utf8_lossy(&v).into_owned())
+                Some(Some(ClientEvent::Live { regions })) => {
+                    // The marker that ends the replay lists no region when the queue had no
+                    // interest: the session is live all the same, for the subscriber's region.
+                    if regions.is_empty() {
+                        emit(json!({"type":"live","region":a.region}));
                     }
-                    _ => None,
-                };
-                emit(json!({
-                    "type": "event",
-                    "region": e.region,
-                    "key": e.key,
-                    "op": e.op.as_str(),
-                    "value": value,
-                    "offset": e.offset,
-                    "event_id": e.event_id.to_string(),
-                    "replayed": e.replayed,
-                    "possible_duplicate": e.possible_duplicate,
-                }));
-                printed += 1;
+                    for region in &regions {
+                        emit(json!({"type":"live","region":region}));
+                    }
+                    if a.exit_on_live {
+                        break;
+                    }
+                }
+                Some(Some(ClientEvent::Event(e))) => {
+                    let value = match e.op {
+                        EventOp::Create | EventOp::Update => {
+                            e.value.map(|v| String::from_utf8_lossy(&v).into_owned())
+                        }
+                        _ => None,
+                    };
+                    emit(json!({
+                        "type": "event",
+                        "region": e.region,
+                        "key": e.key,
+                        "op": e.op.as_str(),
+                        "value": value,
+                        "offset": e.offset,
+                        "event_id": e.event_id.to_string(),
+                        "replayed": e.replayed,
+                        "possible_duplicate": e.possible_duplicate,
+                    }));
+                    printed += 1;
+                }
             }
         }
     }

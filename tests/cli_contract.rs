@@ -161,9 +161,8 @@ impl Proc {
 
     /// Nothing printed within `d` (the process may still be running).
     fn quiet_for(&self, d: Duration) {
-        match self.lines.recv_timeout(d) {
-            Ok(l) => panic!("`tether {}`: unexpected line {l}", self.what),
-            Err(_) => {}
+        if let Ok(l) = self.lines.recv_timeout(d) {
+            panic!("`tether {}`: unexpected line {l}", self.what)
         }
     }
 
@@ -590,7 +589,7 @@ fn server_sync_modes() {
         let s = start_server(&["--sync", mode]);
         s.put("R", "k", mode);
         assert_eq!(s.get("R", "k"), mode);
-        assert_eq!(s.dir.exists(), true);
+        assert!(s.dir.exists());
         s.stop();
     }
     let tmp = tempfile::tempdir().unwrap();

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use tether::client::{ClientEvent, Interest};
-use tether::protocol::{PublishOp, QueueStatus};
+use tether::protocol::QueueStatus;
 
 use common::cluster::ProcCluster;
 use common::{ServerProc, take_events};
@@ -20,31 +20,10 @@ const EVENTS: u32 = 10_000;
 /// Operations per publish request.
 const OPS_PER_PUBLISH: u32 = 20;
 
-/// Publishes puts `k-{from..to}` (value = the number) through `server`, each request
-/// acknowledged before the next; returns how many were acknowledged before an error.
+/// Publishes puts `k-{from..to}` through `server`, each request acknowledged before the next;
+/// returns how many were acknowledged before an error.
 async fn publish(server: &ServerProc, from: u32, to: u32, progress: &AtomicU32) -> u32 {
-    let c = server
-        .builder()
-        .connect()
-        .await
-        .expect("publisher connects");
-    let mut done = from;
-    while done < to {
-        let n = OPS_PER_PUBLISH.min(to - done);
-        let ops = (done..done + n)
-            .map(|i| PublishOp::Put {
-                region: "R".into(),
-                key: format!("k-{i}"),
-                value: i.to_string().into_bytes(),
-            })
-            .collect();
-        if c.publish(ops).await.is_err() {
-            break;
-        }
-        done += n;
-        progress.store(done, Ordering::SeqCst);
-    }
-    done
+    common::cluster::publish_numbered(server.builder(), from, to, OPS_PER_PUBLISH, progress).await
 }
 
 /// Receives until key `k-{last}` arrived; returns the values not flagged as possible

@@ -21,27 +21,10 @@ const OPS_PER_PUBLISH: u32 = 50;
 /// How long a failover may take before a test gives up.
 const FAILOVER_WAIT: Duration = Duration::from_secs(60);
 
-/// Publishes puts `k-{from..to}` of region R (value = the number) through node `via`, each
+/// Publishes puts `k-{from..to}` of region R (value = the number) through `builder`, each
 /// request acknowledged before the next; returns how many were acknowledged.
 async fn publish(builder: ClientBuilder, from: u32, to: u32, progress: Arc<AtomicU32>) -> u32 {
-    let c = builder.connect().await.expect("publisher connects");
-    let mut done = from;
-    while done < to {
-        let n = OPS_PER_PUBLISH.min(to - done);
-        let ops = (done..done + n)
-            .map(|i| PublishOp::Put {
-                region: "R".into(),
-                key: format!("k-{i}"),
-                value: i.to_string().into_bytes(),
-            })
-            .collect();
-        if let Err(e) = c.publish(ops).await {
-            panic!("publish through a live node failed: {e}");
-        }
-        done += n;
-        progress.store(done, Ordering::SeqCst);
-    }
-    done
+    common::cluster::publish_numbered(builder, from, to, OPS_PER_PUBLISH, &progress).await
 }
 
 /// The reports of node `i` (through a plain admin connection).

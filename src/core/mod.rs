@@ -322,6 +322,13 @@ pub fn note_seen(seen: &mut HashMap<(String, u64), u64>, id: &EventId) {
     *max = (*max).max(id.seq);
 }
 
+/// Stored queues split by [`NodeCore::split_copies`]: this node's queues, and the copies it
+/// holds for other primaries with their decoded info.
+pub type SplitQueues = (
+    Vec<(QueueId, QueueMeta)>,
+    Vec<(QueueId, QueueMeta, QueueInfo)>,
+);
+
 /// What [`NodeCore::disconnect`] did.
 #[derive(Debug, Default)]
 pub struct Disconnected {
@@ -469,15 +476,7 @@ impl NodeCore {
 
     /// Splits stored queues into this node's queues and the copies it holds for other
     /// primaries (cluster secondaries), decoding the copies' info.
-    pub fn split_copies(
-        queues: Vec<(QueueId, QueueMeta)>,
-    ) -> Result<
-        (
-            Vec<(QueueId, QueueMeta)>,
-            Vec<(QueueId, QueueMeta, QueueInfo)>,
-        ),
-        String,
-    > {
+    pub fn split_copies(queues: Vec<(QueueId, QueueMeta)>) -> Result<SplitQueues, String> {
         let mut own = Vec::new();
         let mut copies = Vec::new();
         for (id, meta) in queues {
@@ -1074,16 +1073,16 @@ impl NodeCore {
             ));
         }
         for op in ops {
-            if let PublishOp::Put { value, .. } = op {
-                if value.len() > VALUE_BYTES_MAX {
-                    return Err(WireError::new(
-                        ErrorCode::LimitExceeded,
-                        format!(
-                            "value of {} bytes exceeds the limit of {VALUE_BYTES_MAX} bytes",
-                            value.len()
-                        ),
-                    ));
-                }
+            if let PublishOp::Put { value, .. } = op
+                && value.len() > VALUE_BYTES_MAX
+            {
+                return Err(WireError::new(
+                    ErrorCode::LimitExceeded,
+                    format!(
+                        "value of {} bytes exceeds the limit of {VALUE_BYTES_MAX} bytes",
+                        value.len()
+                    ),
+                ));
             }
             let (region, key) = op_target(op);
             validate_region(region)?;

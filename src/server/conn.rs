@@ -224,8 +224,8 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         }
     };
     let session = connected.session;
-    if let (Some(p), Some(d), Some(cluster)) = (&placed, &durable, shared.cluster.get()) {
-        super::failover::ensure_shipping(shared, cluster, &d.id, p);
+    if let (Some(p), Some(d)) = (&placed, &durable) {
+        super::failover::ensure_shipping(shared, &d.id, p);
     }
     let (probe_tx, probe_rx) = mpsc::channel(PROBES_QUEUED_MAX);
     let (finished_tx, finished_rx) = watch::channel(false);

@@ -26,7 +26,7 @@ use crate::cluster::network::{PeerRequest, PeerResponse};
 use crate::core::RecentForward;
 use crate::metrics as m;
 use crate::protocol::{EventId, EventRecord};
-use crate::replication::{Replica, Shipper, ShipperConfig};
+use crate::replication::{Shipper, ShipperConfig};
 
 /// Interval of the reconciler, in milliseconds.
 pub const RECONCILE_MS: u64 = 100;
@@ -180,9 +180,9 @@ pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
 }
 
 /// Runs futures concurrently and collects their outputs in order.
-async fn futures_join_all<F: std::future::Future>(futs: impl Iterator<Item = F>) -> Vec<F::Output>
+async fn futures_join_all<F>(futs: impl Iterator<Item = F>) -> Vec<F::Output>
 where
-    F: Send + 'static,
+    F: std::future::Future + Send + 'static,
     F::Output: Send + 'static,
 {
     let handles: Vec<_> = futs.map(tokio::spawn).collect();
@@ -214,7 +214,7 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     for (id, epoch) in own {
         match cluster.placement(&id) {
             Some(p) if p.primary == me => {
-                ensure_shipping(shared, cluster, &id, &p);
+                ensure_shipping(shared, &id, &p);
                 repair(shared, cluster, &id, &p).await;
             }
             Some(p) if p.epoch > epoch => depose(shared, &id, &p).await,
@@ -241,7 +241,7 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
         }
         match cluster.placement(&id) {
             Some(p) if p.primary == me && p.epoch > copy.replica.epoch() => {
-                promote(shared, cluster, &id, &mut copy, &p).await;
+                promote(shared, &id, &mut copy, &p).await;
             }
             Some(p) if p.secondaries.contains(&me) => {}
             _ if applied >= copy.replica.epoch() => {
@@ -262,12 +262,7 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
 
 /// Makes sure a queue this node is primary of ships to its current secondaries (and is capped
 /// accordingly); a queue without secondaries delivers everything committed.
-pub(crate) fn ensure_shipping(
-    shared: &Arc<Shared>,
-    cluster: &Arc<Cluster>,
-    id: &str,
-    p: &Placement,
-) {
+pub(crate) fn ensure_shipping(shared: &Arc<Shared>, id: &str, p: &Placement) {
     if shared.shipping.set_secondaries(id, &p.secondaries) {
         return;
     }
@@ -302,15 +297,9 @@ pub(crate) fn ensure_shipping(
             Shipper::new(epoch, log, acked, ShipperConfig::default()),
         )
     };
-    shared.shipping.start(
-        shared,
-        cluster,
-        id,
-        qid,
-        shipper,
-        &p.secondaries,
-        Instant::now(),
-    );
+    shared
+        .shipping
+        .start(shared, id, qid, shipper, &p.secondaries, Instant::now());
 }
 
 /// Restores a queue's redundancy: a syncing secondary that caught up is reported (it may be
@@ -376,13 +365,7 @@ async fn depose(shared: &Arc<Shared>, id: &str, p: &Placement) {
 
 /// This node was promoted for the copy `copy` of `id`: it becomes a queue of the core, primary
 /// at the placement's epoch, shipped to the remaining secondaries once the old lease is over.
-async fn promote(
-    shared: &Arc<Shared>,
-    cluster: &Arc<Cluster>,
-    id: &str,
-    copy: &mut super::copies::Copy,
-    p: &Placement,
-) {
+async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy, p: &Placement) {
     if copy.replica.has_pending_writes() {
         return; // Writes complete under the copy's lock: cannot happen; try again later.
     }
@@ -431,21 +414,15 @@ async fn promote(
     };
     let appended = end - copy.replica.log().end();
     shared.core().committed(0, &[(qid, end)]);
-    let replica = std::mem::replace(&mut copy.replica, Replica::new());
+    let replica = std::mem::take(&mut copy.replica);
     copy.gone = true;
     shared.copies.remove(id);
     let shipper = replica.promote(epoch, ShipperConfig::default());
     let deliver_after = Instant::now() + Duration::from_millis(super::shipping::LEASE_MS);
     shared.core().set_deliver_cap(qid, Some(0));
-    shared.shipping.start(
-        shared,
-        cluster,
-        id,
-        qid,
-        shipper,
-        &p.secondaries,
-        deliver_after,
-    );
+    shared
+        .shipping
+        .start(shared, id, qid, shipper, &p.secondaries, deliver_after);
     metrics::counter!(m::FAILOVERS).increment(1);
     tracing::warn!(
         durable_id = %id,

@@ -390,10 +390,9 @@ impl Shared {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(&session)
+            && let Some(c) = &h.conn
         {
-            if let Some(c) = &h.conn {
-                c.close(code.varint(), why.as_bytes());
-            }
+            c.close(code.varint(), why.as_bytes());
         }
     }
 

@@ -206,13 +206,15 @@ impl Shipping {
     pub(crate) fn start(
         &self,
         shared: &Arc<Shared>,
-        cluster: &Arc<Cluster>,
         id: &str,
         qid: QueueId,
         mut shipper: Shipper,
         secondaries: &[RaftId],
         deliver_after: Instant,
     ) {
+        let Some(cluster) = shared.cluster.get().cloned() else {
+            return; // Only clustered nodes ship.
+        };
         shipper.set_secondaries(secondaries, mono_ms());
         let sq = Arc::new(ShipQueue {
             durable_id: id.to_string(),
@@ -230,7 +232,7 @@ impl Shipping {
             old.stop();
         }
         self.qids().insert(qid, sq.clone());
-        tokio::spawn(ship_loop(Arc::downgrade(shared), cluster.clone(), sq));
+        tokio::spawn(ship_loop(Arc::downgrade(shared), cluster, sq));
     }
 }
 

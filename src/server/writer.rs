@@ -69,10 +69,9 @@ impl Writer {
             batch,
             on_commit,
             done: Some(done),
-        }) {
-            if let Some(d) = req.done {
-                let _ = d.send(Err("storage writer stopped".into()));
-            }
+        }) && let Some(d) = req.done
+        {
+            let _ = d.send(Err("storage writer stopped".into()));
         }
         rx
     }
@@ -121,19 +120,19 @@ fn run(
             }
             r.map_err(|e| e.to_string())
         };
-        if let Err(e) = &result {
-            if !poisoned.swap(true, Ordering::AcqRel) {
-                tracing::error!(error = %e, "storage write failed; stopping the node");
-                if let Some(f) = on_fatal.take() {
-                    f(e.clone());
-                }
+        if let Err(e) = &result
+            && !poisoned.swap(true, Ordering::AcqRel)
+        {
+            tracing::error!(error = %e, "storage write failed; stopping the node");
+            if let Some(f) = on_fatal.take() {
+                f(e.clone());
             }
         }
         for r in group.drain(..) {
-            if result.is_ok() {
-                if let Some(f) = r.on_commit {
-                    f();
-                }
+            if result.is_ok()
+                && let Some(f) = r.on_commit
+            {
+                f();
             }
             if let Some(d) = r.done {
                 let _ = d.send(result.clone());

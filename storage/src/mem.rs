@@ -6,10 +6,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::batch::Op;
 use crate::{Batch, Offset, QueueId, QueueMeta, StorageError, Store};
 
+/// A stored entry: flags and body.
+type StoredEntry = (u8, Arc<[u8]>);
+
 #[derive(Default)]
 struct Inner {
     /// `(queue, offset) -> (flags, body)`.
-    entries: BTreeMap<(QueueId, Offset), (u8, Arc<[u8]>)>,
+    entries: BTreeMap<(QueueId, Offset), StoredEntry>,
     /// Stored metadata; `end` is always 0 here and derived on read.
     meta: BTreeMap<QueueId, QueueMeta>,
     /// `(region, key) -> value`; `String` order is byte order, like RocksDB.

@@ -253,3 +253,33 @@ impl ProcCluster {
             .ca_file(&any.ca)
     }
 }
+
+/// Publishes puts `k-{from..to}` of region R (value = the number as text) through `builder`'s
+/// server, `ops_per_publish` per request, each acknowledged before the next; `progress` follows
+/// the acknowledged count. Returns how many were acknowledged before an error.
+pub async fn publish_numbered(
+    builder: tether::client::ClientBuilder,
+    from: u32,
+    to: u32,
+    ops_per_publish: u32,
+    progress: &std::sync::atomic::AtomicU32,
+) -> u32 {
+    let c = builder.connect().await.expect("publisher connects");
+    let mut done = from;
+    while done < to {
+        let n = ops_per_publish.min(to - done);
+        let ops = (done..done + n)
+            .map(|i| tether::protocol::PublishOp::Put {
+                region: "R".into(),
+                key: format!("k-{i}"),
+                value: i.to_string().into_bytes(),
+            })
+            .collect();
+        if c.publish(ops).await.is_err() {
+            break;
+        }
+        done += n;
+        progress.store(done, std::sync::atomic::Ordering::SeqCst);
+    }
+    done
+}
