@@ -40,11 +40,12 @@ run-cluster: build
 test: deps
 	$(CARGO) test --release --workspace
 
+# The replay benchmark with its NATS JetStream peer in the same run (scripts/bench.sh).
 bench: deps
-	TETHER_BENCH_EVENTS=$(BENCH_EVENTS) TETHER_BENCH_VALUE_BYTES=$(BENCH_VALUE_BYTES) $(CARGO) bench --bench replay
+	EVENTS=$(BENCH_EVENTS) VALUE_BYTES=$(BENCH_VALUE_BYTES) scripts/bench.sh
 
 bench-quick: deps
-	TETHER_BENCH_EVENTS=100000 TETHER_BENCH_VALUE_BYTES=128 $(CARGO) bench --bench replay
+	EVENTS=100000 VALUE_BYTES=128 scripts/bench.sh
 
 fmt:
 	$(CARGO) fmt --all

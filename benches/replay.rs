@@ -7,13 +7,19 @@
 //! the slower of the two (the pipeline's bottleneck). Settings: TETHER_BENCH_EVENTS (default
 //! 1,000,000), TETHER_BENCH_VALUE_BYTES (default 128), TETHER_BENCH_ROUNDS (default 3: every
 //! phase is measured that many times and the median reported).
+//!
+//! Then the redundancy phase: a three-node cluster in this process, one durable queue with
+//! redundancy 1, TETHER_BENCH_CLUSTER_EVENTS events (default a fifth of the events, 0 skips)
+//! published through another node with `--ack local` and as many with `--ack replicated`, and
+//! the replay of the queue from its primary, compared with the single-node replay.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tether::client::{ClientBuilder, ClientEvent, Interest};
+use tether::client::{Client, ClientBuilder, ClientEvent, Interest};
 use tether::config::ServerConfig;
-use tether::protocol::{PublishOp, ResultPolicy};
+use tether::protocol::{PublishAck, PublishOp, ResultPolicy};
 use tether::server::Node;
 use tether::storage::{Batch, Entry, RocksStore, Store};
 
@@ -88,42 +94,12 @@ async fn main() {
     // queue of its own (with acks flowing, as in production).
     let rounds = env_u64("TETHER_BENCH_ROUNDS", 3).max(1);
     for round in 0..rounds {
-        let c = builder
-            .clone()
-            .durable(format!("bench-{round}"), 3600)
-            .connect()
-            .await
-            .unwrap();
-        c.region("bench")
-            .register(Interest::all_keys().policy(ResultPolicy::None))
-            .await
-            .unwrap();
-        c.ready_for_events().await.unwrap();
-        c.close(true).await.unwrap();
+        park_durable(builder.clone().durable(format!("bench-{round}"), 3600)).await;
     }
 
     // Publish throughput (over the network, acknowledged after group commit).
     let publisher = Arc::new(builder.clone().connect().await.unwrap());
-    let t = Instant::now();
-    let mut next = 0u64;
-    let mut inflight = tokio::task::JoinSet::new();
-    while next < n || !inflight.is_empty() {
-        while next < n && inflight.len() < PUBLISH_CONCURRENCY {
-            let end = (next + PUBLISH_BATCH_OPS as u64).min(n);
-            let ops: Vec<PublishOp> = (next..end)
-                .map(|i| PublishOp::Put {
-                    region: "bench".into(),
-                    key: format!("key-{}", i % 10_000),
-                    value: value_of(size, i),
-                })
-                .collect();
-            let p = publisher.clone();
-            inflight.spawn(async move { p.publish(ops).await.unwrap() });
-            next = end;
-        }
-        inflight.join_next().await.unwrap().unwrap();
-    }
-    let publish = t.elapsed();
+    let publish = publish_all(&publisher, 0..n, size, PublishAck::Local).await;
     assert!(
         node.queues().iter().all(|q| q.pending == n),
         "every event queued"
@@ -148,17 +124,13 @@ async fn main() {
         let mut first = None;
         let mut count = 0u64;
         bytes = 0;
-        loop {
-            match events.next().await.expect("stream open") {
-                ClientEvent::Event(e) => {
-                    if first.is_none() {
-                        first = Some(t.elapsed());
-                    }
-                    count += 1;
-                    bytes += e.value.as_ref().map_or(0, |v| v.len() as u64);
-                }
-                ClientEvent::Live { .. } => break,
+        // Events until the live marker.
+        while let ClientEvent::Event(e) = events.next().await.expect("stream open") {
+            if first.is_none() {
+                first = Some(t.elapsed());
             }
+            count += 1;
+            bytes += e.value.as_ref().map_or(0, |v| v.len() as u64);
         }
         lives.push(t.elapsed());
         firsts.push(first.expect("events"));
@@ -239,6 +211,14 @@ async fn main() {
     }
     let transfer = median(&mut transfers);
 
+    // Redundancy 1: a three-node cluster in this process.
+    let cn = env_u64("TETHER_BENCH_CLUSTER_EVENTS", n / 5);
+    let cluster = if cn > 0 {
+        Some(cluster_phase(dir.path(), cn, size).await)
+    } else {
+        None
+    };
+
     let rows = [
         row(
             "publish (fan-out to rounds queues)",
@@ -252,11 +232,27 @@ async fn main() {
         row("baseline: rocksdb scan", scan, n, scanned_bytes),
         row("baseline: quinn transfer", transfer, n, wire_bytes),
     ];
+    let cluster_rows: Vec<Row> = cluster
+        .iter()
+        .flat_map(|c| {
+            [
+                row("r1: publish --ack local", c.publish_local, c.events, 0),
+                row(
+                    "r1: publish --ack replicated",
+                    c.publish_replicated,
+                    c.events,
+                    0,
+                ),
+                row("r1: reconnect -> status", c.status, 0, 0),
+                row("r1: ready -> live (replay)", c.replay, 2 * c.events, 0),
+            ]
+        })
+        .collect();
     println!(
         "{:<34} {:>10} {:>14} {:>10}",
         "phase", "ms", "events/s", "MB/s"
     );
-    for r in &rows {
+    for r in rows.iter().chain(&cluster_rows) {
         println!(
             "{:<34} {:>10.2} {:>14.0} {:>10.1}",
             r.name, r.ms, r.events_per_s, r.mb_per_s
@@ -292,6 +288,162 @@ async fn main() {
         "replay_vs_scan_plus_transfer_ratio={:.2}",
         live.as_secs_f64() / (scan + transfer).as_secs_f64()
     );
+    match &cluster {
+        Some(c) => {
+            let r1 = 2.0 * c.events as f64 / c.replay.as_secs_f64();
+            println!("replay_r1_events_per_s={r1:.0}");
+            println!("replay_r1_vs_r0_ratio={:.2}", r1 / replay_rate);
+            let local = c.events as f64 / c.publish_local.as_secs_f64();
+            let replicated = c.events as f64 / c.publish_replicated.as_secs_f64();
+            println!("publish_r1_local_events_per_s={local:.0}");
+            println!("publish_r1_replicated_events_per_s={replicated:.0}");
+            println!(
+                "publish_replicated_vs_local_ratio={:.2}",
+                replicated / local
+            );
+        }
+        None => println!("# redundancy phase skipped (TETHER_BENCH_CLUSTER_EVENTS=0)"),
+    }
+}
+
+/// Publishes puts `range` (requests of [`PUBLISH_BATCH_OPS`], [`PUBLISH_CONCURRENCY`] in
+/// flight) and returns the time until the last acknowledgement.
+async fn publish_all(
+    publisher: &Arc<Client>,
+    range: std::ops::Range<u64>,
+    size: usize,
+    ack: PublishAck,
+) -> Duration {
+    let t = Instant::now();
+    let mut next = range.start;
+    let mut inflight = tokio::task::JoinSet::new();
+    while next < range.end || !inflight.is_empty() {
+        while next < range.end && inflight.len() < PUBLISH_CONCURRENCY {
+            let end = (next + PUBLISH_BATCH_OPS as u64).min(range.end);
+            let ops: Vec<PublishOp> = (next..end)
+                .map(|i| PublishOp::Put {
+                    region: "bench".into(),
+                    key: format!("key-{}", i % 10_000),
+                    value: value_of(size, i),
+                })
+                .collect();
+            let p = publisher.clone();
+            inflight.spawn(async move { p.publish_with(ops, ack).await.unwrap() });
+            next = end;
+        }
+        inflight.join_next().await.unwrap().unwrap();
+    }
+    t.elapsed()
+}
+
+/// Connects a durable client with all-keys interest in the bench region, then leaves it away.
+async fn park_durable(builder: ClientBuilder) {
+    let c = builder.connect().await.unwrap();
+    c.region("bench")
+        .register(Interest::all_keys().policy(ResultPolicy::None))
+        .await
+        .unwrap();
+    c.ready_for_events().await.unwrap();
+    c.close(true).await.unwrap();
+}
+
+/// Replays durable queue `id` from `builder`'s server: (reconnect → status, ready → live,
+/// events replayed).
+async fn replay(builder: &ClientBuilder, id: &str, expect: u64) -> (Duration, Duration, u64) {
+    let t = Instant::now();
+    let c = builder.clone().durable(id, 3600).connect().await.unwrap();
+    let status = t.elapsed();
+    assert_eq!(c.pending(), Some(expect));
+    let mut events = c.events().unwrap();
+    let t = Instant::now();
+    c.ready_for_events().await.unwrap();
+    let mut count = 0u64;
+    while let ClientEvent::Event(_) = events.next().await.expect("stream open") {
+        count += 1;
+    }
+    let live = t.elapsed();
+    events.commit();
+    c.close(true).await.unwrap();
+    (status, live, count)
+}
+
+/// Figures of the redundancy phase.
+struct ClusterFigures {
+    events: u64,
+    publish_local: Duration,
+    publish_replicated: Duration,
+    status: Duration,
+    replay: Duration,
+}
+
+/// Three in-process nodes sharing a dev CA on loopback; a durable queue with redundancy 1 on
+/// node 0; events published through node 1 with each acknowledgement mode; then the replay.
+async fn cluster_phase(dir: &Path, n: u64, size: usize) -> ClusterFigures {
+    use tether::transport::tls;
+    let dirs: Vec<std::path::PathBuf> = (0..3).map(|i| dir.join(format!("c{i}"))).collect();
+    let first = tls::ensure_dev_certs(&dirs[0].join("tls")).unwrap();
+    for d in &dirs[1..] {
+        let t = d.join("tls");
+        std::fs::create_dir_all(&t).unwrap();
+        std::fs::copy(&first.ca, t.join(tls::CA_CERT_FILE)).unwrap();
+        std::fs::copy(
+            first.ca.with_file_name(tls::CA_KEY_FILE),
+            t.join(tls::CA_KEY_FILE),
+        )
+        .unwrap();
+    }
+    let socks: Vec<std::net::UdpSocket> = (0..3)
+        .map(|_| std::net::UdpSocket::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let ports: Vec<u16> = socks
+        .iter()
+        .map(|s| s.local_addr().unwrap().port())
+        .collect();
+    drop(socks);
+    let peers: Vec<(String, String)> = (0..3)
+        .map(|i| (format!("n{}", i + 1), format!("127.0.0.1:{}", ports[i])))
+        .collect();
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        let mut c = ServerConfig::ephemeral(&dirs[i]);
+        c.listen = format!("127.0.0.1:{}", ports[i]).parse().unwrap();
+        c.node_id = Some(format!("n{}", i + 1));
+        c.peers = peers.clone();
+        nodes.push(Node::start(c).await.unwrap());
+    }
+    let to = |i: usize| {
+        ClientBuilder::new()
+            .server(nodes[i].addr())
+            .ca_file(nodes[i].ca_file())
+    };
+    park_durable(to(0).durable("bench-r1", 3600).redundancy(1)).await;
+    let publisher = Arc::new(to(1).connect().await.unwrap());
+    let publish_local = publish_all(&publisher, 0..n, size, PublishAck::Local).await;
+    let publish_replicated = publish_all(&publisher, n..2 * n, size, PublishAck::Replicated).await;
+    // Every event forwarded, queued and copied before the replay.
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while !nodes[0].queues().iter().any(|q| {
+        q.pending == 2 * n && q.copies.iter().all(|c| c.lag_entries == 0) && !q.copies.is_empty()
+    }) {
+        assert!(
+            Instant::now() < deadline,
+            "the queue and its copy did not fill up"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, replay, count) = replay(&to(0), "bench-r1", 2 * n).await;
+    assert_eq!(count, 2 * n, "every event replayed");
+    drop(publisher);
+    for node in nodes {
+        node.shutdown().await;
+    }
+    ClusterFigures {
+        events: n,
+        publish_local,
+        publish_replicated,
+        status,
+        replay,
+    }
 }
 
 fn median(v: &mut [Duration]) -> Duration {

@@ -149,7 +149,7 @@ impl Spec {
         // A few all-keys clients (their queues get every event), then a mix that keeps the
         // fan-out bounded: about 12 queue entries per published event at 1,000 clients.
         let all_keys = (clients / 400).max(1);
-        if i % (clients / all_keys).max(1) == 0 {
+        if i.is_multiple_of((clients / all_keys).max(1)) {
             return Spec::All;
         }
         let d = |rng: &mut Rng| rng.below(10);

