@@ -213,7 +213,7 @@ async fn g4_online_client_fails_over_on_kill_9_of_its_primary() {
     let total: u32 = std::env::var("TETHER_FAILOVER_EVENTS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(20_000);
+        .unwrap_or(100_000);
     let mut p = ProcCluster::start(3);
     let d = durable_on_n1(&p, "d").await;
     d.ready_for_events().await.unwrap();
@@ -663,4 +663,63 @@ async fn g8_reconnected_not_ready_then_primary_dies() {
         }
     }
     assert_eq!(values, (0..TOTAL).collect::<Vec<_>>());
+}
+
+/// A new copy of a queue bigger than one peer message (about 10 MB pending) gets its snapshot
+/// in several messages: after the secondary dies, redundancy is repaired on the third node,
+/// which ends up holding the whole queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_snapshot_is_sent_in_several_messages() {
+    const BIG: u32 = 30_000;
+    let mut p = ProcCluster::start(3);
+    let d = durable_on_n1(&p, "d").await;
+    d.ready_for_events().await.unwrap();
+    let mut ev = d.events().unwrap();
+    // A few events received and acked first: the primary trims them, so a new copy cannot be
+    // fed by appends from offset 0 and needs a snapshot.
+    let progress = Arc::new(AtomicU32::new(0));
+    assert_eq!(publish(p.get(1).builder(), 0, 100, progress).await, 100);
+    let mut got = 0;
+    while got < 100 {
+        match tokio::time::timeout(FAILOVER_WAIT, ev.next()).await {
+            Ok(Some(ClientEvent::Event(_))) => got += 1,
+            Ok(Some(_)) => {}
+            other => panic!("stream ended: {other:?}"),
+        }
+    }
+    ev.commit();
+    drop(ev);
+    d.ack_now().await.unwrap();
+    d.close(true).await.unwrap();
+    let publisher = p.get(1).builder().connect().await.unwrap();
+    for chunk in (0..BIG).collect::<Vec<_>>().chunks(500) {
+        let ops = chunk
+            .iter()
+            .map(|i| PublishOp::Put {
+                region: "R".into(),
+                key: format!("big-{i}"),
+                value: vec![b'x'; 300],
+            })
+            .collect();
+        publisher.publish(ops).await.unwrap();
+    }
+    let end = u64::from(100 + BIG);
+    let secondary = in_sync_secondary(&p, 0, "d", end).await;
+    p.kill9(secondary);
+    let third = (1..3).find(|&i| i != secondary).unwrap();
+    wait_for("a new copy on the third node, in sync", || async {
+        report(&p, 0, "d", "primary").await.filter(|r| {
+            r.copies.len() == 1
+                && r.copies[0].node == format!("n{}", third + 1)
+                && r.copies[0].lag_entries == 0
+        })
+    })
+    .await;
+    let copy = report(&p, third, "d", "secondary")
+        .await
+        .expect("the third node holds a copy");
+    assert_eq!(
+        (copy.acked_offset, copy.end_offset, copy.pending),
+        (100, end, u64::from(BIG))
+    );
 }

@@ -72,8 +72,12 @@ pub struct ReplicateMsg {
     #[serde(with = "serde_bytes")]
     pub info: Vec<u8>,
     /// The entries `[first, last)` of an append, or the whole log of a snapshot, in order:
-    /// (flags, body) as stored.
+    /// (flags, body) as stored. A large snapshot comes in several messages, in order, each with
+    /// the same header: all but the last have `more` set.
     pub entries: Vec<ShippedEntry>,
+    /// More entries of this snapshot follow in the next message.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub more: bool,
 }
 
 /// A queue entry as stored: flags and body.

@@ -35,6 +35,8 @@ pub(crate) struct Copy {
     /// Per publisher `(node, session)`, the highest event sequence written to this copy since
     /// the node started (with the entries held, what a promotion must not append again).
     pub(crate) seen: HashMap<(String, u64), u64>,
+    /// The first messages of a snapshot sent in several: (sender, snapshot batch) and entries.
+    staged: Option<((u64, u64), Vec<ShippedEntry>)>,
 }
 
 type CopyCell = Arc<tokio::sync::Mutex<Copy>>;
@@ -62,6 +64,7 @@ impl Copies {
                 info,
                 gone: false,
                 seen: HashMap::new(),
+                staged: None,
             };
             map.insert(id, Arc::new(tokio::sync::Mutex::new(copy)));
         }
@@ -107,16 +110,19 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
         // Our own queue without copies: metadata will depose us if the sender is right.
         return PeerResponse::Replicated(None);
     }
-    let expected = match &msg.header {
-        ReplicateHeader::Append(h) => h.last.checked_sub(h.first),
-        ReplicateHeader::Snapshot(h) => Some(h.log.len()),
-    };
-    if expected != Some(msg.entries.len() as u64) {
+    if let ReplicateHeader::Append(h) = &msg.header
+        && h.last.checked_sub(h.first) != Some(msg.entries.len() as u64)
+    {
         return PeerResponse::BadRequest(format!(
-            "replication of {:?}: {} entries for a header naming {expected:?}",
+            "replication of {:?}: {} entries for an append of [{}, {})",
             msg.durable_id,
-            msg.entries.len()
+            msg.entries.len(),
+            h.first,
+            h.last
         ));
+    }
+    if msg.more && !matches!(msg.header, ReplicateHeader::Snapshot(_)) {
+        return PeerResponse::BadRequest("only a snapshot comes in several messages".into());
     }
     let info: QueueInfo = match decode_body(&msg.info) {
         Ok(i) => i,
@@ -135,6 +141,38 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     let mut copy = cell.lock().await;
     if copy.gone {
         return PeerResponse::Replicated(None);
+    }
+    let mut msg = msg;
+    if let ReplicateHeader::Snapshot(h) = &msg.header {
+        // A snapshot in several messages: stage the entries until the last one.
+        let key = (msg.from, h.batch);
+        let entries = std::mem::take(&mut msg.entries);
+        let mut all = match copy.staged.take() {
+            Some((k, mut staged)) if k == key => {
+                staged.extend(entries);
+                staged
+            }
+            _ => entries,
+        };
+        if all.len() as u64 > h.log.len() {
+            return PeerResponse::BadRequest(format!(
+                "snapshot of {:?}: more entries than its log holds",
+                msg.durable_id
+            ));
+        }
+        if msg.more {
+            copy.staged = Some((key, all));
+            return PeerResponse::Replicated(None);
+        }
+        if all.len() as u64 != h.log.len() {
+            return PeerResponse::BadRequest(format!(
+                "snapshot of {:?}: {} entries for a log of {}",
+                msg.durable_id,
+                all.len(),
+                h.log.len()
+            ));
+        }
+        msg.entries = std::mem::take(&mut all);
     }
     tracing::trace!(durable_id = %msg.durable_id, header = ?msg.header, "replication message");
     let (decision, first) = match &msg.header {
@@ -218,6 +256,7 @@ async fn copy_for(shared: &Arc<Shared>, id: &str, info: &QueueInfo) -> Result<Co
             info: info.clone(),
             gone: false,
             seen: HashMap::new(),
+            staged: None,
         }))
     });
     Ok(cell.clone())

@@ -41,9 +41,11 @@ pub const REPLICATE_TIMEOUT_MS: u64 = 5_000;
 pub const REPLICATE_RETRY_MS: u64 = 200;
 /// Most entry bytes read for one append batch (the batch is cut short beyond it).
 pub const REPLICATE_BATCH_BYTES_MAX: usize = 4 << 20;
-/// Most entry bytes of a snapshot (one message; a larger queue cannot seed a new secondary
-/// yet).
-pub const REPLICATE_SNAPSHOT_BYTES_MAX: usize = 6 << 20;
+/// Most entry bytes in one message of a snapshot (a larger snapshot is sent in several).
+pub const REPLICATE_SNAPSHOT_CHUNK_BYTES_MAX: usize = 4 << 20;
+/// Most entry bytes of a whole snapshot (it is read at once on the primary and staged in memory
+/// on the secondary until its last message); a larger queue cannot seed a new secondary.
+pub const REPLICATE_SNAPSHOT_BYTES_MAX: usize = 512 << 20;
 
 const _: () = assert!(SHIP_IDLE_MS < LEASE_MS);
 
@@ -328,7 +330,7 @@ fn send(
     t: Transmit<ToSecondary>,
     info: &[u8],
 ) {
-    let (header, entries) = match t.message {
+    let (header, entries, chunks) = match t.message {
         ToSecondary::Append(mut h) => {
             let n = h.last - h.first;
             let (entries, _) = match read(shared, sq.qid, h.first, n, REPLICATE_BATCH_BYTES_MAX) {
@@ -347,7 +349,7 @@ fn send(
                 }
                 h.last = h.first + entries.len() as u64;
             }
-            (ReplicateHeader::Append(h), entries)
+            (ReplicateHeader::Append(h), entries, Vec::new())
         }
         ToSecondary::Snapshot(h) => {
             let (entries, _) = match read(
@@ -368,29 +370,49 @@ fn send(
                 tracing::warn!(
                     durable_id = %sq.durable_id,
                     entries = h.log.len(),
-                    "queue too large for a one-message snapshot; the new secondary waits"
+                    "queue too large for a snapshot; the new secondary waits"
                 );
                 sq.shipper().on_peer_lost(t.to);
                 return;
             }
             metrics::counter!(m::REPLICATION_SNAPSHOTS_SENT).increment(1);
-            (ReplicateHeader::Snapshot(h), entries)
+            // Messages of at most REPLICATE_SNAPSHOT_CHUNK_BYTES_MAX entry bytes, in order.
+            let mut chunks: Vec<Vec<ShippedEntry>> = vec![Vec::new()];
+            let mut bytes = 0usize;
+            for e in entries {
+                if bytes + e.body.len() > REPLICATE_SNAPSHOT_CHUNK_BYTES_MAX
+                    && !chunks.last().expect("one chunk").is_empty()
+                {
+                    chunks.push(Vec::new());
+                    bytes = 0;
+                }
+                bytes += e.body.len();
+                chunks.last_mut().expect("one chunk").push(e);
+            }
+            let last = chunks.pop().expect("one chunk");
+            (ReplicateHeader::Snapshot(h), last, chunks)
         }
     };
-    let msg = ReplicateMsg {
+    let message = |entries: Vec<ShippedEntry>, more: bool| ReplicateMsg {
         from: cluster.id(),
         durable_id: sq.durable_id.clone(),
-        header,
+        header: header.clone(),
         info: info.to_vec(),
         entries,
+        more,
     };
+    let mut msgs: Vec<ReplicateMsg> = chunks.into_iter().map(|c| message(c, true)).collect();
+    msgs.push(message(entries, false));
     let mut senders = sq.senders.lock().unwrap_or_else(|p| p.into_inner());
     let tx = senders.entry(t.to).or_insert_with(|| {
         let (tx, rx) = mpsc::unbounded_channel();
         tokio::spawn(peer_sender(cluster.clone(), Arc::downgrade(sq), t.to, rx));
         tx
     });
-    let _ = tx.send((Instant::now(), msg));
+    let now = Instant::now();
+    for msg in msgs {
+        let _ = tx.send((now, msg));
+    }
 }
 
 /// Reads `count` entries from replication offset `first` (stored at `first + 1`).
