@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+mod common;
+
 /// Upper bound for anything a test waits on.
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -1727,4 +1729,92 @@ fn dev_ca_creates_a_reusable_ca_without_a_server() {
     assert_eq!(again.json()[0]["ca"], ca.as_str());
     assert_eq!(std::fs::read(&ca).unwrap(), pem);
     assert!(dir.path().join("tls/ca.key").exists());
+}
+
+/// On a cluster: `subscribe --redundancy 1` gets the queue a copy, `put --ack replicated`
+/// returns once the copy holds the event, and `queues` shows the primary with its copy
+/// (`copies`, `lag_entries`) and, on the copy's node, the copy (`role` secondary, `primary`).
+#[test]
+fn cluster_redundancy_replicated_ack_and_queue_copies() {
+    let p = common::cluster::ProcCluster::start(3);
+    let addr = |i: usize| p.get(i).addr.to_string();
+    let ca = p.get(0).ca.display().to_string();
+    let (n1, n2) = (addr(0), addr(1));
+    let lines = run(&[
+        "subscribe",
+        "--server",
+        &n1,
+        "--ca",
+        &ca,
+        "--region",
+        "R",
+        "--all-keys",
+        "--durable-id",
+        "d",
+        "--redundancy",
+        "1",
+        "--exit-on-live",
+        "--close",
+        "keepalive",
+    ])
+    .ok();
+    assert_eq!(lines[0]["queue"], "new");
+    let lines = run(&[
+        "put",
+        "--server",
+        &n2,
+        "--ca",
+        &ca,
+        "--region",
+        "R",
+        "--key",
+        "k",
+        "--value",
+        "v",
+        "--ack",
+        "replicated",
+    ])
+    .ok();
+    assert_eq!(
+        lines,
+        vec![serde_json::json!({"type":"published","count":1})]
+    );
+    let queue_on = |server: &str| -> Vec<Value> {
+        run(&["queues", "--server", server, "--ca", &ca])
+            .ok()
+            .into_iter()
+            .filter(|q| q["durable_id"] == "d")
+            .collect()
+    };
+    let primary = queue_on(&n1);
+    assert_eq!(primary.len(), 1);
+    assert_eq!(
+        (&primary[0]["role"], &primary[0]["pending"]),
+        (&Value::from("primary"), &Value::from(1))
+    );
+    let copies = primary[0]["copies"].as_array().expect("copies listed");
+    assert_eq!(copies.len(), 1);
+    assert_eq!(
+        fields(&copies[0]),
+        ["lag_entries", "node"].map(String::from).into()
+    );
+    assert_eq!(copies[0]["lag_entries"], 0, "acknowledged as replicated");
+    let node = copies[0]["node"].as_str().unwrap();
+    let copy_node = addr(node.trim_start_matches('n').parse::<usize>().unwrap() - 1);
+    let copy = queue_on(&copy_node);
+    assert_eq!(copy.len(), 1);
+    assert_eq!(
+        (
+            &copy[0]["role"],
+            &copy[0]["primary"],
+            &copy[0]["pending"],
+            &copy[0]["state"]
+        ),
+        (
+            &Value::from("secondary"),
+            &Value::from("n1"),
+            &Value::from(1),
+            &Value::from("away")
+        )
+    );
 }

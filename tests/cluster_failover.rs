@@ -60,6 +60,25 @@ async fn wait_for<T, F: std::future::Future<Output = Option<T>>>(
     }
 }
 
+/// Connects durable client "d" through the running nodes among `via` until the session it gets
+/// passes `ok` (a session that does not is closed with keepalive and tried again).
+async fn reconnect_until(
+    p: &ProcCluster,
+    via: &[usize],
+    what: &str,
+    ok: impl Fn(&Client) -> bool,
+) -> Client {
+    wait_for(what, || async {
+        let c = p.builder(via).durable("d", 600).connect().await.ok()?;
+        if ok(&c) {
+            return Some(c);
+        }
+        c.close(true).await.ok();
+        None
+    })
+    .await
+}
+
 /// A durable client `id` with redundancy 1 and interest in all keys of R, placed on node 0.
 async fn durable_on_n1(p: &ProcCluster, id: &str) -> Client {
     let c = p
@@ -171,13 +190,8 @@ async fn g2_away_queue_survives_kill_9_of_its_primary() {
     assert!(promoted.pending >= u64::from(BEFORE));
     // Back through the other surviving node: it redirects to the new primary.
     let other = (1..3).find(|&i| i != secondary).unwrap();
-    let d = wait_for("the queue to be pending in full", || async {
-        let c = p.builder(&[other]).durable("d", 600).connect().await.ok()?;
-        if c.pending() == Some(u64::from(TOTAL)) {
-            return Some(c);
-        }
-        c.close(true).await.ok();
-        None
+    let d = reconnect_until(&p, &[other], "the queue to be pending in full", |c| {
+        c.pending() == Some(u64::from(TOTAL))
     })
     .await;
     assert_eq!(d.queue_status(), QueueStatus::Resumed);
@@ -407,18 +421,8 @@ async fn g7_killed_primary_rejoins_as_a_secondary_and_catches_up() {
     // The queue survives its second primary's death as well.
     p.kill9(primary);
     let survivors: Vec<usize> = (0..3).filter(|&i| i != primary).collect();
-    let d = wait_for("the queue to come back", || async {
-        let c = p
-            .builder(&survivors)
-            .durable("d", 600)
-            .connect()
-            .await
-            .ok()?;
-        if c.pending() == Some(3_000) {
-            return Some(c);
-        }
-        c.close(true).await.ok();
-        None
+    let d = reconnect_until(&p, &survivors, "the queue to come back", |c| {
+        c.pending() == Some(3_000)
     })
     .await;
     assert_eq!(d.queue_status(), QueueStatus::Resumed);
@@ -476,20 +480,12 @@ async fn partitioned_primary_stops_delivering_before_the_new_one_starts() {
         TOTAL
     );
     // Client B reaches the promoted copy through the majority side.
-    let b = wait_for("the promoted copy to take client B", || async {
-        let c = p
-            .builder(&[secondary])
-            .durable("d", 600)
-            .ack_interval(Duration::from_millis(20))
-            .connect()
-            .await
-            .ok()?;
-        if c.node_id() == format!("n{}", secondary + 1) {
-            return Some(c);
-        }
-        c.close(true).await.ok();
-        None
-    })
+    let b = reconnect_until(
+        &p,
+        &[secondary],
+        "the promoted copy to take client B",
+        |c| c.node_id() == format!("n{}", secondary + 1),
+    )
     .await;
     b.ready_for_events().await.unwrap();
     let mut b_events = b.events().unwrap();
@@ -628,18 +624,8 @@ async fn g8_reconnected_not_ready_then_primary_dies() {
     assert_eq!((d.node_id(), d.pending()), ("n1", Some(u64::from(TOTAL))));
     p.kill9(0);
     drop(d);
-    let d = wait_for("the promoted copy", || async {
-        let c = p
-            .builder(&[other, secondary])
-            .durable("d", 600)
-            .connect()
-            .await
-            .ok()?;
-        if c.node_id() == format!("n{}", secondary + 1) {
-            return Some(c);
-        }
-        c.close(true).await.ok();
-        None
+    let d = reconnect_until(&p, &[other, secondary], "the promoted copy", |c| {
+        c.node_id() == format!("n{}", secondary + 1)
     })
     .await;
     assert_eq!(d.queue_status(), QueueStatus::Resumed);

@@ -89,6 +89,13 @@ pub struct Members {
 }
 
 impl Members {
+    /// The name of member `id` (its raft id in decimal if it is not a configured member).
+    pub fn name(&self, id: RaftId) -> String {
+        self.nodes
+            .get(&id)
+            .map_or_else(|| id.to_string(), |n| n.name.clone())
+    }
+
     /// Builds the member list from this node's name and address and its `--peer` list
     /// (which may include the node itself). Refuses duplicate names, names whose raft ids
     /// collide, and more than [`CLUSTER_NODES_MAX`] nodes.

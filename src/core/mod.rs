@@ -126,13 +126,17 @@ pub struct Queue {
     pub prior_runs: Vec<EpochStart>,
     /// See [`QueueInfo::promoted_at`].
     pub promoted_at: Offset,
-    /// On a queue promoted here (cluster failover): per publisher `(origin node, session)`, the
-    /// highest event sequence the queue holds, so a forwarded event the failed primary had
-    /// already appended (and shipped) is not appended twice. None elsewhere.
-    pub seen: Option<HashMap<(String, u64), u64>>,
+    /// On a queue promoted here (cluster failover): per publisher, the highest event sequence
+    /// the queue holds, so a forwarded event the failed primary had already appended (and
+    /// shipped) is not appended twice. None elsewhere.
+    pub seen: Option<SeenEvents>,
 }
 
-/// A publish forwarded by a peer, as applied here: kept for a while on a node holding copies,
+/// Per publisher (origin node, then session), the highest event sequence held.
+pub type SeenEvents = HashMap<String, HashMap<u64, u64>>;
+
+/// A publish as applied here (forwarded by a peer, or this node's own): kept for a while on a
+/// node holding copies,
 /// so a promotion can append what the failed primary had not shipped yet.
 #[derive(Clone, Debug)]
 pub struct RecentForward {
@@ -184,9 +188,36 @@ impl Queue {
     /// Whether this (promoted) queue already holds event `seq` of publisher `(node, session)`.
     fn holds(&self, node: &str, session: u64, seq: u64) -> bool {
         self.seen.as_ref().is_some_and(|seen| {
-            seen.get(&(node.to_string(), session))
+            seen.get(node)
+                .and_then(|s| s.get(&session))
                 .is_some_and(|&max| max >= seq)
         })
+    }
+
+    /// Appends the encoded event `body` (with id `id`) at the next offset; returns the offset.
+    fn append_event(
+        &mut self,
+        body: &Arc<[u8]>,
+        id: &EventId,
+        wants_values: bool,
+        now_ms: u64,
+        batch: &mut Batch,
+    ) -> Offset {
+        self.end += 1;
+        self.note_append(now_ms);
+        let flags = if wants_values { 0 } else { FLAG_NO_VALUE };
+        batch.append(
+            self.id,
+            self.end,
+            Entry {
+                flags,
+                body: body.clone(),
+            },
+        );
+        if let Some(seen) = &mut self.seen {
+            note_seen(seen, id);
+        }
+        self.end
     }
 
     /// The queue's info as stored with its metadata.
@@ -317,9 +348,35 @@ pub struct EventOrigin {
 }
 
 /// Records event `id` in a per-publisher high-water map (see [`Queue::seen`]).
-pub fn note_seen(seen: &mut HashMap<(String, u64), u64>, id: &EventId) {
-    let max = seen.entry((id.node.clone(), id.session)).or_insert(0);
+pub fn note_seen(seen: &mut SeenEvents, id: &EventId) {
+    let sessions = match seen.get_mut(id.node.as_str()) {
+        Some(s) => s,
+        None => seen.entry(id.node.clone()).or_default(),
+    };
+    let max = sessions.entry(id.session).or_insert(0);
     *max = (*max).max(id.seq);
+}
+
+/// The stored form of an event: its record, packed. Creates and updates carry the value.
+fn encode_event(
+    id: EventId,
+    region: &str,
+    key: &str,
+    op: EventOp,
+    value: Option<&Vec<u8>>,
+) -> (EventRecord, Arc<[u8]>) {
+    let record = EventRecord {
+        id,
+        region: region.to_string(),
+        key: key.to_string(),
+        op,
+        value: match op {
+            EventOp::Create | EventOp::Update => value.cloned(),
+            _ => None,
+        },
+    };
+    let body = encode_body_packed(&record).expect("records encode").into();
+    (record, body)
 }
 
 /// Stored queues split by [`NodeCore::split_copies`]: this node's queues, and the copies it
@@ -590,7 +647,7 @@ impl NodeCore {
         &mut self,
         qid: QueueId,
         now_ms: u64,
-        seen: HashMap<(String, u64), u64>,
+        seen: SeenEvents,
         forwards: &[RecentForward],
     ) -> Option<(Batch, Offset)> {
         self.queues.get_mut(&qid)?.seen = Some(seen);
@@ -609,30 +666,17 @@ impl NodeCore {
                 if q.holds(&f.origin.node, f.origin.session, seq) {
                     continue;
                 }
-                let record = EventRecord {
-                    id: EventId {
-                        node: f.origin.node.clone(),
-                        session: f.origin.session,
-                        seq,
-                    },
-                    region: region.to_string(),
-                    key: key.to_string(),
-                    op: *event_op,
-                    value: match (op, event_op) {
-                        (PublishOp::Put { value, .. }, EventOp::Create | EventOp::Update) => {
-                            Some(value.clone())
-                        }
-                        _ => None,
-                    },
+                let id = EventId {
+                    node: f.origin.node.clone(),
+                    session: f.origin.session,
+                    seq,
                 };
-                let body: Arc<[u8]> = encode_body_packed(&record).expect("records encode").into();
-                q.end += 1;
-                q.note_append(now_ms);
-                let flags = if wants_values { 0 } else { FLAG_NO_VALUE };
-                batch.append(qid, q.end, Entry { flags, body });
-                if let Some(seen) = &mut q.seen {
-                    note_seen(seen, &record.id);
-                }
+                let value = match op {
+                    PublishOp::Put { value, .. } => Some(value),
+                    _ => None,
+                };
+                let (record, body) = encode_event(id, region, key, *event_op, value);
+                q.append_event(&body, &record.id, wants_values, now_ms, &mut batch);
             }
         }
         let q = self.queues.get_mut(&qid)?;
@@ -695,11 +739,6 @@ impl NodeCore {
             q.persist_info(&mut batch);
         }
         batch
-    }
-
-    /// The queue's info as stored (what a primary ships to its secondaries).
-    pub fn queue_info(&self, queue: QueueId) -> Option<QueueInfo> {
-        self.queues.get(&queue).map(Queue::info)
     }
 
     /// Caps delivery of a queue (see [`Queue::deliver_cap`]). Returns the attached session when
@@ -1212,17 +1251,7 @@ impl NodeCore {
                 plan.first_id = Some(id.clone());
             }
             plan.event_ops.push(event_op);
-            let record = EventRecord {
-                id,
-                region: region.clone(),
-                key: key.clone(),
-                op: event_op,
-                value: match event_op {
-                    EventOp::Create | EventOp::Update => value.cloned(),
-                    _ => None,
-                },
-            };
-            let body: Arc<[u8]> = encode_body_packed(&record).expect("records encode").into();
+            let (record, body) = encode_event(id, region, key, event_op, value);
             while m < matches.len() && matches[m].0 == i {
                 let (_, qid, wants_values) = matches[m];
                 m += 1;
@@ -1230,21 +1259,8 @@ impl NodeCore {
                 let Some(q) = self.queues.get_mut(&qid) else {
                     continue;
                 };
-                q.end += 1;
-                q.note_append(now_ms);
-                let flags = if wants_values { 0 } else { FLAG_NO_VALUE };
-                plan.batch.append(
-                    qid,
-                    q.end,
-                    Entry {
-                        flags,
-                        body: body.clone(),
-                    },
-                );
-                if let Some(seen) = &mut q.seen {
-                    note_seen(seen, &record.id);
-                }
-                last.insert(qid, q.end);
+                let off = q.append_event(&body, &record.id, wants_values, now_ms, &mut plan.batch);
+                last.insert(qid, off);
                 plan.enqueued += 1;
             }
             plan.count += 1;

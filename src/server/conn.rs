@@ -225,6 +225,7 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
     };
     let session = connected.session;
     if let (Some(p), Some(d)) = (&placed, &durable) {
+        // Before the welcome: a queue with copies must not deliver what they may lack.
         super::failover::ensure_shipping(shared, &d.id, p);
     }
     let (probe_tx, probe_rx) = mpsc::channel(PROBES_QUEUED_MAX);
@@ -304,18 +305,11 @@ async fn connect(
             match core.connect_as(durable, principal) {
                 Ok(mut c) => {
                     let mut batch = std::mem::take(&mut c.batch);
-                    if let Some(p) = placed {
-                        // A queue placed by the cluster appends under its placement's epoch;
-                        // one with copies delivers only what they hold.
+                    // A new queue placed by the cluster appends under its placement's epoch
+                    // (its delivery cap is set by `ensure_shipping` before the welcome).
+                    if let Some(p) = placed.filter(|_| c.status != QueueStatus::Resumed) {
                         let qid = core.session(c.session).map_or(0, |s| s.queue);
-                        if c.status != QueueStatus::Resumed {
-                            batch.extend(core.set_queue_epoch(qid, p.epoch));
-                        }
-                        let shipped = durable.is_some_and(|d| shared.shipping.get(&d.id).is_some());
-                        if !p.secondaries.is_empty() && !shipped {
-                            let acked = core.queue(qid).map_or(0, |q| q.acked);
-                            core.set_deliver_cap(qid, Some(acked));
-                        }
+                        batch.extend(core.set_queue_epoch(qid, p.epoch));
                     }
                     Ok((c, shared.writer.submit(batch, None)))
                 }

@@ -12,6 +12,7 @@
 //! (with the node's sync mode) before the reply leaves: an ack always means durable.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tether_storage::{Batch, Entry, QueueId, QueueMeta};
@@ -34,7 +35,7 @@ pub(crate) struct Copy {
     pub(crate) gone: bool,
     /// Per publisher `(node, session)`, the highest event sequence written to this copy since
     /// the node started (with the entries held, what a promotion must not append again).
-    pub(crate) seen: HashMap<(String, u64), u64>,
+    pub(crate) seen: crate::core::SeenEvents,
     /// The first messages of a snapshot sent in several: (sender, snapshot batch) and entries.
     staged: Option<((u64, u64), Vec<ShippedEntry>)>,
 }
@@ -45,6 +46,8 @@ type CopyCell = Arc<tokio::sync::Mutex<Copy>>;
 #[derive(Default)]
 pub(crate) struct Copies {
     map: Mutex<HashMap<String, CopyCell>>,
+    /// The map's size, read without the lock on the publish path.
+    count: AtomicUsize,
 }
 
 impl Copies {
@@ -63,12 +66,13 @@ impl Copies {
                 replica,
                 info,
                 gone: false,
-                seen: HashMap::new(),
+                seen: Default::default(),
                 staged: None,
             };
             map.insert(id, Arc::new(tokio::sync::Mutex::new(copy)));
         }
         Ok(Copies {
+            count: AtomicUsize::new(map.len()),
             map: Mutex::new(map),
         })
     }
@@ -87,11 +91,18 @@ impl Copies {
     }
 
     pub(crate) fn remove(&self, id: &str) {
-        self.lock().remove(id);
+        let mut map = self.lock();
+        map.remove(id);
+        self.count.store(map.len(), Ordering::Release);
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.lock().len()
+        self.count.load(Ordering::Acquire)
+    }
+
+    /// Whether this node holds any copy.
+    pub(crate) fn held(&self) -> bool {
+        self.len() > 0
     }
 }
 
@@ -215,10 +226,9 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
         epoch,
         encode_body(&stored).expect("queue info always encodes"),
     );
-    if matches!(msg.header, ReplicateHeader::Snapshot(_))
-        && writes
-            .iter()
-            .any(|w| matches!(w.op, WriteOp::Snapshot { .. }))
+    if writes
+        .iter()
+        .any(|w| matches!(w.op, WriteOp::Snapshot { .. }))
     {
         metrics::counter!(m::REPLICATION_SNAPSHOTS_RECEIVED).increment(1);
     }
@@ -255,11 +265,13 @@ async fn copy_for(shared: &Arc<Shared>, id: &str, info: &QueueInfo) -> Result<Co
             replica: Replica::new(),
             info: info.clone(),
             gone: false,
-            seen: HashMap::new(),
+            seen: Default::default(),
             staged: None,
         }))
     });
-    Ok(cell.clone())
+    let cell = cell.clone();
+    shared.copies.count.store(map.len(), Ordering::Release);
+    Ok(cell)
 }
 
 /// Adds the storage operations of one replica write. `entries` are the message's entries, the

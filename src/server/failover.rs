@@ -57,15 +57,20 @@ pub(crate) struct RecentForwards {
 }
 
 impl RecentForwards {
+    /// Keeps a publish whose first event is `first` (the others follow in sequence).
     pub(crate) fn record(
         &mut self,
-        origin: &crate::core::EventOrigin,
+        first: &EventId,
         ops: &[crate::protocol::PublishOp],
         kinds: &[crate::protocol::EventOp],
     ) {
         let now = Instant::now();
         let f = RecentForward {
-            origin: origin.clone(),
+            origin: crate::core::EventOrigin {
+                node: first.node.clone(),
+                session: first.session,
+                first_seq: first.seq,
+            },
             ops: ops.iter().cloned().zip(kinds.iter().copied()).collect(),
         };
         self.ops += f.ops.len();
@@ -92,8 +97,8 @@ pub(crate) struct Liveness {
 }
 
 impl Liveness {
-    /// Whether `node` answered within [`NODE_FAILURE_MS`] (members never heard of since this
-    /// node started count as alive until the failure timeout has passed once).
+    /// Whether `node` answered within [`NODE_FAILURE_MS`]. The detector counts every member as
+    /// seen when it starts, so members get the failure timeout once before they count as down.
     pub(crate) fn is_live(&self, node: RaftId) -> bool {
         let seen = self.last_seen.lock().unwrap_or_else(|p| p.into_inner());
         seen.get(&node)
@@ -141,7 +146,11 @@ pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
                 (n, matches!(r, Ok(PeerResponse::Pong)))
             }
         });
-        let results = futures_join_all(pings).await;
+        let mut set = tokio::task::JoinSet::new();
+        for ping in pings {
+            set.spawn(ping);
+        }
+        let results = set.join_all().await;
         let Some(shared) = weak.upgrade() else {
             return;
         };
@@ -177,22 +186,6 @@ pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
             }
         }
     }
-}
-
-/// Runs futures concurrently and collects their outputs in order.
-async fn futures_join_all<F>(futs: impl Iterator<Item = F>) -> Vec<F::Output>
-where
-    F: std::future::Future + Send + 'static,
-    F::Output: Send + 'static,
-{
-    let handles: Vec<_> = futs.map(tokio::spawn).collect();
-    let mut out = Vec::with_capacity(handles.len());
-    for h in handles {
-        if let Ok(v) = h.await {
-            out.push(v);
-        }
-    }
-    out
 }
 
 /// Follows the metadata every [`RECONCILE_MS`].

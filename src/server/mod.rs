@@ -114,7 +114,7 @@ pub(crate) struct Shared {
     pub(crate) shipping: shipping::Shipping,
     /// When each member last answered (clustered nodes).
     pub(crate) liveness: failover::Liveness,
-    /// Publishes forwarded here lately, kept while this node holds copies (see
+    /// Publishes applied here lately (forwarded and own), kept while this node holds copies (see
     /// `failover.rs`: a promotion appends those the failed primary had not shipped).
     pub(crate) recent: Mutex<failover::RecentForwards>,
 }
@@ -235,32 +235,19 @@ impl Shared {
                 (Some(o), _) => {
                     let (k, v) = forward::applied_marker(o.node, o.offset);
                     batch.state_put(&k, v);
-                    if self.copies.len() > 0 {
-                        self.recent
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .record(&o.ids, ops, &plan.event_ops);
-                    }
                     None
                 }
-                (None, Some(f)) => {
-                    // This node's own publishes count too: a copy held here may be promoted
-                    // before its failed primary got them through forwarding.
-                    if let (Some(id), true) = (&plan.first_id, self.copies.len() > 0) {
-                        let origin = crate::core::EventOrigin {
-                            node: id.node.clone(),
-                            session: id.session,
-                            first_seq: id.seq,
-                        };
-                        self.recent
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .record(&origin, ops, &plan.event_ops);
-                    }
-                    f.log_publish(&mut batch, plan.first_id.as_ref(), ops)
-                }
+                (None, Some(f)) => f.log_publish(&mut batch, plan.first_id.as_ref(), ops),
                 (None, None) => None,
             };
+            // While copies are held here, keep the publish (forwarded or this node's own) for a
+            // promotion: the failed primary may not have shipped it yet.
+            if let (Some(id), true) = (&plan.first_id, self.copies.held()) {
+                self.recent
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .record(id, ops, &plan.event_ops);
+            }
             let shared = self.clone();
             let (seq, appended) = (plan.seq, plan.appended);
             receipt_appended = appended.clone();
@@ -402,13 +389,6 @@ impl Shared {
         let Some(cluster) = self.cluster.get() else {
             return reports;
         };
-        let name = |n: u64| {
-            cluster
-                .members()
-                .nodes
-                .get(&n)
-                .map_or_else(|| n.to_string(), |m| m.name.clone())
-        };
         for r in &mut reports {
             let Some(sq) = r.durable_id.as_deref().and_then(|d| self.shipping.get(d)) else {
                 continue;
@@ -417,7 +397,7 @@ impl Shared {
                 .lags()
                 .into_iter()
                 .map(|(n, lag)| CopyLag {
-                    node: name(n),
+                    node: cluster.members().name(n),
                     lag_entries: lag,
                 })
                 .collect();
@@ -442,13 +422,9 @@ impl Shared {
                 continue;
             }
             let log = copy.replica.log();
-            let primary = cluster.placement(&id).and_then(|p| {
-                cluster
-                    .members()
-                    .nodes
-                    .get(&p.primary)
-                    .map(|n| n.name.clone())
-            });
+            let primary = cluster
+                .placement(&id)
+                .map(|p| cluster.members().name(p.primary));
             reports.push(QueueReport {
                 durable_id: Some(id.clone()),
                 state: if copy.info.away_since_ms.is_some() {
@@ -982,12 +958,8 @@ async fn tick_loop(shared: Arc<Shared>) {
                 }
             }
             for (peer, l) in lag {
-                let name = cl
-                    .members()
-                    .nodes
-                    .get(&peer)
-                    .map_or_else(|| peer.to_string(), |n| n.name.clone());
-                metrics::gauge!(m::REPLICATION_LAG, "peer" => name).set(l as f64);
+                metrics::gauge!(m::REPLICATION_LAG, "peer" => cl.members().name(peer))
+                    .set(l as f64);
             }
         }
     }

@@ -250,8 +250,8 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
         let seen = shared
             .core()
             .queue(sq.qid)
-            .map(|q| (q.visible_end, q.acked, q.info()));
-        let Some((visible_end, acked, info)) = seen else {
+            .map(|q| (q.visible_end, q.acked));
+        let Some((visible_end, acked)) = seen else {
             shared.shipping.stop(&sq.durable_id);
             return;
         };
@@ -304,7 +304,13 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
         if let Some(s) = wake {
             shared.wake(s);
         }
-        if !transmits.is_empty() {
+        // The queue info travels with every message (durable interest, away time): read it only
+        // when there is something to send.
+        let info = match transmits.is_empty() {
+            true => None,
+            false => shared.core().queue(sq.qid).map(|q| q.info()),
+        };
+        if let Some(info) = info {
             let info = encode_body(&info).expect("queue info always encodes");
             for t in transmits {
                 send(&shared, &cluster, &sq, t, &info);
