@@ -1042,6 +1042,7 @@ impl SessionSim {
             id,
             timeout_secs,
             redundancy: 0,
+            failed_primary: None,
         }
     }
 
@@ -1165,6 +1166,8 @@ impl SessionSim {
                     id: pick(u, DURABLE_IDS).to_string(),
                     timeout_secs: 1 + u.below(600) as u64,
                     redundancy: 0,
+                    // A single node ignores a failover request.
+                    failed_primary: (u.below(4) == 0).then(|| "n1".to_string()),
                 };
                 self.connect(Some(hello), true);
                 if let Some(&s) = self.alive.last() {
@@ -1219,6 +1222,7 @@ pub fn session_with(data: &[u8], check_op_kind: bool) -> SessionStats {
                 id: id.to_string(),
                 timeout_secs: 60,
                 redundancy: 0,
+                failed_primary: None,
             }),
             false,
         );
@@ -1270,6 +1274,7 @@ pub fn hello_frame(version: u32, durable: Option<(&str, u64)>) -> Vec<u8> {
             id: id.into(),
             timeout_secs: t,
             redundancy: 0,
+            failed_primary: None,
         }),
         token: None,
         client: "seed".into(),

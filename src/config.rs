@@ -164,6 +164,26 @@ pub struct ServerConfig {
     /// Cluster members as (node id, QUIC address); empty: a single node. May include this
     /// node itself (so every member can share one list).
     pub peers: Vec<(String, String)>,
+    /// A member silent this long is declared failed by the metadata leader (the queues it was
+    /// primary of fail over), in milliseconds. TOML `[cluster] node-failure-ms`.
+    pub node_failure_ms: u64,
+}
+
+/// Default of [`ServerConfig::node_failure_ms`], in milliseconds.
+pub const NODE_FAILURE_MS_DEFAULT: u64 = 2_500;
+/// Least [`ServerConfig::node_failure_ms`], in milliseconds (above the peer ping timeout).
+pub const NODE_FAILURE_MS_MIN: u64 = 1_500;
+/// Most [`ServerConfig::node_failure_ms`], in milliseconds.
+pub const NODE_FAILURE_MS_MAX: u64 = 3_600_000;
+
+/// Checks a `node-failure-ms` value.
+pub fn validate_node_failure_ms(ms: u64) -> Result<(), String> {
+    if !(NODE_FAILURE_MS_MIN..=NODE_FAILURE_MS_MAX).contains(&ms) {
+        return Err(format!(
+            "node-failure-ms {ms} is outside {NODE_FAILURE_MS_MIN}..={NODE_FAILURE_MS_MAX}"
+        ));
+    }
+    Ok(())
 }
 
 /// Default client/peer address.
@@ -185,6 +205,7 @@ impl Default for ServerConfig {
             limits: Limits::default(),
             auth: None,
             peers: Vec::new(),
+            node_failure_ms: NODE_FAILURE_MS_DEFAULT,
         }
     }
 }
@@ -223,6 +244,8 @@ pub struct ClusterFileConfig {
     /// Members as `ID=ADDR`, like `--peer`.
     #[serde(default)]
     pub peers: Vec<String>,
+    /// See [`ServerConfig::node_failure_ms`].
+    pub node_failure_ms: Option<u64>,
 }
 
 /// Parses a `--peer` value `ID=ADDR` (ADDR an `IP:PORT`).

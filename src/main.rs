@@ -484,8 +484,13 @@ async fn server(a: ServerArgs) -> Result<(), Fail> {
     }
     cfg.limits.validate()?;
     cfg.auth = file.auth;
+    let cluster_file = file.cluster.unwrap_or_default();
+    if let Some(ms) = cluster_file.node_failure_ms {
+        tether::config::validate_node_failure_ms(ms)?;
+        cfg.node_failure_ms = ms;
+    }
     let peers = if a.peers.is_empty() {
-        file.cluster.map(|c| c.peers).unwrap_or_default()
+        cluster_file.peers
     } else {
         a.peers
     };

@@ -36,6 +36,7 @@ pub const REPLICATION_LAG: &str = "tether_replication_lag_entries";
 pub const REPLICATION_SNAPSHOTS_SENT: &str = "tether_replication_snapshots_sent_total";
 pub const REPLICATION_SNAPSHOTS_RECEIVED: &str = "tether_replication_snapshots_received_total";
 pub const FAILOVERS: &str = "tether_failovers_total";
+pub const CLIENT_FAILOVERS: &str = "tether_client_failovers_total";
 pub const QUEUE_COPIES: &str = "tether_queue_copies";
 
 /// Bytes of an HTTP request head the endpoint reads.
@@ -101,6 +102,10 @@ fn describe() {
     describe_counter!(
         FAILOVERS,
         "Queues this node took over as primary after their primary failed"
+    );
+    describe_counter!(
+        CLIENT_FAILOVERS,
+        "Promotions of this node asked for by a client that lost its primary (also counted in tether_failovers_total)"
     );
     describe_gauge!(QUEUE_COPIES, "Queue copies this node holds as a secondary");
     describe_counter!(

@@ -169,6 +169,21 @@ pub struct DurableHello {
     /// Taken when the queue is placed; a single node ignores it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub redundancy: u8,
+    /// Client-managed failover: the node id of the queue's primary this client lost. A
+    /// secondary holding an in-sync copy that cannot reach that node either promotes itself
+    /// through the cluster metadata and serves the client; otherwise it redirects as usual.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_primary: Option<String>,
+}
+
+/// One node holding a durable queue (its primary or a copy), as told in the welcome.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueServer {
+    pub node_id: String,
+    /// The node's client address (`IP:PORT`).
+    pub addr: String,
+    /// True for the primary (the node the client is connected to); false for a copy.
+    pub primary: bool,
 }
 
 fn is_zero(n: &u8) -> bool {
@@ -286,6 +301,10 @@ pub enum ServerMsg {
         session: u64,
         queue: QueueStatus,
         pending: Option<u64>,
+        /// On a cluster, the nodes holding this durable queue: the primary (this node) and
+        /// its copies, in promotion order. Empty for a single node or a non-durable client.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        queue_servers: Vec<QueueServer>,
     },
     Response {
         id: u64,

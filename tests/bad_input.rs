@@ -244,6 +244,7 @@ fn durable_hello(id: &str, timeout_secs: u64) -> Option<DurableHello> {
         id: id.into(),
         timeout_secs,
         redundancy: 0,
+        failed_primary: None,
     })
 }
 

@@ -108,7 +108,9 @@ async fn in_sync_secondary(p: &ProcCluster, primary: usize, id: &str, end: u64) 
 }
 
 /// G1 (copies exist and follow the primary): a queue with redundancy 1 has a copy on another
-/// node holding every entry, its interest and its acked offset; both report it.
+/// node holding every entry, its interest and its acked offset; both report it. G11: the
+/// client's acks remove the entries from the copy too (nothing pending there). G6/G9: a
+/// reconnect through a node that holds nothing lands on the same primary and copy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn g1_copy_holds_the_queue_and_reports_lag() {
     let p = ProcCluster::start(3);
@@ -150,6 +152,26 @@ async fn g1_copy_holds_the_queue_and_reports_lag() {
             .iter()
             .all(|q| q.durable_id.as_deref() != Some("d"))
     );
+    // G6/G9: coming back through the node that holds nothing, the client is redirected to the
+    // same primary, and the queue keeps its servers.
+    let d = reconnect_until(&p, &[third], "a reconnect", |_| true).await;
+    assert_eq!(
+        (d.node_id(), d.queue_status()),
+        ("n1", QueueStatus::Resumed)
+    );
+    let servers: Vec<(String, bool)> = d
+        .queue_servers()
+        .iter()
+        .map(|s| (s.node_id.clone(), s.primary))
+        .collect();
+    assert_eq!(
+        servers,
+        [
+            ("n1".to_string(), true),
+            (format!("n{}", secondary + 1), false)
+        ]
+    );
+    d.close(true).await.unwrap();
 }
 
 /// G2, stronger than Geode: the client is away when its primary is killed; the copy becomes
@@ -707,5 +729,231 @@ async fn large_snapshot_is_sent_in_several_messages() {
     assert_eq!(
         (copy.acked_offset, copy.end_offset, copy.pending),
         (100, end, u64::from(BIG))
+    );
+}
+
+/// Client-managed failover (Geode's model): the cluster's failure detector is set to an hour,
+/// so only the client can move the queue. The online client loses its primary (kill -9),
+/// goes to the copy named in its welcome (its own server list names only the third node),
+/// the copy finds the primary dead too and promotes itself through the metadata; the client
+/// resumes from its acked offset, loses nothing, sees the live marker once, and the new
+/// primary restores redundancy on the third node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_promotes_a_copy_when_its_primary_dies() {
+    const BEFORE: u32 = 1_000;
+    const TOTAL: u32 = 4_000;
+    let mut p = ProcCluster::start_with_config(3, "[cluster]\nnode-failure-ms = 3600000\n");
+    let d = p
+        .get(0)
+        .builder()
+        .durable("d", 600)
+        .redundancy(1)
+        .failure_timeout(Duration::from_secs(2))
+        .ack_interval(Duration::from_millis(20))
+        .connect()
+        .await
+        .expect("durable client connects");
+    d.region("R").register(Interest::all_keys()).await.unwrap();
+    d.ready_for_events().await.unwrap();
+    let servers = d.queue_servers().to_vec();
+    assert_eq!(servers.len(), 2, "the primary and one copy: {servers:?}");
+    assert!(servers[0].primary && servers[0].node_id == "n1" && !servers[1].primary);
+    let secondary = p.index(&servers[1].node_id);
+    let third = (1..3).find(|&i| i != secondary).unwrap();
+    let dedup = d.dedup_state();
+    let progress = Arc::new(AtomicU32::new(0));
+    let publisher = tokio::spawn(publish(p.get(third).builder(), 0, TOTAL, progress.clone()));
+    let mut seen: HashSet<u32> = HashSet::new();
+    let mut fresh: Vec<u32> = Vec::new();
+    let mut lives = 0;
+    let mut client = Some(d);
+    let mut killed = false;
+    let mut reconnects = 0;
+    while fresh.len() < TOTAL as usize {
+        let c = match client.take() {
+            Some(c) => c,
+            None => {
+                reconnects += 1;
+                assert!(reconnects < 20, "too many reconnects");
+                let c = wait_for("the client's failover", || async {
+                    p.builder(&[third])
+                        .durable("d", 600)
+                        .failure_timeout(Duration::from_secs(2))
+                        .ack_interval(Duration::from_millis(20))
+                        .dedup_state(dedup.clone())
+                        .connect()
+                        .await
+                        .map_err(|e| eprintln!("failover attempt: {e}"))
+                        .ok()
+                })
+                .await;
+                assert_eq!(c.queue_status(), QueueStatus::Resumed, "the queue survived");
+                assert_eq!(
+                    c.node_id(),
+                    format!("n{}", secondary + 1),
+                    "served by the copy"
+                );
+                c.ready_for_events().await.unwrap();
+                c
+            }
+        };
+        let mut ev = c.events().unwrap();
+        loop {
+            if !killed && fresh.len() as u32 >= BEFORE {
+                p.kill9(0);
+                killed = true;
+            }
+            match tokio::time::timeout(FAILOVER_WAIT, ev.next()).await {
+                Ok(Some(ClientEvent::Event(e))) => {
+                    let v: u32 = String::from_utf8(e.value.clone().unwrap())
+                        .unwrap()
+                        .parse()
+                        .unwrap();
+                    if !seen.insert(v) {
+                        assert!(e.possible_duplicate, "an unflagged duplicate: {v}");
+                    } else {
+                        fresh.push(v);
+                    }
+                    ev.commit();
+                    if fresh.len() == TOTAL as usize {
+                        break;
+                    }
+                }
+                Ok(Some(ClientEvent::Live { .. })) => lives += 1,
+                Ok(None) => break, // The connection died: fail over.
+                Err(_) => panic!("no event for {FAILOVER_WAIT:?}"),
+            }
+        }
+        drop(ev);
+        if fresh.len() == TOTAL as usize {
+            client = Some(c);
+        }
+    }
+    assert!(killed && reconnects >= 1, "the client failed over");
+    assert_eq!(publisher.await.unwrap(), TOTAL);
+    assert_eq!(lives, 1, "the live marker is seen once");
+    let sorted: Vec<u32> = (0..TOTAL).collect();
+    assert_eq!(fresh, sorted, "every event once, in publisher order");
+    // The promoted copy restores redundancy on the third node.
+    let r = wait_for("redundancy to be restored", || async {
+        report(&p, secondary, "d", "primary")
+            .await
+            .filter(|r| r.copies.len() == 1 && r.copies[0].lag_entries == 0)
+    })
+    .await;
+    assert_eq!(r.copies[0].node, format!("n{}", third + 1));
+    client.take().unwrap().close(true).await.ok();
+}
+
+/// An acknowledged registration survives a failover: when `register` returns, the copy already
+/// holds the new durable interest (no entries are being shipped that could carry it), and
+/// after the primary is killed at once the promoted copy queues events for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registered_interest_is_on_the_copy_when_register_returns() {
+    let mut p = ProcCluster::start(3);
+    let d = durable_on_n1(&p, "d").await;
+    d.ready_for_events().await.unwrap();
+    let secondary = p.index(&d.queue_servers()[1].node_id);
+    let third = (1..3).find(|&i| i != secondary).unwrap();
+    // Let the copy settle, so only the registration below can change its interest.
+    let _ = in_sync_secondary(&p, 0, "d", 0).await;
+    d.region("A").register(Interest::all_keys()).await.unwrap();
+    let copy = report(&p, secondary, "d", "secondary")
+        .await
+        .expect("the copy reports");
+    assert!(
+        copy.interests.iter().any(|i| i.region == "A" && i.durable),
+        "the copy holds the new interest: {:?}",
+        copy.interests
+    );
+    p.kill9(0);
+    d.crash();
+    let publisher = p.get(third).builder().connect().await.unwrap();
+    publisher
+        .publish(vec![PublishOp::Put {
+            region: "A".into(),
+            key: "k".into(),
+            value: b"after".to_vec(),
+        }])
+        .await
+        .unwrap();
+    let d = reconnect_until(&p, &[third], "the queue to hold the event", |c| {
+        c.pending() == Some(1)
+    })
+    .await;
+    assert_eq!(d.node_id(), format!("n{}", secondary + 1));
+    d.ready_for_events().await.unwrap();
+    let mut ev = d.events().unwrap();
+    match tokio::time::timeout(FAILOVER_WAIT, ev.next()).await {
+        Ok(Some(ClientEvent::Event(e))) => {
+            assert_eq!((e.region.as_str(), e.key.as_str()), ("A", "k"));
+            assert_eq!(e.value.as_deref(), Some(&b"after"[..]));
+        }
+        other => panic!("expected the event of region A, got {other:?}"),
+    }
+}
+
+/// G10 in a cluster, with redundancy 0: the online client's node is killed and restarted on
+/// its port. The queue has no copy, so it stays placed on that node (nothing else holds it);
+/// after the restart it is back with the same id and timeout, the events published through
+/// another node meanwhile (kept in that node's publish log) are pending, and later publishes
+/// reach the client too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g10_queue_without_copies_comes_back_with_its_node() {
+    let mut p = ProcCluster::start(3);
+    let d = p
+        .get(0)
+        .builder()
+        .durable("d", 600)
+        .failure_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .expect("durable client connects");
+    d.region("R").register(Interest::all_keys()).await.unwrap();
+    d.ready_for_events().await.unwrap();
+    assert_eq!(d.queue_servers().len(), 1, "no copies");
+    p.kill9(0);
+    d.crash();
+    let progress = Arc::new(AtomicU32::new(0));
+    assert_eq!(
+        publish(p.get(1).builder(), 0, 10, progress.clone()).await,
+        10
+    );
+    p.restart(0);
+    let r = wait_for("the queue back on its node", || async {
+        report(&p, 0, "d", "primary")
+            .await
+            .filter(|r| r.pending == 10)
+    })
+    .await;
+    assert_eq!(r.timeout_secs, 600);
+    let d = reconnect_until(&p, &[2], "the queue resumed on n1", |c| {
+        c.pending() == Some(10)
+    })
+    .await;
+    assert_eq!(
+        (d.node_id(), d.queue_status()),
+        ("n1", QueueStatus::Resumed)
+    );
+    d.ready_for_events().await.unwrap();
+    assert_eq!(publish(p.get(2).builder(), 10, 20, progress).await, 20);
+    let mut ev = d.events().unwrap();
+    let mut values = Vec::new();
+    while values.len() < 20 {
+        match tokio::time::timeout(FAILOVER_WAIT, ev.next()).await {
+            Ok(Some(ClientEvent::Event(e))) => values.push(
+                String::from_utf8(e.value.unwrap())
+                    .unwrap()
+                    .parse::<u32>()
+                    .unwrap(),
+            ),
+            Ok(Some(ClientEvent::Live { .. })) => {}
+            other => panic!("stream ended early: {other:?}"),
+        }
+    }
+    assert_eq!(
+        values,
+        (0..20).collect::<Vec<_>>(),
+        "every event once, in order"
     );
 }

@@ -33,6 +33,7 @@ impl Sim {
             id: id.into(),
             timeout_secs: timeout,
             redundancy: 0,
+            failed_primary: None,
         });
         let c = self.core.connect(hello.as_ref()).expect("connect");
         self.apply(c.batch);
@@ -217,6 +218,7 @@ fn acks_beyond_delivery_are_refused_and_duplicates_attached_ids_conflict() {
                 id: "X".into(),
                 timeout_secs: 1,
                 redundancy: 0,
+                failed_primary: None,
             }))
             .unwrap_err(),
         ConnectError::Attached(s)
@@ -240,6 +242,7 @@ fn expiry_happens_once_at_the_timeout_and_is_reported_once() {
             id: "X".into(),
             timeout_secs: 10,
             redundancy: 0,
+            failed_primary: None,
         }))
         .unwrap();
     assert_eq!(c.status, QueueStatus::Expired);
@@ -249,6 +252,7 @@ fn expiry_happens_once_at_the_timeout_and_is_reported_once() {
             id: "X".into(),
             timeout_secs: 10,
             redundancy: 0,
+            failed_primary: None,
         }))
         .unwrap();
     assert_eq!(c.status, QueueStatus::New);

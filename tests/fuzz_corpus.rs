@@ -587,6 +587,7 @@ mod findings {
             id: "X".into(),
             timeout_secs: 60,
             redundancy: 0,
+            failed_primary: None,
         };
         let c = core.connect(Some(&hello)).unwrap();
         store.write(&c.batch, true).unwrap();

@@ -32,7 +32,7 @@ pub const REDIRECTS_MAX: usize = 3;
 
 /// How one connection attempt ended.
 enum Attempt {
-    Connected(Client),
+    Connected(Box<Client>),
     /// The node does not hold this durable queue; the one at this address does.
     Redirect(SocketAddr),
 }
@@ -101,7 +101,9 @@ pub trait Listener: Send {
 }
 
 /// What this process has already processed of one durable queue, so events redelivered
-/// after a reconnect (flagged `possible_duplicate`) are dropped instead of shown twice.
+/// after a reconnect (flagged `possible_duplicate`) are dropped instead of shown twice; and,
+/// on a cluster, which nodes hold the queue, so a client whose session was lost fails over to
+/// the queue's copies (client-managed failover, see [`ClientBuilder::connect`]).
 ///
 /// A queue entry keeps its offset and its event id when it is redelivered, and offsets are
 /// never reused within a queue's life, so "already processed" is "offset at or below the
@@ -119,11 +121,14 @@ struct DedupInner {
     /// (after a reconnect or a failover) announces only regions not announced before.
     live_shown: bool,
     live_regions: std::collections::BTreeSet<String>,
+    /// The queue's servers as the latest session's welcome named them, until the application
+    /// ends a session itself: a session that was lost instead fails over to the copies.
+    queue_servers: Vec<QueueServer>,
 }
 
 impl DedupState {
     /// Binds the state to the session that just connected.
-    fn attach(&self, durable_id: Option<&str>, status: QueueStatus) {
+    fn attach(&self, durable_id: Option<&str>, status: QueueStatus, servers: &[QueueServer]) {
         let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if d.durable_id.as_deref() != durable_id || status != QueueStatus::Resumed {
             d.durable_id = durable_id.map(str::to_string);
@@ -131,6 +136,24 @@ impl DedupState {
             d.live_shown = false;
             d.live_regions.clear();
         }
+        d.queue_servers = servers.to_vec();
+    }
+
+    /// Client-managed failover: if the last session of durable id `id` was lost (not ended by
+    /// the application), the node id of its primary and the addresses of the queue's copies.
+    fn lost_primary(&self, id: &str) -> Option<(String, Vec<SocketAddr>)> {
+        let d = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if d.durable_id.as_deref() != Some(id) {
+            return None;
+        }
+        let primary = d.queue_servers.iter().find(|s| s.primary)?;
+        let copies = d
+            .queue_servers
+            .iter()
+            .filter(|s| !s.primary)
+            .filter_map(|s| s.addr.parse().ok())
+            .collect();
+        Some((primary.node_id.clone(), copies))
     }
 
     /// The client ended its session itself (a close or a crash): its next session is told
@@ -140,6 +163,7 @@ impl DedupState {
         let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
         d.live_shown = false;
         d.live_regions.clear();
+        d.queue_servers.clear();
     }
 
     /// Filters a live marker: None if everything it announces was announced already to this
@@ -246,6 +270,7 @@ impl ClientBuilder {
             id: id.into(),
             timeout_secs,
             redundancy: self.redundancy,
+            failed_primary: None,
         });
         self
     }
@@ -311,6 +336,10 @@ impl ClientBuilder {
     }
 
     /// Connects to the first server that answers with a welcome.
+    ///
+    /// With the [`DedupState`] of a durable session that was lost (its connection died; the
+    /// application did not close it), the queue's copies are tried first, naming the lost
+    /// primary: a copy that cannot reach that node either is promoted and serves the queue.
     pub async fn connect(self) -> Result<Client, ClientError> {
         tls::install_crypto_provider();
         if self.servers.is_empty() {
@@ -342,19 +371,34 @@ impl ClientBuilder {
             transport.keep_alive_interval(Some(t / 3));
             config.transport_config(Arc::new(transport));
         }
+        // Client-managed failover (as Geode's): after losing its primary, a client goes to the
+        // queue's copies first, naming the lost node; a copy that cannot reach it either takes
+        // over (see `docs/cluster.md`). The configured servers come after.
+        let mut this = self;
+        let mut servers = this.servers.clone();
+        let lost = match (&this.dedup, &this.durable) {
+            (Some(dedup), Some(d)) => dedup.lost_primary(&d.id),
+            _ => None,
+        };
+        if let (Some((primary, copies)), Some(d)) = (lost, this.durable.as_mut()) {
+            tracing::info!(lost = %primary, copies = ?copies, "failing over to the queue's copies");
+            d.failed_primary = Some(primary);
+            servers.retain(|s| !copies.contains(s));
+            servers.splice(0..0, copies);
+        }
         let mut errors = Vec::new();
-        for &first in &self.servers {
+        for &first in &servers {
             let mut addr = first;
             // A cluster node that does not hold this durable queue redirects to the one that
             // does (a bounded number of hops: the placement can move while we follow it).
             for hop in 0..=REDIRECTS_MAX {
                 match tokio::time::timeout(
                     Duration::from_millis(CONNECT_TIMEOUT_MS),
-                    self.connect_one(addr, config.clone()),
+                    this.connect_one(addr, config.clone()),
                 )
                 .await
                 {
-                    Ok(Ok(Attempt::Connected(c))) => return Ok(c),
+                    Ok(Ok(Attempt::Connected(c))) => return Ok(*c),
                     Ok(Ok(Attempt::Redirect(to))) if hop < REDIRECTS_MAX => {
                         tracing::debug!(from = %addr, to = %to, "redirected");
                         addr = to;
@@ -399,13 +443,14 @@ impl ClientBuilder {
             .await
             .map_err(|e| ClientError::Connect(e.to_string()))?;
         let mut reader = FrameReader::new(recv);
-        let (node_id, status, pending) = match reader.next::<ServerMsg>().await {
+        let (node_id, status, pending, queue_servers) = match reader.next::<ServerMsg>().await {
             Ok(Some(ServerMsg::Welcome {
                 node_id,
                 queue,
                 pending,
+                queue_servers,
                 ..
-            })) => (node_id, queue, pending),
+            })) => (node_id, queue, pending, queue_servers),
             Ok(Some(ServerMsg::Error(e))) => return Err(ClientError::Server(e)),
             Ok(Some(ServerMsg::Redirect { addr: to, node_id })) => {
                 conn.close(0u32.into(), b"redirected");
@@ -437,7 +482,11 @@ impl ClientBuilder {
             conn: conn.clone(),
         });
         let dedup = self.dedup.clone().unwrap_or_default();
-        dedup.attach(self.durable.as_ref().map(|d| d.id.as_str()), status);
+        dedup.attach(
+            self.durable.as_ref().map(|d| d.id.as_str()),
+            status,
+            &queue_servers,
+        );
         let (events_tx, events_rx) = mpsc::channel(CLIENT_BUFFERED_FRAMES_MAX);
         let control = tokio::spawn(control_task(inner.clone(), reader));
         let delivery = tokio::spawn(delivery_task(
@@ -447,19 +496,20 @@ impl ClientBuilder {
             dedup.clone(),
         ));
         let acker = tokio::spawn(ack_task(inner.clone(), self.ack_interval));
-        Ok(Attempt::Connected(Client {
+        Ok(Attempt::Connected(Box::new(Client {
             inner,
             endpoint,
             server: addr,
             node_id,
             status,
             pending,
+            queue_servers,
             durable: self.durable.is_some(),
             events: Mutex::new(Some(events_rx)),
             dedup,
             publish_ack: self.publish_ack,
             tasks: vec![control, delivery, acker],
-        }))
+        })))
     }
 }
 
@@ -656,6 +706,7 @@ pub struct Client {
     node_id: String,
     status: QueueStatus,
     pending: Option<u64>,
+    queue_servers: Vec<QueueServer>,
     durable: bool,
     events: Mutex<Option<mpsc::Receiver<Vec<ClientEvent>>>>,
     dedup: DedupState,
@@ -681,6 +732,13 @@ impl Client {
 
     pub fn node_id(&self) -> &str {
         &self.node_id
+    }
+
+    /// On a cluster, the nodes holding this durable queue as the welcome named them: the
+    /// primary (this client's server) and its copies, in promotion order. A client with the
+    /// [`DedupState`] of a session that was lost fails over to the copies first.
+    pub fn queue_servers(&self) -> &[QueueServer] {
+        &self.queue_servers
     }
 
     pub fn is_durable(&self) -> bool {

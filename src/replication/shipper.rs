@@ -76,6 +76,9 @@ struct Peer {
     in_flight: VecDeque<InFlight>,
     last_send_ms: Option<u64>,
     acked_sent: Offset,
+    /// The queue's metadata changed since the last message to this peer: send one soon, even
+    /// with no entries (see [`Shipper::on_metadata_change`]).
+    metadata_due: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -191,6 +194,7 @@ impl Shipper {
                 in_flight: VecDeque::new(),
                 last_send_ms: None,
                 acked_sent: 0,
+                metadata_due: false,
             });
         }
         self.update_replicated_end();
@@ -280,6 +284,15 @@ impl Shipper {
         None
     }
 
+    /// The queue's metadata (its durable interest) changed: every secondary gets a message soon,
+    /// with no entries if there are none to send, so the driver can attach the new metadata
+    /// (and learn from the replies when every copy holds it).
+    pub fn on_metadata_change(&mut self) {
+        for p in self.peers.values_mut() {
+            p.metadata_due = true;
+        }
+    }
+
     /// The connection to `peer` dropped: what was on the wire is lost, restart its pipeline.
     pub fn on_peer_lost(&mut self, peer: NodeId) {
         if let Some(p) = self.peers.get_mut(&peer) {
@@ -318,6 +331,7 @@ impl Shipper {
                     f.sent_ms.saturating_add(self.config.snapshot_retransmit_ms)
                 }
                 Some(f) => f.sent_ms.saturating_add(self.config.retransmit_ms),
+                None if p.metadata_due => 0,
                 None => p
                     .last_send_ms
                     .map_or(0, |t| t.saturating_add(self.config.heartbeat_ms)),
@@ -390,7 +404,8 @@ impl Shipper {
             let quiet = peer
                 .last_send_ms
                 .is_none_or(|t| now_ms >= t + config.heartbeat_ms);
-            let due = peer.matched.is_none() || acked > peer.acked_sent || quiet;
+            let due =
+                peer.matched.is_none() || acked > peer.acked_sent || quiet || peer.metadata_due;
             if !peer.in_flight.is_empty() || !due {
                 return None;
             }
@@ -441,6 +456,7 @@ impl Shipper {
 impl Peer {
     fn sent(&mut self, in_flight: InFlight) {
         self.last_send_ms = Some(in_flight.sent_ms);
+        self.metadata_due = false;
         self.in_flight.push_back(in_flight);
     }
 

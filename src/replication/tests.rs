@@ -440,3 +440,20 @@ fn promotion_keeps_the_log_and_starts_replicated_end_at_acked() {
         (2, 9, 4, 4)
     );
 }
+
+#[test]
+fn metadata_change_sends_every_idle_secondary_a_message_at_once() {
+    let mut p = Shipper::new(1, LogState::empty(), 0, config());
+    p.on_local_append(2);
+    let mut a = Replica::new();
+    p.set_secondaries(&[2], 0);
+    pump(&mut p, &mut [(2, &mut a)], 0);
+    assert!(p.peer_in_sync(2));
+    // Idle and within the heartbeat time: nothing to send.
+    assert!(p.poll_transmit(1).is_none());
+    p.on_metadata_change();
+    assert_eq!(p.poll_timeout(), Some(0), "due at once");
+    let h = append(p.poll_transmit(1).expect("a message for the new metadata"));
+    assert_eq!((h.first, h.last), (2, 2), "no entries");
+    assert!(p.poll_transmit(1).is_none(), "one message per change");
+}

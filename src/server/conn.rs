@@ -244,11 +244,16 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
                 finished: finished_rx,
             },
         );
+    let queue_servers = match (&placed, shared.cluster.get()) {
+        (Some(p), Some(cluster)) => queue_servers(cluster, p),
+        _ => Vec::new(),
+    };
     let welcome = ServerMsg::Welcome {
         node_id: shared.node_id.clone(),
         session,
         queue: connected.status,
         pending: connected.pending,
+        queue_servers,
     };
     let keepalive = match codec::write_frame(&mut send, &welcome).await {
         Err(_) => true,
@@ -290,6 +295,24 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         .remove(&session);
     let _ = finished_tx.send(true);
     Ok(())
+}
+
+/// The nodes holding a placed queue, primary first, for the welcome (the client fails over to
+/// the copies when it loses the primary).
+fn queue_servers(
+    cluster: &crate::cluster::Cluster,
+    p: &crate::cluster::meta::Placement,
+) -> Vec<QueueServer> {
+    let members = cluster.members();
+    std::iter::once(p.primary)
+        .chain(p.secondaries.iter().copied())
+        .filter_map(|n| members.nodes.get(&n).map(|m| (n, m)))
+        .map(|(n, m)| QueueServer {
+            node_id: m.name.clone(),
+            addr: m.addr.clone(),
+            primary: n == p.primary,
+        })
+        .collect()
 }
 
 /// Attaches a session, taking over a durable id whose old connection no longer answers.
@@ -535,6 +558,9 @@ async fn request(
                 .apply(|core| core.register(session, &region, &interest, durable, receive_values))
                 .await?;
             shared.wake(session);
+            if durable {
+                shared.wait_interest_copied(session).await?;
+            }
             let initial = initial_image(shared, &region, &selectors, policy).await?;
             Ok(ResponseBody::Registered { initial })
         }
@@ -542,6 +568,9 @@ async fn request(
             let removed = shared
                 .apply(|core| core.unregister(session, &region, &interest))
                 .await?;
+            if removed {
+                shared.wait_interest_copied(session).await?;
+            }
             Ok(ResponseBody::Unregistered { removed })
         }
         RequestBody::Ready => {

@@ -2,8 +2,12 @@
 //! members.
 //!
 //! - The **detector** pings every member; the metadata leader proposes
-//!   [`MetaCommand::NodeFailed`] for a member silent for [`NODE_FAILURE_MS`], which promotes the
-//!   first secondary of every queue the member was primary of and drops it from replica sets.
+//!   [`MetaCommand::NodeFailed`] for a member silent for `node-failure-ms` (default
+//!   [`NODE_FAILURE_MS_DEFAULT`]), which promotes the first secondary of every queue the member
+//!   was primary of and drops it from replica sets.
+//! - **Client-managed failover** (Geode's model) is faster for an online client: a client that
+//!   lost its primary connects to a secondary naming the lost node; the secondary pings it and,
+//!   if it does not answer either, promotes itself through the metadata ([`client_failover`]).
 //! - The **reconciler** looks at the applied metadata every [`RECONCILE_MS`]: a queue this node
 //!   is primary of is shipped to its secondaries; a queue another node now holds at a higher
 //!   epoch is deposed here (its client is disconnected and reconnects to the new primary); a
@@ -21,11 +25,12 @@ use tether_transport::ErrorCode;
 
 use super::{Shared, now_ms};
 use crate::cluster::Cluster;
-use crate::cluster::meta::{MetaCommand, Placement, RaftId};
+use crate::cluster::meta::{MetaCommand, MetaResponse, Placement, RaftId};
 use crate::cluster::network::{PeerRequest, PeerResponse};
+use crate::config::{NODE_FAILURE_MS_DEFAULT, NODE_FAILURE_MS_MIN};
 use crate::core::RecentForward;
 use crate::metrics as m;
-use crate::protocol::{EventId, EventRecord};
+use crate::protocol::{EventId, EventRecord, WireError};
 use crate::replication::{Shipper, ShipperConfig};
 
 /// Interval of the reconciler, in milliseconds.
@@ -34,29 +39,42 @@ pub const RECONCILE_MS: u64 = 100;
 pub const PING_INTERVAL_MS: u64 = 300;
 /// Timeout of one ping, in milliseconds.
 pub const PING_TIMEOUT_MS: u64 = 1_000;
-/// A member silent for this long is declared failed by the metadata leader, in milliseconds.
-pub const NODE_FAILURE_MS: u64 = 2_500;
+/// A member that answered a ping within this time counts as live when choosing nodes for
+/// copies and when waiting for copies, in milliseconds.
+pub const MEMBER_LIVE_MS: u64 = 1_500;
 
-const _: () = assert!(PING_INTERVAL_MS < NODE_FAILURE_MS && PING_TIMEOUT_MS < NODE_FAILURE_MS);
+const _: () = assert!(PING_INTERVAL_MS < MEMBER_LIVE_MS && PING_TIMEOUT_MS < MEMBER_LIVE_MS);
+const _: () = assert!(PING_TIMEOUT_MS < NODE_FAILURE_MS_MIN);
 
 /// Longest time a forwarded publish is kept for promotions, in milliseconds. A failover
 /// recovers the events its failed primary had not shipped if they were forwarded here within
-/// this time (failure detection takes [`NODE_FAILURE_MS`]).
+/// this time (failure detection takes `node-failure-ms`: the buffer keeps at least four times
+/// that).
 pub const RECENT_FORWARDS_MS: u64 = 30_000;
 /// Most operations kept for promotions (older ones go first).
 pub const RECENT_FORWARD_OPS_MAX: usize = 500_000;
 
-const _: () = assert!(NODE_FAILURE_MS * 4 < RECENT_FORWARDS_MS);
+const _: () = assert!(NODE_FAILURE_MS_DEFAULT * 4 < RECENT_FORWARDS_MS);
 
 /// Publishes applied on this node lately (forwarded by peers or made here), oldest first, with
 /// the event kinds they produced.
-#[derive(Default)]
 pub(crate) struct RecentForwards {
     entries: std::collections::VecDeque<(Instant, RecentForward)>,
     ops: usize,
+    keep: Duration,
 }
 
 impl RecentForwards {
+    /// Keeps publishes for [`RECENT_FORWARDS_MS`] or four failure-detection times, whichever is
+    /// longer.
+    pub(crate) fn new(node_failure_ms: u64) -> Self {
+        RecentForwards {
+            entries: Default::default(),
+            ops: 0,
+            keep: Duration::from_millis(RECENT_FORWARDS_MS.max(node_failure_ms.saturating_mul(4))),
+        }
+    }
+
     /// Keeps a publish whose first event is `first` (the others follow in sequence).
     pub(crate) fn record(
         &mut self,
@@ -75,7 +93,7 @@ impl RecentForwards {
         };
         self.ops += f.ops.len();
         self.entries.push_back((now, f));
-        let keep = Duration::from_millis(RECENT_FORWARDS_MS);
+        let keep = self.keep;
         while let Some((t, f)) = self.entries.front() {
             if self.ops <= RECENT_FORWARD_OPS_MAX && now.duration_since(*t) < keep {
                 break;
@@ -97,12 +115,17 @@ pub(crate) struct Liveness {
 }
 
 impl Liveness {
-    /// Whether `node` answered within [`NODE_FAILURE_MS`]. The detector counts every member as
-    /// seen when it starts, so members get the failure timeout once before they count as down.
+    /// Whether `node` answered within [`MEMBER_LIVE_MS`]. The detector counts every member as
+    /// seen when it starts, so members get that time once before they count as down.
     pub(crate) fn is_live(&self, node: RaftId) -> bool {
+        self.silent_for(node)
+            .is_some_and(|t| t < Duration::from_millis(MEMBER_LIVE_MS))
+    }
+
+    /// How long ago `node` last answered (None: never).
+    fn silent_for(&self, node: RaftId) -> Option<Duration> {
         let seen = self.last_seen.lock().unwrap_or_else(|p| p.into_inner());
-        seen.get(&node)
-            .is_some_and(|t| t.elapsed() < Duration::from_millis(NODE_FAILURE_MS))
+        seen.get(&node).map(|t| t.elapsed())
     }
 
     fn seen(&self, node: RaftId, at: Instant) {
@@ -165,7 +188,11 @@ pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
             continue;
         }
         for &n in &others {
-            if shared.liveness.is_live(n) || reported.contains(&n) {
+            let silent = shared
+                .liveness
+                .silent_for(n)
+                .is_none_or(|t| t >= shared.node_failure);
+            if !silent || reported.contains(&n) {
                 continue;
             }
             let involved = cluster.read(|s| {
@@ -353,6 +380,75 @@ async fn depose(shared: &Arc<Shared>, id: &str, p: &Placement) {
             ErrorCode::Unavailable,
             "this queue moved to another node; reconnect",
         );
+    }
+}
+
+/// Client-managed failover: a client lost `id`'s primary and asks this node, an in-sync
+/// secondary (checked by the caller), to take over. If the primary does not answer a ping from
+/// here either, this node promotes itself through the metadata (compare-and-set on the epoch
+/// the caller read). Returns the placement to serve from (None: the primary answers, so the
+/// client is redirected to it; a client's own network trouble never deposes a live primary).
+pub(crate) async fn client_failover(
+    cluster: &Cluster,
+    id: &str,
+    p: &Placement,
+) -> Result<Option<Placement>, WireError> {
+    let ping = cluster
+        .call(
+            p.primary,
+            PeerRequest::Ping,
+            Duration::from_millis(PING_TIMEOUT_MS),
+        )
+        .await;
+    if matches!(ping, Ok(PeerResponse::Pong)) {
+        tracing::info!(durable_id = %id, "client reports its primary lost, but it answers here");
+        return Ok(None);
+    }
+    let cmd = MetaCommand::Promote {
+        id: id.to_string(),
+        expected_epoch: p.epoch,
+        new_primary: cluster.id(),
+    };
+    match cluster.write(cmd).await {
+        Ok(MetaResponse::Placed(p) | MetaResponse::Stale(Some(p))) => {
+            if p.primary == cluster.id() {
+                metrics::counter!(m::CLIENT_FAILOVERS).increment(1);
+                tracing::warn!(durable_id = %id, epoch = p.epoch, "promoted at a client's request");
+            }
+            Ok(Some(p))
+        }
+        Ok(other) => Err(WireError::new(
+            ErrorCode::Unavailable,
+            format!("failover of {id:?}: the metadata answered {other:?}; retry"),
+        )),
+        Err(e) => Err(WireError::new(
+            ErrorCode::Unavailable,
+            format!("cluster metadata unavailable, retry: {e}"),
+        )),
+    }
+}
+
+/// This node is `id`'s primary under `p`: if it still holds the queue as a copy (promoted
+/// since the reconciler last ran), the copy becomes a queue of the core now.
+pub(crate) async fn adopt_promoted_copy(
+    shared: &Arc<Shared>,
+    id: &str,
+    p: &Placement,
+) -> Result<(), WireError> {
+    let Some(cell) = shared.copies.get(id) else {
+        return Ok(());
+    };
+    let mut copy = cell.lock().await;
+    if !copy.gone && p.epoch > copy.replica.epoch() {
+        promote(shared, id, &mut copy, p).await;
+    }
+    if copy.gone {
+        Ok(())
+    } else {
+        Err(WireError::new(
+            ErrorCode::Unavailable,
+            format!("the copy of {id:?} is being promoted here; retry"),
+        ))
     }
 }
 

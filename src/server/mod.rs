@@ -117,6 +117,8 @@ pub(crate) struct Shared {
     /// Publishes applied here lately (forwarded and own), kept while this node holds copies (see
     /// `failover.rs`: a promotion appends those the failed primary had not shipped).
     pub(crate) recent: Mutex<failover::RecentForwards>,
+    /// A member silent this long is declared failed (`node-failure-ms`).
+    pub(crate) node_failure: Duration,
 }
 
 impl Shared {
@@ -312,6 +314,30 @@ impl Shared {
             }
         }
         true
+    }
+
+    /// After a change of session `session`'s durable interest: waits until every copy of its
+    /// queue holds the change, so an acknowledged registration survives a failover. At once for
+    /// a queue without copies.
+    pub(crate) async fn wait_interest_copied(&self, session: SessionId) -> Result<(), WireError> {
+        let qid = match self.core().session(session) {
+            Some(s) => s.queue,
+            None => return Ok(()),
+        };
+        let Some((sq, version)) = self.shipping.info_changed(qid) else {
+            return Ok(());
+        };
+        let deadline =
+            tokio::time::Instant::now() + Duration::from_millis(REPLICATED_ACK_TIMEOUT_MS);
+        if shipping::Shipping::wait_info(sq, version, deadline).await {
+            return Ok(());
+        }
+        Err(WireError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "the interest change is committed here but not on every copy of the queue within {REPLICATED_ACK_TIMEOUT_MS} ms; retry (registration is idempotent)"
+            ),
+        ))
     }
 
     /// `--ack replicated`: waits until every matching queue in the cluster and each of its
@@ -619,6 +645,8 @@ impl Node {
     ) -> Result<Node, NodeError> {
         tls::install_crypto_provider();
         config.limits.validate().map_err(NodeError::Config)?;
+        crate::config::validate_node_failure_ms(config.node_failure_ms)
+            .map_err(NodeError::Config)?;
         let auth = match &config.auth {
             Some(a) => Some(crate::auth::Authorizer::new(a).map_err(NodeError::Config)?),
             None => None,
@@ -718,7 +746,8 @@ impl Node {
             copies,
             shipping: shipping::Shipping::default(),
             liveness: failover::Liveness::default(),
-            recent: Mutex::new(failover::RecentForwards::default()),
+            recent: Mutex::new(failover::RecentForwards::new(config.node_failure_ms)),
+            node_failure: Duration::from_millis(config.node_failure_ms),
         });
         let endpoint = tether_transport::endpoint::server_endpoint(config.listen, server_config)
             .map_err(|source| NodeError::Listen {

@@ -73,7 +73,26 @@ pub(crate) async fn place_durable(
             }
         }
     };
+    let mut placement = placement;
+    let lost = d.failed_primary.as_deref();
+    if placement.primary != me
+        && placement.secondaries.contains(&me)
+        && !placement.syncing.contains(&me)
+        && lost.is_some_and(|lost| {
+            cluster
+                .members()
+                .nodes
+                .get(&placement.primary)
+                .is_some_and(|n| n.name == lost)
+        })
+        && let Some(p) = super::failover::client_failover(cluster, &d.id, &placement).await?
+    {
+        placement = p;
+    }
     if placement.primary == me {
+        // Promoted (by a client's failover or by the cluster): the copy must be a queue of the
+        // core before the session attaches, or the client would find a new, empty queue.
+        super::failover::adopt_promoted_copy(shared, &d.id, &placement).await?;
         return Ok(Placed::Here(placement));
     }
     match cluster.members().nodes.get(&placement.primary) {

@@ -63,14 +63,22 @@ pub(crate) struct ShipQueue {
     secondaries: Mutex<Vec<RaftId>>,
     /// Per secondary: when the latest message it acknowledged in this epoch was sent.
     acked_at: Mutex<HashMap<RaftId, Instant>>,
-    senders: Mutex<HashMap<RaftId, mpsc::UnboundedSender<(Instant, ReplicateMsg)>>>,
+    senders: Mutex<HashMap<RaftId, mpsc::UnboundedSender<Outgoing>>>,
     /// No delivery before this instant (a promoted primary waits out the old lease).
     deliver_after: Instant,
     wake: Notify,
     stopped: std::sync::atomic::AtomicBool,
     /// The shipper's `replicated_end`, for publishers waiting on `--ack replicated`.
     replicated: tokio::sync::watch::Sender<u64>,
+    /// Bumped after every change of the queue's interest, which must reach the copies before
+    /// the change is acknowledged to the client.
+    info_version: std::sync::atomic::AtomicU64,
+    /// Per secondary: the highest `info_version` carried by a message it acknowledged.
+    info_acked: tokio::sync::watch::Sender<HashMap<RaftId, u64>>,
 }
+
+/// A message for one peer, with when it was built and the info version it carries.
+type Outgoing = (Instant, u64, ReplicateMsg);
 
 impl ShipQueue {
     fn shipper(&self) -> std::sync::MutexGuard<'_, Shipper> {
@@ -81,8 +89,18 @@ impl ShipQueue {
         self.stopped
             .store(true, std::sync::atomic::Ordering::Release);
         self.wake.notify_one();
-        // Waiting publishers stop waiting: the queue moved or ended.
+        // Waiting publishers and registrations stop waiting: the queue moved or ended.
         self.replicated.send_replace(u64::MAX);
+        self.info_acked.send_modify(|_| {});
+    }
+
+    /// Whether every current secondary acknowledged a message carrying info `version`.
+    fn info_held(&self, acked: &HashMap<RaftId, u64>, version: u64) -> bool {
+        self.secondaries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .all(|s| acked.get(s).is_some_and(|&v| v >= version))
     }
 
     fn is_stopped(&self) -> bool {
@@ -177,6 +195,34 @@ impl Shipping {
             .is_ok_and(|r| r.is_ok())
     }
 
+    /// Queue `qid`'s interest changed (already applied to the core): once every copy holds the
+    /// change, `wait_info` returns. None if the queue is not shipped (nothing to wait for).
+    pub(crate) fn info_changed(&self, qid: QueueId) -> Option<(Arc<ShipQueue>, u64)> {
+        let sq = self.qids().get(&qid).cloned()?;
+        let version = sq
+            .info_version
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel)
+            + 1;
+        sq.wake.notify_one();
+        Some((sq, version))
+    }
+
+    /// Waits until every copy of `sq` holds queue info `version` (or the queue stops being
+    /// shipped here). False if `deadline` passes first.
+    pub(crate) async fn wait_info(
+        sq: Arc<ShipQueue>,
+        version: u64,
+        deadline: tokio::time::Instant,
+    ) -> bool {
+        let mut rx = sq.info_acked.subscribe();
+        tokio::time::timeout_at(
+            deadline,
+            rx.wait_for(|acked| sq.is_stopped() || sq.info_held(acked, version)),
+        )
+        .await
+        .is_ok_and(|r| r.is_ok())
+    }
+
     /// Stops shipping a queue (deposed, dropped or expired here).
     pub(crate) fn stop(&self, id: &str) {
         if let Some(sq) = self.ids().remove(id) {
@@ -198,8 +244,11 @@ impl Shipping {
         let mut current = sq.secondaries.lock().unwrap_or_else(|p| p.into_inner());
         if *current != secondaries {
             *current = secondaries.to_vec();
+            drop(current);
             sq.shipper().set_secondaries(secondaries, mono_ms());
             sq.wake.notify_one();
+            // Registrations wait for the copies of the current set only.
+            sq.info_acked.send_modify(|_| {});
         }
         true
     }
@@ -229,6 +278,8 @@ impl Shipping {
             wake: Notify::new(),
             stopped: Default::default(),
             replicated: tokio::sync::watch::channel(0).0,
+            info_version: Default::default(),
+            info_acked: tokio::sync::watch::channel(HashMap::new()).0,
         });
         if let Some(old) = self.ids().insert(id.to_string(), sq.clone()) {
             old.stop();
@@ -240,6 +291,7 @@ impl Shipping {
 
 /// Drives one queue's shipper until the queue stops being shipped here.
 async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>) {
+    let mut info_noted = 0;
     loop {
         if sq.is_stopped() {
             return;
@@ -256,8 +308,14 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
             return;
         };
         let now = mono_ms();
+        // Read before the info (below): the info sent is at least this version.
+        let info_version = sq.info_version.load(std::sync::atomic::Ordering::Acquire);
         let (transmits, replicated_end, fenced, timeout) = {
             let mut s = sq.shipper();
+            if info_version > info_noted {
+                s.on_metadata_change();
+                info_noted = info_version;
+            }
             if visible_end > s.log().end() {
                 s.on_local_append(visible_end);
             }
@@ -313,7 +371,7 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
         if let Some(info) = info {
             let info = encode_body(&info).expect("queue info always encodes");
             for t in transmits {
-                send(&shared, &cluster, &sq, t, &info);
+                send(&shared, &cluster, &sq, t, &info, info_version);
             }
         }
         drop(shared);
@@ -335,6 +393,7 @@ fn send(
     sq: &Arc<ShipQueue>,
     t: Transmit<ToSecondary>,
     info: &[u8],
+    info_version: u64,
 ) {
     let (header, entries, chunks) = match t.message {
         ToSecondary::Append(mut h) => {
@@ -417,7 +476,7 @@ fn send(
     });
     let now = Instant::now();
     for msg in msgs {
-        let _ = tx.send((now, msg));
+        let _ = tx.send((now, info_version, msg));
     }
 }
 
@@ -458,10 +517,10 @@ async fn peer_sender(
     cluster: Arc<Cluster>,
     sq: Weak<ShipQueue>,
     peer: RaftId,
-    mut rx: mpsc::UnboundedReceiver<(Instant, ReplicateMsg)>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
 ) {
     let timeout = Duration::from_millis(REPLICATE_TIMEOUT_MS);
-    while let Some((sent_at, msg)) = rx.recv().await {
+    while let Some((sent_at, info_version, msg)) = rx.recv().await {
         let result = cluster
             .call(peer, PeerRequest::Replicate(msg), timeout)
             .await;
@@ -477,11 +536,19 @@ async fn peer_sender(
                 let mut s = sq.shipper();
                 let epoch = s.epoch();
                 s.on_reply(peer, reply, mono_ms());
+                drop(s);
                 if matches!(reply, Reply::Ack { epoch: e, .. } if e == epoch) {
                     sq.acked_at
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .insert(peer, sent_at);
+                    // The copy stored the info this message carried before acknowledging it.
+                    sq.info_acked.send_if_modified(|m| {
+                        let v = m.entry(peer).or_insert(0);
+                        let moved = info_version > *v;
+                        *v = (*v).max(info_version);
+                        moved
+                    });
                 }
             }
             Ok(PeerResponse::Replicated(None)) => {

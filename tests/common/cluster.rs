@@ -164,6 +164,8 @@ pub struct ProcCluster {
     pub procs: Vec<Option<super::ServerProc>>,
     /// `routes[i][j]`: the address node `i` uses for node `j`, when not its real port (a relay).
     pub routes: Vec<Vec<Option<std::net::SocketAddr>>>,
+    /// A TOML file every node starts with (`--config`), if any.
+    pub config: Option<tempfile::NamedTempFile>,
 }
 
 impl ProcCluster {
@@ -171,10 +173,25 @@ impl ProcCluster {
         Self::start_routed(free_ports(n), vec![vec![None; n]; n])
     }
 
+    /// Starts `n` nodes, each with the TOML file `toml` (`--config`).
+    pub fn start_with_config(n: usize, toml: &str) -> ProcCluster {
+        let mut f = tempfile::NamedTempFile::new().expect("config file");
+        std::io::Write::write_all(&mut f, toml.as_bytes()).expect("write config");
+        Self::start_inner(free_ports(n), vec![vec![None; n]; n], Some(f))
+    }
+
     /// Starts nodes on `ports`, node `i` reaching node `j` at `routes[i][j]` when set.
     pub fn start_routed(
         ports: Vec<u16>,
         routes: Vec<Vec<Option<std::net::SocketAddr>>>,
+    ) -> ProcCluster {
+        Self::start_inner(ports, routes, None)
+    }
+
+    fn start_inner(
+        ports: Vec<u16>,
+        routes: Vec<Vec<Option<std::net::SocketAddr>>>,
+        config: Option<tempfile::NamedTempFile>,
     ) -> ProcCluster {
         let n = ports.len();
         let mut p = ProcCluster {
@@ -182,6 +199,7 @@ impl ProcCluster {
             ports,
             procs: Vec::new(),
             routes,
+            config,
         };
         for i in 0..n {
             let s = p.spawn(i);
@@ -200,7 +218,15 @@ impl ProcCluster {
                 None => format!("n{}=127.0.0.1:{}", j + 1, self.ports[j]),
             })
             .collect();
+        let config = self
+            .config
+            .as_ref()
+            .map(|f| f.path().to_str().expect("utf-8 temp path").to_string());
         let mut args: Vec<&str> = vec!["--listen", &listen, "--node-id", &name];
+        if let Some(c) = &config {
+            args.push("--config");
+            args.push(c);
+        }
         for p in &peers {
             args.push("--peer");
             args.push(p);
