@@ -957,3 +957,112 @@ async fn g10_queue_without_copies_comes_back_with_its_node() {
         "every event once, in order"
     );
 }
+
+/// The durable timeout still expires a queue once, cluster-wide, after a failover: the client
+/// is away when its primary is killed; the promoted copy expires the queue when the away time
+/// (which travels with the copy) passes the timeout. The killed node, restarted with the old
+/// queue still on its disk, does not bring it back: the next client, even through that node,
+/// learns `expired` once and then starts a new queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn away_queue_expires_once_cluster_wide_after_a_failover() {
+    let mut p = ProcCluster::start(3);
+    let d = p
+        .get(0)
+        .builder()
+        .durable("d", 5)
+        .redundancy(1)
+        .connect()
+        .await
+        .expect("durable client connects");
+    d.region("R").register(Interest::all_keys()).await.unwrap();
+    d.ready_for_events().await.unwrap();
+    d.close(true).await.unwrap();
+    let secondary = p.index(&d_secondary(&p).await);
+    let progress = Arc::new(AtomicU32::new(0));
+    assert_eq!(
+        publish(p.get(secondary).builder(), 0, 100, progress).await,
+        100
+    );
+    in_sync_secondary(&p, 0, "d", 100).await;
+    p.kill9(0);
+    wait_for("the promoted queue to expire", || async {
+        let mut held = false;
+        for i in 1..3 {
+            held |= queues(&p, i)
+                .await
+                .iter()
+                .any(|q| q.durable_id.as_deref() == Some("d"));
+        }
+        (!held).then_some(())
+    })
+    .await;
+    p.restart(0);
+    let statuses = async |via: usize| {
+        let c = p
+            .builder(&[via])
+            .durable("d", 60)
+            .connect()
+            .await
+            .expect("connects");
+        let s = c.queue_status();
+        c.close(false).await.ok();
+        s
+    };
+    assert_eq!(statuses(0).await, QueueStatus::Expired, "told once");
+    assert_eq!(statuses(0).await, QueueStatus::New, "then a new queue");
+    assert!(
+        queues(&p, 0)
+            .await
+            .iter()
+            .all(|q| q.durable_id.as_deref() != Some("d") || q.pending == 0),
+        "the old entries did not come back"
+    );
+}
+
+/// The node holding the copy of away queue `d` of node 0 (from the primary's report).
+async fn d_secondary(p: &ProcCluster) -> String {
+    wait_for("the copy to be reported", || async {
+        report(p, 0, "d", "primary")
+            .await
+            .and_then(|r| r.copies.first().map(|c| c.node.clone()))
+    })
+    .await
+}
+
+/// A killed primary that restarts after its queue moved, and then ended on the new primary
+/// (the client came back and closed it for good), does not bring the old queue back from its
+/// disk: the id's next client, even through that node, starts a new queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ended_queue_does_not_come_back_on_its_restarted_old_primary() {
+    let mut p = ProcCluster::start(3);
+    let d = durable_on_n1(&p, "d").await;
+    d.ready_for_events().await.unwrap();
+    d.close(true).await.unwrap();
+    let secondary = p.index(&d_secondary(&p).await);
+    let progress = Arc::new(AtomicU32::new(0));
+    assert_eq!(
+        publish(p.get(secondary).builder(), 0, 100, progress).await,
+        100
+    );
+    in_sync_secondary(&p, 0, "d", 100).await;
+    p.kill9(0);
+    let d = reconnect_until(&p, &[secondary], "the queue on the promoted copy", |c| {
+        c.pending() == Some(100)
+    })
+    .await;
+    d.close(false).await.unwrap();
+    p.restart(0);
+    let c = p
+        .builder(&[0])
+        .durable("d", 600)
+        .connect()
+        .await
+        .expect("connects");
+    assert_eq!(
+        c.queue_status(),
+        QueueStatus::New,
+        "the ended queue stays ended"
+    );
+    assert_eq!(c.pending(), None);
+    c.close(false).await.ok();
+}

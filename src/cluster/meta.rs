@@ -103,6 +103,10 @@ pub enum MetaCommand {
     /// not syncing (queues without such a secondary keep their primary: nothing else holds
     /// them all), and the node is dropped from every replica set.
     NodeFailed { node: RaftId },
+    /// Changes nothing. A node that starts commits one, through the leader, to learn that its
+    /// applied metadata holds everything committed before (a read barrier): a restarted node
+    /// must not serve queues from a view older than what the cluster decided while it was down.
+    Barrier,
 }
 
 /// The result of applying one [`MetaCommand`] (openraft's `R`).
@@ -262,6 +266,7 @@ impl MetaState {
                 }
                 MetaResponse::Changed(changed)
             }
+            MetaCommand::Barrier => MetaResponse::None,
         }
     }
 
@@ -284,6 +289,15 @@ mod tests {
             redundancy: secondaries.len() as u8,
             timeout_ms: 60_000,
         }
+    }
+
+    #[test]
+    fn barrier_changes_nothing() {
+        let mut s = MetaState::default();
+        s.apply(1, &place("q", 1, &[2]));
+        let before = s.clone();
+        assert_eq!(s.apply(2, &MetaCommand::Barrier), MetaResponse::None);
+        assert_eq!(s, before);
     }
 
     #[test]

@@ -215,6 +215,46 @@ pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
     }
 }
 
+/// Pause between read-barrier attempts while no leader answers, in milliseconds.
+pub const CATCH_UP_RETRY_MS: u64 = 200;
+/// Longest wait of a durable hello for the node's metadata to catch up, in milliseconds.
+pub const CATCH_UP_WAIT_MS: u64 = 10_000;
+
+/// Commits a [`MetaCommand::Barrier`] once after the node starts: once it is applied here, the
+/// local metadata holds every decision made while the node was down (a queue that moved or
+/// ended), and durable clients are served.
+pub(crate) async fn catch_up(weak: Weak<Shared>, cluster: Arc<Cluster>) {
+    loop {
+        match cluster.write(MetaCommand::Barrier).await {
+            Ok(_) => {
+                if let Some(shared) = weak.upgrade() {
+                    shared.meta_caught_up.send_replace(true);
+                    tracing::info!(applied = cluster.applied_index(), "metadata caught up");
+                }
+                return;
+            }
+            Err(e) => tracing::debug!(error = %e, "metadata read barrier failed; retrying"),
+        }
+        if weak.strong_count() == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(CATCH_UP_RETRY_MS)).await;
+    }
+}
+
+/// Waits until this node's metadata caught up after its start (see [`catch_up`]).
+pub(crate) async fn metadata_caught_up(shared: &Shared) -> Result<(), WireError> {
+    let mut rx = shared.meta_caught_up.subscribe();
+    let wait = Duration::from_millis(CATCH_UP_WAIT_MS);
+    match tokio::time::timeout(wait, rx.wait_for(|&c| c)).await {
+        Ok(Ok(_)) => Ok(()),
+        _ => Err(WireError::new(
+            ErrorCode::Unavailable,
+            "this node's cluster metadata is still catching up; retry",
+        )),
+    }
+}
+
 /// Follows the metadata every [`RECONCILE_MS`].
 pub(crate) async fn reconcile_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
     let mut interval = tokio::time::interval(Duration::from_millis(RECONCILE_MS));
@@ -239,8 +279,9 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
             }
             Some(p) if p.epoch > epoch => depose(shared, &id, &p).await,
             Some(_) => {}
+            None if drop_unplaced(shared, cluster, &id).await => {}
             None => {
-                // Never placed (made before the node joined a cluster) or released: no copies.
+                // Never placed (made before the node joined a cluster): no copies.
                 let mut core = shared.core();
                 let qid = core.durable_queue(&id).map(|q| q.id);
                 if let Some(s) = qid.and_then(|q| core.set_deliver_cap(q, None)) {
@@ -276,6 +317,48 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
                 }
             }
             _ => {}
+        }
+    }
+}
+
+/// Drops this node's queue of `id` if the cluster placed it (epoch above 0) and the metadata,
+/// applied past that placement, no longer places it: the queue moved while this node was down
+/// and then expired or was released on its new primary. Without this, a killed primary that
+/// restarts would bring an ended queue back to life. The id's next client here learns
+/// `expired` if it expired. Returns whether the queue was dropped.
+pub(crate) async fn drop_unplaced(shared: &Arc<Shared>, cluster: &Cluster, id: &str) -> bool {
+    let epoch = shared.core().durable_queue(id).map(|q| q.epoch);
+    if !epoch.is_some_and(|e| e > 0 && cluster.applied_index() >= e)
+        || cluster.placement(id).is_some()
+    {
+        return false;
+    }
+    shared.shipping.stop(id);
+    let expired = cluster.read(|s| s.expired.iter().any(|e| e == id));
+    let dropped = shared
+        .apply(|core| {
+            let (mut batch, session) = core.depose(id);
+            if expired {
+                batch.extend(core.note_expired_elsewhere(id));
+            }
+            Ok((session, batch))
+        })
+        .await;
+    match dropped {
+        Ok(session) => {
+            tracing::warn!(durable_id = %id, expired, "dropped a queue that ended on another node");
+            if let Some(s) = session {
+                shared.disconnect_session(
+                    s,
+                    ErrorCode::Unavailable,
+                    "this queue ended on another node; reconnect",
+                );
+            }
+            true
+        }
+        Err(e) => {
+            tracing::error!(durable_id = %id, error = %e.message, "dropping an ended queue failed");
+            false
         }
     }
 }

@@ -119,6 +119,9 @@ pub(crate) struct Shared {
     pub(crate) recent: Mutex<failover::RecentForwards>,
     /// A member silent this long is declared failed (`node-failure-ms`).
     pub(crate) node_failure: Duration,
+    /// Set once this node's metadata holds everything committed before it started (clustered
+    /// nodes serve durable clients only then; see `failover::catch_up`).
+    pub(crate) meta_caught_up: watch::Sender<bool>,
 }
 
 impl Shared {
@@ -748,6 +751,7 @@ impl Node {
             liveness: failover::Liveness::default(),
             recent: Mutex::new(failover::RecentForwards::new(config.node_failure_ms)),
             node_failure: Duration::from_millis(config.node_failure_ms),
+            meta_caught_up: watch::channel(false).0,
         });
         let endpoint = tether_transport::endpoint::server_endpoint(config.listen, server_config)
             .map_err(|source| NodeError::Listen {
@@ -797,6 +801,10 @@ impl Node {
                 cluster.clone(),
             )));
             tasks.push(tokio::spawn(failover::detect_loop(
+                Arc::downgrade(&shared),
+                cluster.clone(),
+            )));
+            tasks.push(tokio::spawn(failover::catch_up(
                 Arc::downgrade(&shared),
                 cluster.clone(),
             )));

@@ -40,9 +40,12 @@ pub(crate) async fn place_durable(
             ),
         ));
     }
+    super::failover::metadata_caught_up(shared).await?;
     let placement = match cluster.placement(&d.id) {
         Some(p) => p,
         None => {
+            // A queue left here from before the queue moved (this node was down) and ended.
+            super::failover::drop_unplaced(shared, cluster, &d.id).await;
             // Expired on whichever node held it: this connection must say `expired` once.
             if cluster.read(|s| s.expired.contains(&d.id)) {
                 shared
