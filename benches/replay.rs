@@ -8,6 +8,12 @@
 //! 1,000,000), TETHER_BENCH_VALUE_BYTES (default 128), TETHER_BENCH_ROUNDS (default 3: every
 //! phase is measured that many times and the median reported).
 //!
+//! Live latency: a durable client that is live receives events published at a fixed rate
+//! (TETHER_BENCH_LIVE_RATE events/s, default 10,000, for TETHER_BENCH_LIVE_SECS, default 5);
+//! each value carries its publish time, and the end-to-end latency (publish request → commit →
+//! delivery → the application) goes into an HDR histogram: p50/p99/p999, once on an idle node
+//! and once while another durable client drains a backlog of all the events.
+//!
 //! Then the redundancy phase: a three-node cluster in this process, one durable queue with
 //! redundancy 1, TETHER_BENCH_CLUSTER_EVENTS events (default a fifth of the events, 0 skips)
 //! published through another node with `--ack local` and as many with `--ack replicated`, and
@@ -55,16 +61,16 @@ fn value_of(size: usize, i: u64) -> Vec<u8> {
 }
 
 struct Row {
-    name: &'static str,
+    name: String,
     ms: f64,
     events_per_s: f64,
     mb_per_s: f64,
 }
 
-fn row(name: &'static str, d: Duration, events: u64, bytes: u64) -> Row {
+fn row(name: impl Into<String>, d: Duration, events: u64, bytes: u64) -> Row {
     let s = d.as_secs_f64().max(1e-9);
     Row {
-        name,
+        name: name.into(),
         ms: s * 1e3,
         events_per_s: events as f64 / s,
         mb_per_s: bytes as f64 / s / 1e6,
@@ -96,6 +102,8 @@ async fn main() {
     for round in 0..rounds {
         park_durable(builder.clone().durable(format!("bench-{round}"), 3600)).await;
     }
+    // Drained while live latency is measured.
+    park_durable(builder.clone().durable("bench-drain", 3600)).await;
 
     // Publish throughput (over the network, acknowledged after group commit).
     let publisher = Arc::new(builder.clone().connect().await.unwrap());
@@ -104,6 +112,7 @@ async fn main() {
         node.queues().iter().all(|q| q.pending == n),
         "every event queued"
     );
+    let fanout = rounds + 1;
 
     // Replay, one queue per round (the machine is noisy); medians are reported.
     let (mut statuses, mut firsts, mut lives) = (Vec::new(), Vec::new(), Vec::new());
@@ -138,6 +147,11 @@ async fn main() {
         events.commit();
         c.close(true).await.unwrap();
     }
+    // Live end-to-end latency at a fixed publish rate, idle and while a backlog drains.
+    let live_secs = env_u64("TETHER_BENCH_LIVE_SECS", 5);
+    let live_rate = env_u64("TETHER_BENCH_LIVE_RATE", 10_000);
+    let idle = live_latency(&builder, live_secs, live_rate, size, None).await;
+    let draining = live_latency(&builder, live_secs, live_rate, size, Some(n)).await;
     node.shutdown().await;
     let status = median(&mut statuses);
     let first = median(&mut firsts);
@@ -221,7 +235,7 @@ async fn main() {
 
     let rows = [
         row(
-            "publish (fan-out to rounds queues)",
+            format!("publish (fan-out to {fanout} queues)"),
             publish,
             n,
             n * size as u64,
@@ -258,9 +272,33 @@ async fn main() {
             r.name, r.ms, r.events_per_s, r.mb_per_s
         );
     }
+    println!();
+    println!(
+        "{:<34} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "live latency (us)", "events", "p50", "p99", "p999", "max"
+    );
+    for (name, h) in [("idle node", &idle), ("while a backlog drains", &draining)] {
+        println!(
+            "{:<34} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            name,
+            h.len(),
+            h.value_at_quantile(0.5),
+            h.value_at_quantile(0.99),
+            h.value_at_quantile(0.999),
+            h.max()
+        );
+    }
+    println!("# live events published at {live_rate}/s for {live_secs} s per measurement");
     let limit = scan.max(transfer);
     let replay_rate = n as f64 / live.as_secs_f64();
     println!("replay_events_per_s={replay_rate:.0}");
+    if n == 1_000_000 && size == 128 {
+        println!("replay_1m_128b_events_per_s={replay_rate:.0}");
+    }
+    println!("live_p50_us={}", idle.value_at_quantile(0.5));
+    println!("live_p99_us={}", idle.value_at_quantile(0.99));
+    println!("live_p999_us={}", idle.value_at_quantile(0.999));
+    println!("live_draining_p99_us={}", draining.value_at_quantile(0.99));
     println!(
         "publish_events_per_s={:.0}",
         n as f64 / publish.as_secs_f64()
@@ -334,6 +372,89 @@ async fn publish_all(
         inflight.join_next().await.unwrap().unwrap();
     }
     t.elapsed()
+}
+
+/// Live end-to-end latency in microseconds: a live durable client receives `rate` events/s of
+/// `size` B for `secs` s, each stamped with its publish time. With `drain = Some(n)`, the
+/// parked queue "bench-drain" (n events pending) is replayed by another client meanwhile.
+async fn live_latency(
+    builder: &ClientBuilder,
+    secs: u64,
+    rate: u64,
+    size: usize,
+    drain: Option<u64>,
+) -> hdrhistogram::Histogram<u64> {
+    /// Publishes per second (each carries rate / LIVE_TICKS_PER_S events).
+    const LIVE_TICKS_PER_S: u64 = 1_000;
+    let id = if drain.is_some() { "live-2" } else { "live-1" };
+    let c = builder.clone().durable(id, 3600).connect().await.unwrap();
+    c.region("live")
+        .register(Interest::all_keys().policy(ResultPolicy::None))
+        .await
+        .unwrap();
+    let mut events = c.events().unwrap();
+    c.ready_for_events().await.unwrap();
+    assert!(matches!(
+        events.next().await,
+        Some(ClientEvent::Live { .. })
+    ));
+    let drainer = drain.map(|n| {
+        let b = builder.clone();
+        tokio::spawn(async move {
+            let (_, _, count) = replay(&b, "bench-drain", n).await;
+            assert_eq!(count, n, "the backlog drained");
+        })
+    });
+    let origin = Instant::now();
+    let per_tick = (rate / LIVE_TICKS_PER_S).max(1);
+    let ticks = secs * LIVE_TICKS_PER_S;
+    let publisher = Arc::new(builder.clone().connect().await.unwrap());
+    let publishing = tokio::spawn(async move {
+        let mut interval =
+            tokio::time::interval(Duration::from_micros(1_000_000 / LIVE_TICKS_PER_S));
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut sent = tokio::task::JoinSet::new();
+        for t in 0..ticks {
+            interval.tick().await;
+            let ops: Vec<PublishOp> = (0..per_tick)
+                .map(|i| {
+                    let mut value = (origin.elapsed().as_nanos() as u64).to_be_bytes().to_vec();
+                    value.resize(size.max(8), b'v');
+                    PublishOp::Put {
+                        region: "live".into(),
+                        key: format!("k-{}", (t * per_tick + i) % 1_000),
+                        value,
+                    }
+                })
+                .collect();
+            let p = publisher.clone();
+            sent.spawn(async move { p.publish(ops).await.unwrap() });
+        }
+        sent.join_all().await;
+        ticks * per_tick
+    });
+    let mut hist = hdrhistogram::Histogram::<u64>::new(3).unwrap();
+    let mut got = 0u64;
+    let expect = ticks * per_tick;
+    while got < expect {
+        match events.next().await.expect("stream open") {
+            ClientEvent::Event(e) => {
+                let v = e.value.expect("values");
+                let stamp = u64::from_be_bytes(v[..8].try_into().unwrap());
+                let now = origin.elapsed().as_nanos() as u64;
+                hist.record(now.saturating_sub(stamp) / 1_000).unwrap();
+                got += 1;
+            }
+            ClientEvent::Live { .. } => {}
+        }
+    }
+    assert_eq!(publishing.await.unwrap(), expect);
+    events.commit();
+    c.close(false).await.unwrap();
+    if let Some(d) = drainer {
+        d.await.unwrap();
+    }
+    hist
 }
 
 /// Connects a durable client with all-keys interest in the bench region, then leaves it away.
