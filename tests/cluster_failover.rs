@@ -976,15 +976,7 @@ async fn away_queue_expires_once_cluster_wide_after_a_failover() {
         .expect("durable client connects");
     d.region("R").register(Interest::all_keys()).await.unwrap();
     d.ready_for_events().await.unwrap();
-    d.close(true).await.unwrap();
-    let secondary = p.index(&d_secondary(&p).await);
-    let progress = Arc::new(AtomicU32::new(0));
-    assert_eq!(
-        publish(p.get(secondary).builder(), 0, 100, progress).await,
-        100
-    );
-    in_sync_secondary(&p, 0, "d", 100).await;
-    p.kill9(0);
+    away_with_100_then_kill_primary(&mut p, d).await;
     wait_for("the promoted queue to expire", || async {
         let mut held = false;
         for i in 1..3 {
@@ -1019,14 +1011,25 @@ async fn away_queue_expires_once_cluster_wide_after_a_failover() {
     );
 }
 
-/// The node holding the copy of away queue `d` of node 0 (from the primary's report).
-async fn d_secondary(p: &ProcCluster) -> String {
-    wait_for("the copy to be reported", || async {
+/// Sends client `d` (queue "d" on node 0, with a copy) away, publishes 100 events through the
+/// copy's node, waits until the copy holds them, and kills node 0. Returns the copy's node.
+async fn away_with_100_then_kill_primary(p: &mut ProcCluster, d: Client) -> usize {
+    d.close(true).await.unwrap();
+    let copy = wait_for("the copy to be reported", || async {
         report(p, 0, "d", "primary")
             .await
             .and_then(|r| r.copies.first().map(|c| c.node.clone()))
     })
-    .await
+    .await;
+    let secondary = p.index(&copy);
+    let progress = Arc::new(AtomicU32::new(0));
+    assert_eq!(
+        publish(p.get(secondary).builder(), 0, 100, progress).await,
+        100
+    );
+    in_sync_secondary(p, 0, "d", 100).await;
+    p.kill9(0);
+    secondary
 }
 
 /// A killed primary that restarts after its queue moved, and then ended on the new primary
@@ -1037,15 +1040,7 @@ async fn ended_queue_does_not_come_back_on_its_restarted_old_primary() {
     let mut p = ProcCluster::start(3);
     let d = durable_on_n1(&p, "d").await;
     d.ready_for_events().await.unwrap();
-    d.close(true).await.unwrap();
-    let secondary = p.index(&d_secondary(&p).await);
-    let progress = Arc::new(AtomicU32::new(0));
-    assert_eq!(
-        publish(p.get(secondary).builder(), 0, 100, progress).await,
-        100
-    );
-    in_sync_secondary(&p, 0, "d", 100).await;
-    p.kill9(0);
+    let secondary = away_with_100_then_kill_primary(&mut p, d).await;
     let d = reconnect_until(&p, &[secondary], "the queue on the promoted copy", |c| {
         c.pending() == Some(100)
     })
