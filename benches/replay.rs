@@ -19,6 +19,9 @@
 //! published through another node with `--ack local` and as many with `--ack replicated`, and
 //! the replay of the queue from its primary, compared with the single-node replay.
 
+mod common;
+
+use common::rss_kb;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,6 +41,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const PUBLISH_BATCH_OPS: usize = 1000;
 /// Concurrent publish requests in flight.
 const PUBLISH_CONCURRENCY: usize = 4;
+/// Interval of the resident-memory sampler during the replay, in milliseconds.
+const RSS_SAMPLE_MS: u64 = 10;
 /// Bytes per write in the raw quinn baseline.
 const QUINN_CHUNK_BYTES: usize = 256 * 1024;
 
@@ -114,7 +119,19 @@ async fn main() {
     );
     let fanout = rounds + 1;
 
-    // Replay, one queue per round (the machine is noisy); medians are reported.
+    // Replay, one queue per round (the machine is noisy); medians are reported. The process's
+    // resident memory (server and clients together) is sampled meanwhile.
+    let rss_before = rss_kb();
+    let rss_peak = Arc::new(std::sync::atomic::AtomicU64::new(rss_before));
+    let sampler = {
+        let peak = rss_peak.clone();
+        tokio::spawn(async move {
+            loop {
+                peak.fetch_max(rss_kb(), std::sync::atomic::Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(RSS_SAMPLE_MS)).await;
+            }
+        })
+    };
     let (mut statuses, mut firsts, mut lives) = (Vec::new(), Vec::new(), Vec::new());
     let mut bytes = 0u64;
     for round in 0..rounds {
@@ -147,6 +164,8 @@ async fn main() {
         events.commit();
         c.close(true).await.unwrap();
     }
+    sampler.abort();
+    let rss_peak = rss_peak.load(std::sync::atomic::Ordering::Relaxed);
     // Live end-to-end latency at a fixed publish rate, idle and while a backlog drains.
     let live_secs = env_u64("TETHER_BENCH_LIVE_SECS", 5);
     let live_rate = env_u64("TETHER_BENCH_LIVE_RATE", 10_000);
@@ -326,6 +345,8 @@ async fn main() {
         "replay_vs_scan_plus_transfer_ratio={:.2}",
         live.as_secs_f64() / (scan + transfer).as_secs_f64()
     );
+    println!("rss_before_replay_mb={:.0}", rss_before as f64 / 1024.0);
+    println!("replay_peak_rss_mb={:.0}", rss_peak as f64 / 1024.0);
     match &cluster {
         Some(c) => {
             let r1 = 2.0 * c.events as f64 / c.replay.as_secs_f64();

@@ -23,6 +23,9 @@
 //! (2), TETHER_SOAK_BATCH (ops per publish request, 50), TETHER_SOAK_VALUE_BYTES (64),
 //! TETHER_SOAK_SEED (random).
 
+mod common;
+
+use common::rss_kb;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -115,18 +118,6 @@ fn value_of(seq: u64, size: usize) -> Vec<u8> {
 fn seq_of(e: &Event) -> Option<u64> {
     let v = e.value.as_ref()?;
     std::str::from_utf8(v.get(..10)?).ok()?.parse().ok()
-}
-
-fn rss_kb() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 fn mb(kb: u64) -> f64 {
