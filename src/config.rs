@@ -360,6 +360,17 @@ mod tests {
     }
 
     #[test]
+    fn node_failure_ms_parses_and_is_bounded() {
+        let f: FileConfig = toml::from_str("[cluster]\nnode-failure-ms = 4000\n").unwrap();
+        assert_eq!(f.cluster.unwrap().node_failure_ms, Some(4_000));
+        assert!(validate_node_failure_ms(NODE_FAILURE_MS_DEFAULT).is_ok());
+        assert!(validate_node_failure_ms(NODE_FAILURE_MS_MIN).is_ok());
+        assert!(validate_node_failure_ms(NODE_FAILURE_MS_MAX).is_ok());
+        assert!(validate_node_failure_ms(NODE_FAILURE_MS_MIN - 1).is_err());
+        assert!(validate_node_failure_ms(NODE_FAILURE_MS_MAX + 1).is_err());
+    }
+
+    #[test]
     fn peers_parse() {
         assert_eq!(
             parse_peer("n2=127.0.0.1:7402").unwrap(),

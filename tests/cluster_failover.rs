@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use tether::client::{Client, ClientBuilder, ClientEvent, DedupState, Interest};
+use tether::client::{
+    Client, ClientBuilder, ClientEvent, DedupState, Event, EventStream, Interest,
+};
 use tether::protocol::{PublishOp, QueueReport, QueueStatus};
 
 use common::cluster::ProcCluster;
@@ -58,6 +60,27 @@ async fn wait_for<T, F: std::future::Future<Output = Option<T>>>(
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The number a test publisher put in an event's value.
+fn value(e: &Event) -> u32 {
+    std::str::from_utf8(e.value.as_deref().expect("values"))
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// The next `n` events of `ev` (live markers skipped); panics if the stream ends or stalls.
+async fn receive(ev: &mut EventStream, n: usize) -> Vec<Event> {
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        match tokio::time::timeout(FAILOVER_WAIT, ev.next()).await {
+            Ok(Some(ClientEvent::Event(e))) => out.push(e),
+            Ok(Some(ClientEvent::Live { .. })) => {}
+            other => panic!("the stream ended or stalled: {other:?}"),
+        }
+    }
+    out
 }
 
 /// Connects durable client "d" through the running nodes among `via` until the session it gets
@@ -119,16 +142,7 @@ async fn g1_copy_holds_the_queue_and_reports_lag() {
     let mut ev = d.events().unwrap();
     let progress = Arc::new(AtomicU32::new(0));
     assert_eq!(publish(p.get(1).builder(), 0, 1_000, progress).await, 1_000);
-    let mut got = 0;
-    while got < 1_000 {
-        let batch = tokio::time::timeout(FAILOVER_WAIT, ev.next())
-            .await
-            .expect("events keep coming")
-            .expect("stream open");
-        if let ClientEvent::Event(_) = batch {
-            got += 1;
-        }
-    }
+    receive(&mut ev, 1_000).await;
     ev.commit();
     drop(ev);
     d.ack_now().await.unwrap();
@@ -224,12 +238,7 @@ async fn g2_away_queue_survives_kill_9_of_its_primary() {
     let mut lives = 0;
     while lives == 0 {
         match tokio::time::timeout(FAILOVER_WAIT, ev.next()).await {
-            Ok(Some(ClientEvent::Event(e))) => values.push(
-                String::from_utf8(e.value.unwrap())
-                    .unwrap()
-                    .parse::<u32>()
-                    .unwrap(),
-            ),
+            Ok(Some(ClientEvent::Event(e))) => values.push(value(&e)),
             Ok(Some(ClientEvent::Live { .. })) => lives += 1,
             other => panic!("stream ended before live: {other:?}"),
         }
@@ -305,10 +314,7 @@ async fn g4_online_client_fails_over_on_kill_9_of_its_primary() {
             let next = tokio::time::timeout(FAILOVER_WAIT, ev.next()).await;
             match next {
                 Ok(Some(ClientEvent::Event(e))) => {
-                    let v: u32 = String::from_utf8(e.value.clone().unwrap())
-                        .unwrap()
-                        .parse()
-                        .unwrap();
+                    let v = value(&e);
                     last_offset = e.offset;
                     if seen.contains(&v) {
                         assert!(e.possible_duplicate, "an unflagged duplicate: {v}");
@@ -517,10 +523,7 @@ async fn partitioned_primary_stops_delivering_before_the_new_one_starts() {
         match tokio::time::timeout(FAILOVER_WAIT, b_events.next()).await {
             Ok(Some(ClientEvent::Event(e))) => {
                 b_first.get_or_insert_with(std::time::Instant::now);
-                let v: u32 = String::from_utf8(e.value.unwrap())
-                    .unwrap()
-                    .parse()
-                    .unwrap();
+                let v = value(&e);
                 b_values.insert(v);
             }
             Ok(Some(_)) => {}
@@ -585,12 +588,7 @@ async fn secondary_kill_9_neither_stops_nor_loses_the_stream() {
         match tokio::time::timeout(FAILOVER_WAIT, ev.next()).await {
             Ok(Some(ClientEvent::Event(e))) => {
                 assert!(!e.possible_duplicate, "no redelivery without a failover");
-                values.push(
-                    String::from_utf8(e.value.unwrap())
-                        .unwrap()
-                        .parse::<u32>()
-                        .unwrap(),
-                );
+                values.push(value(&e));
                 ev.commit();
             }
             Ok(Some(ClientEvent::Live { .. })) => {}
@@ -659,12 +657,7 @@ async fn g8_reconnected_not_ready_then_primary_dies() {
         match tokio::time::timeout(FAILOVER_WAIT, ev.next()).await {
             Ok(Some(ClientEvent::Event(e))) => {
                 assert!(e.replayed, "queued before ready");
-                values.push(
-                    String::from_utf8(e.value.unwrap())
-                        .unwrap()
-                        .parse::<u32>()
-                        .unwrap(),
-                );
+                values.push(value(&e));
             }
             Ok(Some(ClientEvent::Live { .. })) => break,
             other => panic!("stream ended: {other:?}"),
@@ -687,14 +680,7 @@ async fn large_snapshot_is_sent_in_several_messages() {
     // fed by appends from offset 0 and needs a snapshot.
     let progress = Arc::new(AtomicU32::new(0));
     assert_eq!(publish(p.get(1).builder(), 0, 100, progress).await, 100);
-    let mut got = 0;
-    while got < 100 {
-        match tokio::time::timeout(FAILOVER_WAIT, ev.next()).await {
-            Ok(Some(ClientEvent::Event(_))) => got += 1,
-            Ok(Some(_)) => {}
-            other => panic!("stream ended: {other:?}"),
-        }
-    }
+    receive(&mut ev, 100).await;
     ev.commit();
     drop(ev);
     d.ack_now().await.unwrap();
@@ -805,10 +791,7 @@ async fn client_promotes_a_copy_when_its_primary_dies() {
             }
             match tokio::time::timeout(FAILOVER_WAIT, ev.next()).await {
                 Ok(Some(ClientEvent::Event(e))) => {
-                    let v: u32 = String::from_utf8(e.value.clone().unwrap())
-                        .unwrap()
-                        .parse()
-                        .unwrap();
+                    let v = value(&e);
                     if !seen.insert(v) {
                         assert!(e.possible_duplicate, "an unflagged duplicate: {v}");
                     } else {
@@ -938,19 +921,7 @@ async fn g10_queue_without_copies_comes_back_with_its_node() {
     d.ready_for_events().await.unwrap();
     assert_eq!(publish(p.get(2).builder(), 10, 20, progress).await, 20);
     let mut ev = d.events().unwrap();
-    let mut values = Vec::new();
-    while values.len() < 20 {
-        match tokio::time::timeout(FAILOVER_WAIT, ev.next()).await {
-            Ok(Some(ClientEvent::Event(e))) => values.push(
-                String::from_utf8(e.value.unwrap())
-                    .unwrap()
-                    .parse::<u32>()
-                    .unwrap(),
-            ),
-            Ok(Some(ClientEvent::Live { .. })) => {}
-            other => panic!("stream ended early: {other:?}"),
-        }
-    }
+    let values: Vec<u32> = receive(&mut ev, 20).await.iter().map(value).collect();
     assert_eq!(
         values,
         (0..20).collect::<Vec<_>>(),
