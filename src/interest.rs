@@ -107,6 +107,70 @@ pub struct Registration {
     pub receive_values: bool,
 }
 
+/// One queue's registrations, by (region, selector), kept sorted in a vector: nearly every queue
+/// holds one or a few, and a `BTreeMap` would allocate a node of eleven entries for the first
+/// one (most of an idle queue's memory). Lookups are binary searches; at
+/// [`crate::limits::INTERESTS_PER_QUEUE_MAX`] an insert moves at most that many entries.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Interests(Vec<((String, Selector), Registration)>);
+
+impl Interests {
+    pub fn new() -> Self {
+        Interests(Vec::new())
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn find(&self, key: &(String, Selector)) -> Result<usize, usize> {
+        self.0.binary_search_by(|(k, _)| k.cmp(key))
+    }
+
+    pub fn contains_key(&self, key: &(String, Selector)) -> bool {
+        self.find(key).is_ok()
+    }
+
+    pub fn get(&self, key: &(String, Selector)) -> Option<&Registration> {
+        self.find(key).ok().map(|i| &self.0[i].1)
+    }
+
+    /// Inserts or replaces; returns the registration replaced.
+    pub fn insert(&mut self, key: (String, Selector), reg: Registration) -> Option<Registration> {
+        match self.find(&key) {
+            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, reg)),
+            Err(i) => {
+                // Grow by one: the vector stays as small as the registrations.
+                self.0.reserve_exact(1);
+                self.0.insert(i, (key, reg));
+                None
+            }
+        }
+    }
+
+    pub fn remove(&mut self, key: &(String, Selector)) -> Option<Registration> {
+        let i = self.find(key).ok()?;
+        let (_, reg) = self.0.remove(i);
+        if self.0.len() <= self.0.capacity() / 4 {
+            self.0.shrink_to_fit();
+        }
+        Some(reg)
+    }
+
+    /// In (region, selector) order.
+    pub fn iter(&self) -> impl Iterator<Item = (&(String, Selector), &Registration)> {
+        self.0.iter().map(|(k, r)| (k, r))
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = &(String, Selector)> {
+        self.0.iter().map(|(k, _)| k)
+    }
+}
+
 #[derive(Default)]
 struct RegionIndex {
     keys: HashMap<String, BTreeMap<QueueId, bool>>,
@@ -281,6 +345,30 @@ mod tests {
     }
 
     proptest! {
+        /// A queue's registrations behave as the ordered map they replace.
+        #[test]
+        fn interests_behave_as_an_ordered_map(
+            ops in proptest::collection::vec((any::<bool>(), 0usize..3, selector(), any::<bool>()), 0..80),
+        ) {
+            let mut model = BTreeMap::new();
+            let mut interests = Interests::new();
+            for (insert, region, sel, durable) in ops {
+                let key = (format!("r{region}"), sel);
+                let reg = Registration { durable, receive_values: !durable };
+                if insert {
+                    prop_assert_eq!(interests.insert(key.clone(), reg), model.insert(key, reg));
+                } else {
+                    prop_assert_eq!(interests.remove(&key), model.remove(&key));
+                }
+                prop_assert_eq!(interests.len(), model.len());
+                prop_assert!(interests.iter().eq(model.iter()));
+            }
+            for k in model.keys() {
+                prop_assert!(interests.contains_key(k));
+                prop_assert_eq!(interests.get(k), model.get(k));
+            }
+        }
+
         /// The index answers exactly what a brute-force scan of the registrations answers,
         /// after any sequence of inserts and removes.
         #[test]

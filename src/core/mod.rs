@@ -22,7 +22,7 @@ use tether_transport::codec::{decode_body, encode_body, encode_body_packed};
 pub use cursor::{Cursor, FlagBounds, Step};
 
 use crate::config::{Limits, QueueFullPolicy};
-use crate::interest::{InterestIndex, Registration, Selector, validate_key};
+use crate::interest::{InterestIndex, Interests, Registration, Selector, validate_key};
 use crate::limits::*;
 use crate::protocol::*;
 use crate::replication::{EpochStart, LogState, ReplicaState};
@@ -113,7 +113,7 @@ pub struct Queue {
     pub visible_end: Offset,
     pub delivered: Offset,
     pub epoch: u64,
-    pub interests: BTreeMap<(String, Selector), Registration>,
+    pub interests: Interests,
     pub state: QueueState,
     /// Enqueue-time checkpoints `(offset, wall ms)`: entries from `offset` on were enqueued at or
     /// after that time. The first one dates the oldest unacknowledged entry (to within
@@ -129,7 +129,7 @@ pub struct Queue {
     /// On a queue promoted here (cluster failover): per publisher, the highest event sequence
     /// the queue holds, so a forwarded event the failed primary had already appended (and
     /// shipped) is not appended twice. None elsewhere.
-    pub seen: Option<SeenEvents>,
+    pub seen: Option<Box<SeenEvents>>,
 }
 
 /// Per publisher (origin node, then session), the highest event sequence held.
@@ -406,7 +406,7 @@ pub struct QueueCounts {
 /// The session and its queue, borrowed from the core's maps separately so the index stays free.
 fn session_queue<'a>(
     sessions: &'a mut HashMap<SessionId, Session>,
-    queues: &'a mut HashMap<QueueId, Queue>,
+    queues: &'a mut HashMap<QueueId, Box<Queue>>,
     session: SessionId,
 ) -> Result<(&'a mut Session, &'a mut Queue), WireError> {
     let s = sessions
@@ -451,7 +451,9 @@ pub fn validate_region(region: &str) -> Result<(), WireError> {
 /// The node's state machine. See the module docs.
 pub struct NodeCore {
     node_id: String,
-    queues: HashMap<QueueId, Queue>,
+    /// Boxed: an idle queue then costs its own size plus a pointer in the table, not the table's
+    /// whole slot size times its spare capacity.
+    queues: HashMap<QueueId, Box<Queue>>,
     durable: HashMap<String, QueueId>,
     sessions: HashMap<SessionId, Session>,
     index: InterestIndex,
@@ -569,7 +571,7 @@ impl NodeCore {
             visible_end: meta.end,
             delivered: meta.delivered.max(meta.acked),
             epoch: meta.epoch,
-            interests: BTreeMap::new(),
+            interests: Interests::new(),
             state: QueueState::Away { since_ms },
             // Enqueue times are not stored: ages count from the restart.
             checkpoints: if meta.end > meta.acked {
@@ -591,7 +593,7 @@ impl NodeCore {
         }
         self.next_queue_id = self.next_queue_id.max(id + 1);
         self.durable.insert(durable_id, id);
-        self.queues.insert(id, queue);
+        self.queues.insert(id, Box::new(queue));
     }
 
     /// Promotion: the copy `id` of a queue (`info.copy` holds its replication state) becomes this node's queue, primary at `epoch`, away (its client was connected to the
@@ -650,7 +652,7 @@ impl NodeCore {
         seen: SeenEvents,
         forwards: &[RecentForward],
     ) -> Option<(Batch, Offset)> {
-        self.queues.get_mut(&qid)?.seen = Some(seen);
+        self.queues.get_mut(&qid)?.seen = Some(Box::new(seen));
         let mut batch = Batch::new();
         let mut scratch = BTreeMap::new();
         for f in forwards {
@@ -726,7 +728,10 @@ impl NodeCore {
 
     /// The queue of durable id `id`, if it lives here.
     pub fn durable_queue(&self, id: &str) -> Option<&Queue> {
-        self.durable.get(id).and_then(|q| self.queues.get(q))
+        self.durable
+            .get(id)
+            .and_then(|q| self.queues.get(q))
+            .map(|q| &**q)
     }
 
     /// Sets the primary epoch of a queue just placed by the cluster (persisted in the batch).
@@ -938,7 +943,7 @@ impl NodeCore {
             visible_end: 0,
             delivered: 0,
             epoch: 1,
-            interests: BTreeMap::new(),
+            interests: Interests::new(),
             state: QueueState::Attached(session),
             checkpoints: VecDeque::new(),
             deliver_cap: None,
@@ -947,7 +952,7 @@ impl NodeCore {
             seen: None,
         };
         q.persist_info(batch);
-        self.queues.insert(id, q);
+        self.queues.insert(id, Box::new(q));
         id
     }
 
@@ -965,7 +970,7 @@ impl NodeCore {
     }
 
     pub fn queue(&self, id: QueueId) -> Option<&Queue> {
-        self.queues.get(&id)
+        self.queues.get(&id).map(|q| &**q)
     }
 
     /// Registers interest. Returns the normalised selectors (for the initial image) and the
@@ -1455,7 +1460,7 @@ impl NodeCore {
 
     /// Reports of every queue, ordered by queue id.
     pub fn queue_reports(&self) -> Vec<QueueReport> {
-        let mut qs: Vec<&Queue> = self.queues.values().collect();
+        let mut qs: Vec<&Queue> = self.queues.values().map(|q| &**q).collect();
         qs.sort_by_key(|q| q.id);
         qs.into_iter()
             .map(|q| QueueReport {

@@ -248,9 +248,11 @@ impl Store for RocksStore {
     fn queues(&self) -> Result<Vec<(QueueId, QueueMeta)>, StorageError> {
         let mut grouped: Vec<(QueueId, QueueMeta)> = Vec::new();
         {
-            let mut it = self
-                .db
-                .raw_iterator_cf_opt(self.cf(CF_META)?, ReadOptions::default());
+            // A one-time scan at start: it does not fill the block cache (with 100,000 idle
+            // queues that would be tens of MB held for nothing).
+            let mut ro = ReadOptions::default();
+            ro.fill_cache(false);
+            let mut it = self.db.raw_iterator_cf_opt(self.cf(CF_META)?, ro);
             it.seek_to_first();
             while let Some((k, v)) = it.item() {
                 let (q, field) = keys::decode_meta_key(k)?;
