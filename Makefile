@@ -44,8 +44,12 @@ test: deps
 bench: deps
 	EVENTS=$(BENCH_EVENTS) VALUE_BYTES=$(BENCH_VALUE_BYTES) scripts/bench.sh
 
+# A reduced set (well under two minutes with everything built): smaller backlogs, fan-out and
+# idle-queue counts, shorter live-latency runs.
 bench-quick: deps
-	EVENTS=100000 VALUE_BYTES=128 scripts/bench.sh
+	EVENTS=100000 VALUE_BYTES=128 TETHER_BENCH_LIVE_SECS=2 \
+	  TETHER_BENCH_MATRIX_EVENTS=10000,100000 TETHER_BENCH_FANOUT_EVENTS=10000 \
+	  TETHER_BENCH_IDLE_QUEUES=2000 TETHER_BENCH_IDLE_WARM=500 scripts/bench.sh
 
 fmt:
 	$(CARGO) fmt --all

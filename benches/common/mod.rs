@@ -2,7 +2,12 @@
 
 /// The process's resident memory, in KiB (0 where /proc is missing).
 pub fn rss_kb() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
+    rss_kb_of("self")
+}
+
+/// Resident memory of process `pid` ("self" for this one), in KiB (0 where /proc is missing).
+pub fn rss_kb_of(pid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()

@@ -18,12 +18,31 @@
 //! redundancy 1, TETHER_BENCH_CLUSTER_EVENTS events (default a fifth of the events, 0 skips)
 //! published through another node with `--ack local` and as many with `--ack replicated`, and
 //! the replay of the queue from its primary, compared with the single-node replay.
+//!
+//! Then, each on fresh nodes (`matrix.rs`, `fanout.rs`, `idle.rs`):
+//! - the workload matrix: one durable queue per backlog size (TETHER_BENCH_MATRIX_EVENTS,
+//!   default 100000,1000000,10000000) and value size (TETHER_BENCH_MATRIX_BYTES, default
+//!   128,1024): reconnect → status, ready → first event, ready → live, resident memory;
+//! - publish throughput with fan-out to TETHER_BENCH_FANOUT durable queues (default 1,10,1000;
+//!   TETHER_BENCH_FANOUT_EVENTS events, default 100,000, fewer beyond ten queues);
+//! - TETHER_BENCH_IDLE_QUEUES idle durable queues (default 100,000) on a server process of
+//!   their own: resident memory per queue, live and recovered after kill -9.
+//!
+//! The plots (replay time against backlog size, live latency CDF) go to TETHER_BENCH_OUT
+//! (default `bench-out/`). A list setting of 0 skips its phase.
 
+#[path = "../common/mod.rs"]
 mod common;
+mod fanout;
+mod idle;
+mod matrix;
+mod plot;
+mod progress;
 
 use common::rss_kb;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tether::client::{Client, ClientBuilder, ClientEvent, Interest};
@@ -121,55 +140,22 @@ async fn main() {
 
     // Replay, one queue per round (the machine is noisy); medians are reported. The process's
     // resident memory (server and clients together) is sampled meanwhile.
-    let rss_before = rss_kb();
-    let rss_peak = Arc::new(std::sync::atomic::AtomicU64::new(rss_before));
-    let sampler = {
-        let peak = rss_peak.clone();
-        tokio::spawn(async move {
-            loop {
-                peak.fetch_max(rss_kb(), std::sync::atomic::Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(RSS_SAMPLE_MS)).await;
-            }
-        })
-    };
+    let sampler = RssSampler::start();
     let (mut statuses, mut firsts, mut lives) = (Vec::new(), Vec::new(), Vec::new());
     let mut bytes = 0u64;
     for round in 0..rounds {
-        let t = Instant::now();
-        let c = builder
-            .clone()
-            .durable(format!("bench-{round}"), 3600)
-            .connect()
-            .await
-            .unwrap();
-        statuses.push(t.elapsed());
-        assert_eq!(c.pending(), Some(n));
-        let mut events = c.events().unwrap();
-        let t = Instant::now();
-        c.ready_for_events().await.unwrap();
-        let mut first = None;
-        let mut count = 0u64;
-        bytes = 0;
-        // Events until the live marker.
-        while let ClientEvent::Event(e) = events.next().await.expect("stream open") {
-            if first.is_none() {
-                first = Some(t.elapsed());
-            }
-            count += 1;
-            bytes += e.value.as_ref().map_or(0, |v| v.len() as u64);
-        }
-        lives.push(t.elapsed());
-        firsts.push(first.expect("events"));
-        assert_eq!(count, n, "every event replayed");
-        events.commit();
-        c.close(true).await.unwrap();
+        let r = replay(&builder, &format!("bench-{round}"), n).await;
+        assert_eq!(r.count, n, "every event replayed");
+        statuses.push(r.status);
+        firsts.push(r.first);
+        lives.push(r.live);
+        bytes = r.bytes;
     }
-    sampler.abort();
-    let rss_peak = rss_peak.load(std::sync::atomic::Ordering::Relaxed);
+    let (rss_before, rss_peak) = sampler.stop();
     // Live end-to-end latency at a fixed publish rate, idle and while a backlog drains.
     let live_secs = env_u64("TETHER_BENCH_LIVE_SECS", 5);
     let live_rate = env_u64("TETHER_BENCH_LIVE_RATE", 10_000);
-    let idle = live_latency(&builder, live_secs, live_rate, size, None).await;
+    let idle_latency = live_latency(&builder, live_secs, live_rate, size, None).await;
     let draining = live_latency(&builder, live_secs, live_rate, size, Some(n)).await;
     node.shutdown().await;
     let status = median(&mut statuses);
@@ -252,6 +238,32 @@ async fn main() {
         None
     };
 
+    // The workload matrix, fan-out and idle queues, each on fresh nodes.
+    let matrix_events = env_list("TETHER_BENCH_MATRIX_EVENTS", "100000,1000000,10000000");
+    let matrix_bytes = env_list("TETHER_BENCH_MATRIX_BYTES", "128,1024");
+    let mut cells = Vec::new();
+    for &bytes in &matrix_bytes {
+        for &events in &matrix_events {
+            cells.push(matrix::cell(dir.path(), events, bytes as usize).await);
+        }
+    }
+    let fanout_events = env_u64("TETHER_BENCH_FANOUT_EVENTS", 100_000);
+    let mut fanouts = Vec::new();
+    for queues in env_list("TETHER_BENCH_FANOUT", "1,10,1000") {
+        // Up to ten queues the same events; beyond, as many queue entries as ten queues take
+        // (at least one publish request).
+        let events = (fanout_events * 10 / queues.max(1))
+            .clamp(PUBLISH_BATCH_OPS as u64, fanout_events.max(1));
+        fanouts.push(fanout::run(dir.path(), queues, events, size).await);
+    }
+    let idle_queues = env_u64("TETHER_BENCH_IDLE_QUEUES", 100_000);
+    let idle = if idle_queues > 0 {
+        let warm = env_u64("TETHER_BENCH_IDLE_WARM", idle::WARM_QUEUES_DEFAULT).max(1);
+        Some(idle::run(dir.path(), idle_queues, warm).await)
+    } else {
+        None
+    };
+
     let rows = [
         row(
             format!("publish (fan-out to {fanout} queues)"),
@@ -296,7 +308,10 @@ async fn main() {
         "{:<34} {:>10} {:>10} {:>10} {:>10} {:>10}",
         "live latency (us)", "events", "p50", "p99", "p999", "max"
     );
-    for (name, h) in [("idle node", &idle), ("while a backlog drains", &draining)] {
+    for (name, h) in [
+        ("idle node", &idle_latency),
+        ("while a backlog drains", &draining),
+    ] {
         println!(
             "{:<34} {:>10} {:>10} {:>10} {:>10} {:>10}",
             name,
@@ -308,15 +323,90 @@ async fn main() {
         );
     }
     println!("# live events published at {live_rate}/s for {live_secs} s per measurement");
+    if !cells.is_empty() {
+        println!();
+        println!(
+            "{:<22} {:>10} {:>11} {:>11} {:>12} {:>12} {:>11} {:>11}",
+            "backlog (one queue)",
+            "fill ev/s",
+            "status ms",
+            "first ms",
+            "live ms",
+            "replay ev/s",
+            "rss MB",
+            "peak MB"
+        );
+        for c in &cells {
+            println!(
+                "{:<22} {:>10.0} {:>11.2} {:>11.2} {:>12.1} {:>12.0} {:>11.0} {:>11.0}",
+                format!("{} x {} B", c.label(), c.value_bytes),
+                c.events as f64 / c.fill.as_secs_f64(),
+                c.status.as_secs_f64() * 1e3,
+                c.first.as_secs_f64() * 1e3,
+                c.live.as_secs_f64() * 1e3,
+                c.events_per_s(),
+                c.rss_before_kb as f64 / 1024.0,
+                c.rss_peak_kb as f64 / 1024.0,
+            );
+        }
+        println!("# rss: the whole process (node and client) before the replay, and its peak");
+    }
+    if !fanouts.is_empty() {
+        println!();
+        println!(
+            "{:<22} {:>10} {:>14} {:>16}",
+            "publish fan-out", "events", "events/s", "queue entries/s"
+        );
+        for f in &fanouts {
+            println!(
+                "{:<22} {:>10} {:>14.0} {:>16.0}",
+                format!("{} durable queues", f.queues),
+                f.events,
+                f.events_per_s(),
+                f.entries_per_s()
+            );
+        }
+    }
+    if let Some(i) = &idle {
+        println!();
+        println!(
+            "idle durable queues: {} created in {:.1} s; server RSS {:.0} MB empty, {:.0} MB \
+             restarted with {} queues, {:.0} MB after {} more, {:.0} MB with {} more: {:.0} B \
+             per queue; restarted (kill -9) in {:.2} s: {:.0} MB, {:.0} B per recovered queue; \
+             restarted again: {:.0} MB, {:.0} B per queue",
+            i.queues,
+            i.create.as_secs_f64(),
+            i.rss_empty_kb as f64 / 1024.0,
+            i.rss_recovered_warm_kb as f64 / 1024.0,
+            i.warm,
+            i.rss_live_warm_kb as f64 / 1024.0,
+            i.warm,
+            i.rss_live_full_kb as f64 / 1024.0,
+            i.queues,
+            i.bytes_per_queue(),
+            i.restart.as_secs_f64(),
+            i.rss_recovered_full_kb as f64 / 1024.0,
+            i.recovered_bytes_per_queue(),
+            i.rss_recovered_again_kb as f64 / 1024.0,
+            i.recovered_again_bytes_per_queue(),
+        );
+    }
+    let plots = write_plots(
+        &cells,
+        &[
+            ("idle node", &idle_latency),
+            ("while a backlog drains", &draining),
+        ],
+    );
     let limit = scan.max(transfer);
     let replay_rate = n as f64 / live.as_secs_f64();
     println!("replay_events_per_s={replay_rate:.0}");
     if n == 1_000_000 && size == 128 {
         println!("replay_1m_128b_events_per_s={replay_rate:.0}");
     }
-    println!("live_p50_us={}", idle.value_at_quantile(0.5));
-    println!("live_p99_us={}", idle.value_at_quantile(0.99));
-    println!("live_p999_us={}", idle.value_at_quantile(0.999));
+    println!("live_p50_us={}", idle_latency.value_at_quantile(0.5));
+    println!("live_p99_us={}", idle_latency.value_at_quantile(0.99));
+    println!("live_p999_us={}", idle_latency.value_at_quantile(0.999));
     println!("live_draining_p99_us={}", draining.value_at_quantile(0.99));
     println!(
         "publish_events_per_s={:.0}",
@@ -363,6 +453,147 @@ async fn main() {
         }
         None => println!("# redundancy phase skipped (TETHER_BENCH_CLUSTER_EVENTS=0)"),
     }
+    for c in &cells {
+        let name = format!("{}_{}b", c.label(), c.value_bytes);
+        println!("matrix_{name}_replay_events_per_s={:.0}", c.events_per_s());
+        println!(
+            "matrix_{name}_status_ms={:.3}",
+            c.status.as_secs_f64() * 1e3
+        );
+        println!(
+            "matrix_{name}_first_event_ms={:.3}",
+            c.first.as_secs_f64() * 1e3
+        );
+        println!(
+            "matrix_{name}_replay_rss_growth_mb={:.0}",
+            c.rss_peak_kb.saturating_sub(c.rss_before_kb) as f64 / 1024.0
+        );
+        if c.value_bytes == 128 {
+            println!(
+                "status_ms_{}_pending={:.3}",
+                c.label(),
+                c.status.as_secs_f64() * 1e3
+            );
+        }
+    }
+    if let Some(worst) = cells.iter().map(|c| c.first).max() {
+        println!(
+            "first_event_ms_max_over_backlogs={:.3}",
+            worst.as_secs_f64() * 1e3
+        );
+    }
+    // Memory flat in the backlog size: the replay's resident-memory growth at the largest
+    // backlog against the smallest, per value size.
+    for &bytes in &matrix_bytes {
+        let of: Vec<&matrix::Cell> = cells
+            .iter()
+            .filter(|c| c.value_bytes == bytes as usize)
+            .collect();
+        if let (Some(lo), Some(hi)) = (of.first(), of.last())
+            && of.len() > 1
+        {
+            let growth = |c: &matrix::Cell| c.rss_peak_kb.saturating_sub(c.rss_before_kb).max(1024);
+            println!(
+                "replay_rss_growth_{}_vs_{}_{bytes}b_ratio={:.2}",
+                hi.label(),
+                lo.label(),
+                growth(hi) as f64 / growth(lo) as f64
+            );
+        }
+    }
+    for f in &fanouts {
+        println!(
+            "publish_fanout_{}_events_per_s={:.0}",
+            f.queues,
+            f.events_per_s()
+        );
+        println!(
+            "publish_fanout_{}_queue_entries_per_s={:.0}",
+            f.queues,
+            f.entries_per_s()
+        );
+    }
+    if let Some(i) = &idle {
+        println!("idle_queues={}", i.queues);
+        println!("idle_queue_bytes={:.0}", i.bytes_per_queue());
+        println!(
+            "idle_queue_recovered_bytes={:.0}",
+            i.recovered_bytes_per_queue()
+        );
+        println!(
+            "idle_queue_restarted_again_bytes={:.0}",
+            i.recovered_again_bytes_per_queue()
+        );
+        println!(
+            "idle_queues_restart_ms={:.0}",
+            i.restart.as_secs_f64() * 1e3
+        );
+    }
+    for (name, path) in plots {
+        println!("plot_{name}={}", path.display());
+    }
+}
+
+/// A comma-separated list of numbers from the environment ("" or "0" for none).
+fn env_list(name: &str, default: &str) -> Vec<u64> {
+    std::env::var(name)
+        .unwrap_or_else(|_| default.to_string())
+        .split(',')
+        .filter_map(|v| v.trim().replace('_', "").parse().ok())
+        .filter(|&v| v > 0)
+        .collect()
+}
+
+/// Writes the plots into TETHER_BENCH_OUT (default `bench-out`): replay time against backlog
+/// size (from the matrix) and the live latency CDF. Returns (name, path) of each one written.
+fn write_plots(
+    cells: &[matrix::Cell],
+    latencies: &[(&str, &hdrhistogram::Histogram<u64>)],
+) -> Vec<(&'static str, std::path::PathBuf)> {
+    let out = std::path::PathBuf::from(
+        std::env::var("TETHER_BENCH_OUT").unwrap_or_else(|_| "bench-out".into()),
+    );
+    if let Err(e) = std::fs::create_dir_all(&out) {
+        println!("# plots skipped: cannot create {}: {e}", out.display());
+        return Vec::new();
+    }
+    let mut written = Vec::new();
+    let mut sizes: Vec<usize> = cells.iter().map(|c| c.value_bytes).collect();
+    sizes.dedup();
+    let series: Vec<plot::Series> = sizes
+        .iter()
+        .map(|&b| plot::Series {
+            label: format!("{b} B values"),
+            points: cells
+                .iter()
+                .filter(|c| c.value_bytes == b)
+                .map(|c| (c.events as f64, c.live.as_secs_f64()))
+                .collect(),
+        })
+        .collect();
+    if !series.is_empty() {
+        let path = out.join("replay-vs-backlog.svg");
+        match plot::replay_vs_backlog(&path, &series) {
+            Ok(()) => written.push(("replay_vs_backlog", path)),
+            Err(e) => println!("# plot {} failed: {e}", path.display()),
+        }
+    }
+    let series: Vec<plot::Series> = latencies
+        .iter()
+        .filter(|(_, h)| !h.is_empty())
+        .map(|(name, h)| plot::Series {
+            label: name.to_string(),
+            points: plot::cdf_points(h),
+        })
+        .collect();
+    if !series.is_empty() {
+        let path = out.join("live-latency-cdf.svg");
+        match plot::latency_cdf(&path, &series) {
+            Ok(()) => written.push(("live_latency_cdf", path)),
+            Err(e) => println!("# plot {} failed: {e}", path.display()),
+        }
+    }
+    written
 }
 
 /// Publishes puts `range` (requests of [`PUBLISH_BATCH_OPS`], [`PUBLISH_CONCURRENCY`] in
@@ -422,8 +653,8 @@ async fn live_latency(
     let drainer = drain.map(|n| {
         let b = builder.clone();
         tokio::spawn(async move {
-            let (_, _, count) = replay(&b, "bench-drain", n).await;
-            assert_eq!(count, n, "the backlog drained");
+            let r = replay(&b, "bench-drain", n).await;
+            assert_eq!(r.count, n, "the backlog drained");
         })
     });
     let origin = Instant::now();
@@ -489,24 +720,94 @@ async fn park_durable(builder: ClientBuilder) {
     c.close(true).await.unwrap();
 }
 
-/// Replays durable queue `id` from `builder`'s server: (reconnect → status, ready → live,
-/// events replayed).
-async fn replay(builder: &ClientBuilder, id: &str, expect: u64) -> (Duration, Duration, u64) {
+/// One replay of a durable queue.
+struct Replay {
+    /// Reconnect → the welcome with the queue's status and pending count.
+    status: Duration,
+    /// Ready → the first event.
+    first: Duration,
+    /// Ready → the live marker after the last replayed event.
+    live: Duration,
+    /// Events replayed.
+    count: u64,
+    /// Bytes of values replayed.
+    bytes: u64,
+}
+
+/// Events between two updates of the replay's progress bar.
+const REPLAY_PROGRESS_EVENTS: u64 = 16_384;
+
+/// Reconnects durable client `id` to `builder`'s server, expecting `expect` pending events,
+/// replays its queue with acks flowing, and closes it for good.
+async fn replay(builder: &ClientBuilder, id: &str, expect: u64) -> Replay {
     let t = Instant::now();
     let c = builder.clone().durable(id, 3600).connect().await.unwrap();
     let status = t.elapsed();
     assert_eq!(c.pending(), Some(expect));
+    let bar = progress::bar(expect, &format!("replay {id}"));
     let mut events = c.events().unwrap();
     let t = Instant::now();
     c.ready_for_events().await.unwrap();
-    let mut count = 0u64;
-    while let ClientEvent::Event(_) = events.next().await.expect("stream open") {
+    let (mut first, mut count, mut bytes) = (None, 0u64, 0u64);
+    while let ClientEvent::Event(e) = events.next().await.expect("stream open") {
+        if first.is_none() {
+            first = Some(t.elapsed());
+        }
         count += 1;
+        bytes += e.value.as_ref().map_or(0, |v| v.len() as u64);
+        if count.is_multiple_of(REPLAY_PROGRESS_EVENTS) {
+            bar.set_position(count);
+        }
     }
     let live = t.elapsed();
+    bar.finish_and_clear();
     events.commit();
     c.close(true).await.unwrap();
-    (status, live, count)
+    Replay {
+        status,
+        first: first.unwrap_or(live),
+        live,
+        count,
+        bytes,
+    }
+}
+
+/// Samples the process's resident memory every [`RSS_SAMPLE_MS`] on a thread of its own (so
+/// a busy runtime does not skip samples) until stopped.
+struct RssSampler {
+    before_kb: u64,
+    peak_kb: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl RssSampler {
+    fn start() -> RssSampler {
+        let before_kb = rss_kb();
+        let peak_kb = Arc::new(AtomicU64::new(before_kb));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (peak, done) = (peak_kb.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                peak.fetch_max(rss_kb(), Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(RSS_SAMPLE_MS));
+            }
+        });
+        RssSampler {
+            before_kb,
+            peak_kb,
+            stop,
+            thread,
+        }
+    }
+
+    /// (resident KiB at the start, peak resident KiB).
+    fn stop(self) -> (u64, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap();
+        let peak = self.peak_kb.load(Ordering::Relaxed).max(rss_kb());
+        (self.before_kb, peak)
+    }
 }
 
 /// Figures of the redundancy phase.
@@ -573,8 +874,8 @@ async fn cluster_phase(dir: &Path, n: u64, size: usize) -> ClusterFigures {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let (status, replay, count) = replay(&to(0), "bench-r1", 2 * n).await;
-    assert_eq!(count, 2 * n, "every event replayed");
+    let r = replay(&to(0), "bench-r1", 2 * n).await;
+    assert_eq!(r.count, 2 * n, "every event replayed");
     drop(publisher);
     for node in nodes {
         node.shutdown().await;
@@ -583,8 +884,8 @@ async fn cluster_phase(dir: &Path, n: u64, size: usize) -> ClusterFigures {
         events: n,
         publish_local,
         publish_replicated,
-        status,
-        replay,
+        status: r.status,
+        replay: r.live,
     }
 }
 

@@ -23,6 +23,8 @@ use futures_util::StreamExt;
 const MIN_VERSION: (u32, u32) = (2, 10);
 /// How long to wait for the server to accept connections.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a stopping server may take to exit before it is killed.
+const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 /// Outstanding publish-ack futures during `fill` (the context allows 5000).
 const PUBLISH_WINDOW: usize = 4096;
 /// Per-message receive timeout during `drain`.
@@ -109,6 +111,23 @@ impl NatsPeer {
             }
         }
         Err(format!("nats-server did not start after 5 attempts: {last_err}"))
+    }
+
+    /// Stops the server (SIGTERM, so it writes its indexes; SIGKILL after [`STOP_TIMEOUT`])
+    /// and starts it again on the same port and store with `sync_always` set as given: the
+    /// streams filled before are recovered from disk.
+    pub fn restart(&mut self, sync_always: bool) -> Result<(), String> {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = spawn_server(&self.binary, self.dir.path(), self.addr.port(), sync_always, 0)?;
+        Ok(())
     }
 
     /// `nats://127.0.0.1:PORT`.
