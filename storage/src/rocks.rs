@@ -288,6 +288,9 @@ impl Store for RocksStore {
         ro.set_iterate_lower_bound(lower.to_vec());
         ro.set_iterate_upper_bound(keys::entry_key_after(queue, to).to_vec());
         ro.set_readahead_size(READ_AHEAD_BYTES);
+        // A replay reads each entry once, in order: its blocks would only push other data out of
+        // the block cache, and make the server's memory grow with the backlog it replays.
+        ro.fill_cache(false);
         let mut it = self.db.raw_iterator_cf_opt(self.cf(CF_ENTRIES)?, ro);
         it.seek(lower);
         let mut visited = 0usize;
