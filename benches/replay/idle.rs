@@ -23,7 +23,7 @@ const CREATE_CONCURRENCY: usize = 32;
 /// machinery warm): TETHER_BENCH_IDLE_WARM.
 pub const WARM_QUEUES_DEFAULT: u64 = 1_000;
 /// Wait for closed connections to be freed before memory is read, in milliseconds.
-const SETTLE_MS: u64 = 2_000;
+const SETTLE_MS: u64 = 1_000;
 
 pub struct Idle {
     pub queues: u64,
