@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use plotters::coord::ranged1d::{Ranged, ValueFormatter};
 use plotters::prelude::*;
 
 /// One line of a plot.
@@ -58,64 +59,73 @@ fn log_log(
         .margin(16)
         .x_label_area_size(44)
         .y_label_area_size(64);
-    let x = (x_min / 1.5)..(x_max * 1.5);
+    let x = ((x_min / 1.5)..(x_max * 1.5)).log_scale();
+    let labels = Labels {
+        x_desc,
+        y_desc,
+        series,
+    };
     if log_y {
+        let y = ((y_min / 1.5)..(y_max * 1.5)).log_scale();
         let mut chart = builder
-            .build_cartesian_2d(x.log_scale(), ((y_min / 1.5)..(y_max * 1.5)).log_scale())
+            .build_cartesian_2d(x, y)
             .map_err(|e| e.to_string())?;
-        chart
-            .configure_mesh()
-            .x_desc(x_desc)
-            .y_desc(y_desc)
-            .x_label_formatter(&|v| human(*v))
-            .draw()
-            .map_err(|e| e.to_string())?;
-        for (i, s) in series.iter().enumerate() {
-            let color = COLORS[i % COLORS.len()];
-            chart
-                .draw_series(LineSeries::new(s.points.clone(), color.stroke_width(2)))
-                .map_err(|e| e.to_string())?
-                .label(&s.label)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
-            chart
-                .draw_series(s.points.iter().map(|&p| Circle::new(p, 4, color.filled())))
-                .map_err(|e| e.to_string())?;
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| e.to_string())?;
+        labels.draw(&mut chart, true, SeriesLabelPosition::UpperLeft)?;
     } else {
         let mut chart = builder
-            .build_cartesian_2d(x.log_scale(), 0.0..1.0)
+            .build_cartesian_2d(x, 0.0..1.0)
             .map_err(|e| e.to_string())?;
+        labels.draw(&mut chart, false, SeriesLabelPosition::LowerRight)?;
+    }
+    root.present().map_err(|e| e.to_string())
+}
+
+/// The mesh, the lines (with their points, or not) and the legend of a chart.
+struct Labels<'a> {
+    x_desc: &'a str,
+    y_desc: &'a str,
+    series: &'a [Series],
+}
+
+impl Labels<'_> {
+    fn draw<'b, X, Y>(
+        &self,
+        chart: &mut ChartContext<'b, SVGBackend<'b>, Cartesian2d<X, Y>>,
+        points: bool,
+        legend: SeriesLabelPosition,
+    ) -> Result<(), String>
+    where
+        X: Ranged<ValueType = f64> + ValueFormatter<f64>,
+        Y: Ranged<ValueType = f64> + ValueFormatter<f64>,
+    {
         chart
             .configure_mesh()
-            .x_desc(x_desc)
-            .y_desc(y_desc)
+            .x_desc(self.x_desc)
+            .y_desc(self.y_desc)
             .x_label_formatter(&|v| human(*v))
             .draw()
             .map_err(|e| e.to_string())?;
-        for (i, s) in series.iter().enumerate() {
+        for (i, s) in self.series.iter().enumerate() {
             let color = COLORS[i % COLORS.len()];
             chart
                 .draw_series(LineSeries::new(s.points.clone(), color.stroke_width(2)))
                 .map_err(|e| e.to_string())?
                 .label(&s.label)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+            if points {
+                chart
+                    .draw_series(s.points.iter().map(|&p| Circle::new(p, 4, color.filled())))
+                    .map_err(|e| e.to_string())?;
+            }
         }
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
+            .position(legend)
             .background_style(WHITE.mix(0.9))
             .border_style(BLACK)
             .draw()
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| e.to_string())
     }
-    root.present().map_err(|e| e.to_string())
 }
 
 /// 1000 → "1k", 2500000 → "2.5M", 0.25 → "0.25".
