@@ -31,6 +31,12 @@ pub struct AuthConfig {
     /// principal (mutual TLS). Without it only tokens authenticate.
     #[serde(default)]
     pub client_ca: Option<std::path::PathBuf>,
+    /// Certificate revocation lists (PEM file, `X509 CRL` sections, e.g. written by `tether
+    /// revoke-client-cert`) for the client certificates: a revoked certificate fails the
+    /// handshake. The node reloads the file when it changes and closes open connections whose
+    /// certificate the new lists revoke.
+    #[serde(default)]
+    pub client_crl: Option<std::path::PathBuf>,
     /// Principals with the admin role.
     #[serde(default)]
     pub admins: Vec<String>,
@@ -249,6 +255,7 @@ mod tests {
     fn authorizer() -> Authorizer {
         Authorizer::new(&AuthConfig {
             client_ca: None,
+            client_crl: None,
             admins: vec!["ops".into()],
             tokens: vec![
                 TokenEntry {

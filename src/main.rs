@@ -83,6 +83,21 @@ enum Command {
         #[arg(long, default_value = ".")]
         out: PathBuf,
     },
+    /// Revoke a client certificate: add it to a certificate revocation list signed by a data
+    /// directory's dev CA. A node whose `[auth] client-crl` names the list reloads it within a
+    /// second, refuses the certificate and closes the connections using it.
+    RevokeClientCert {
+        /// The client certificate (PEM) to revoke.
+        #[arg(long)]
+        cert: PathBuf,
+        /// The data directory whose tls/ca.pem and tls/ca.key issued it and sign the list.
+        #[arg(long, default_value = "data")]
+        data_dir: PathBuf,
+        /// The revocation list to update, created when missing (default
+        /// <data-dir>/tls/client-crl.pem).
+        #[arg(long)]
+        crl: Option<PathBuf>,
+    },
 }
 
 #[derive(Args)]
@@ -372,6 +387,23 @@ async fn run(cmd: Command) -> Result<(), Fail> {
             emit(
                 json!({"type":"client-cert","name":name,"cert":cert.display().to_string(),"key":key.display().to_string()}),
             );
+            Ok(())
+        }
+        Command::RevokeClientCert {
+            cert,
+            data_dir,
+            crl,
+        } => {
+            let tls_dir = data_dir.join("tls");
+            let crl = crl.unwrap_or_else(|| tls_dir.join("client-crl.pem"));
+            let r = tether::transport::crl::revoke_dev_client_cert(&tls_dir, &cert, &crl)?;
+            emit(json!({
+                "type": "client-crl",
+                "crl": r.crl.display().to_string(),
+                "serial": r.serial,
+                "revoked": r.revoked,
+                "crl_number": r.crl_number,
+            }));
             Ok(())
         }
         Command::HashToken { token } => {

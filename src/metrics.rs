@@ -38,6 +38,8 @@ pub const REPLICATION_SNAPSHOTS_RECEIVED: &str = "tether_replication_snapshots_r
 pub const FAILOVERS: &str = "tether_failovers_total";
 pub const CLIENT_FAILOVERS: &str = "tether_client_failovers_total";
 pub const QUEUE_COPIES: &str = "tether_queue_copies";
+pub const CLIENT_CRL_RELOADS: &str = "tether_client_crl_reloads_total";
+pub const REVOKED_CONNECTIONS_CLOSED: &str = "tether_revoked_connections_closed_total";
 
 /// Bytes of an HTTP request head the endpoint reads.
 const HTTP_REQUEST_BYTES_MAX: usize = 8 * 1024;
@@ -108,6 +110,14 @@ fn describe() {
         "Promotions of this node asked for by a client that lost its primary (also counted in tether_failovers_total)"
     );
     describe_gauge!(QUEUE_COPIES, "Queue copies this node holds as a secondary");
+    describe_counter!(
+        CLIENT_CRL_RELOADS,
+        "Client certificate revocation lists loaded after a change of the file (label result: ok, error)"
+    );
+    describe_counter!(
+        REVOKED_CONNECTIONS_CLOSED,
+        "Open client connections closed because their certificate was revoked"
+    );
     describe_counter!(
         FORWARDED,
         "Publishes of this node applied by a peer (label peer)"

@@ -15,6 +15,7 @@ fn auth() -> AuthConfig {
     };
     AuthConfig {
         client_ca: None,
+        client_crl: None,
         admins: vec!["ops".into()],
         tokens: vec![
             token("alice", "alice-secret"),
@@ -376,4 +377,165 @@ async fn client_certificates_authenticate_their_common_name() {
         .expect("untrusted certificate");
     assert!(matches!(err, ClientError::Connect(_)), "{err:?}");
     node.shutdown().await;
+}
+
+/// Runs `tether revoke-client-cert` and returns its JSON line.
+fn revoke(data_dir: &std::path::Path, cert: &std::path::Path) -> serde_json::Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tether"))
+        .arg("revoke-client-cert")
+        .arg("--cert")
+        .arg(cert)
+        .arg("--data-dir")
+        .arg(data_dir)
+        .output()
+        .expect("run tether revoke-client-cert");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON line")
+}
+
+/// Certificate revocation: `tether revoke-client-cert` writes a list signed by the CA; a node
+/// with `[auth] client-crl` refuses a revoked certificate at the handshake, reloads the list
+/// when it changes and closes the open connections of a certificate revoked meanwhile; other
+/// certificates keep working, and a damaged new list leaves the one in force.
+#[tokio::test]
+async fn revoked_client_certificates_are_refused_and_their_connections_closed() {
+    use tether::transport::tls;
+    let dir = tempfile::tempdir().unwrap();
+    let tls_dir = dir.path().join("tls");
+    let files = tls::ensure_dev_certs(&tls_dir).unwrap();
+    let clients = dir.path().join("clients");
+    let issue = |name: &str| tls::issue_dev_client_cert(&tls_dir, name, &clients).unwrap();
+    let (carol_cert, carol_key) = issue("carol");
+    let (dave_cert, dave_key) = issue("dave");
+    let (eve_cert, eve_key) = issue("eve");
+    let first = revoke(dir.path(), &eve_cert);
+    assert_eq!(first["type"], "client-crl");
+    assert_eq!(first["revoked"], 1);
+    assert_eq!(first["crl_number"], 1);
+    let crl = std::path::PathBuf::from(first["crl"].as_str().unwrap());
+    assert_eq!(crl, tls_dir.join("client-crl.pem"));
+
+    let mut config = tether::config::ServerConfig::ephemeral(dir.path());
+    let mut a = auth();
+    a.client_ca = Some(files.ca.clone());
+    a.client_crl = Some(crl.clone());
+    for who in ["carol", "dave", "eve"] {
+        a.acl.push(AclEntry {
+            principal: who.into(),
+            publish: vec!["fx-*".into()],
+            subscribe: vec!["fx-*".into()],
+        });
+    }
+    config.auth = Some(a.clone());
+    let node = tether::server::Node::start(config).await.unwrap();
+    let builder = |cert: &std::path::Path, key: &std::path::Path| {
+        tether::client::ClientBuilder::new()
+            .server(node.addr())
+            .ca_file(&files.ca)
+            .identity(cert, key)
+    };
+
+    // Revoked before the node started: the handshake fails.
+    let err = builder(&eve_cert, &eve_key)
+        .connect()
+        .await
+        .err()
+        .expect("eve's certificate is revoked");
+    let ClientError::Connect(msg) = &err else {
+        panic!("expected a failed handshake, got {err:?}");
+    };
+    assert!(
+        msg.contains("error 44: invalid peer certificate: Revoked"),
+        "{msg}"
+    );
+
+    let carol = builder(&carol_cert, &carol_key)
+        .durable("carol-dash", 600)
+        .connect()
+        .await
+        .expect("carol's certificate");
+    carol
+        .region("fx-eur")
+        .register(Interest::all_keys())
+        .await
+        .unwrap();
+    let dave = builder(&dave_cert, &dave_key).connect().await.unwrap();
+    dave.region("fx-eur").put("k", "1").await.unwrap();
+
+    // Carol's certificate is revoked while she is connected: the node reloads the list and
+    // closes her connection, saying why.
+    let second = revoke(dir.path(), &carol_cert);
+    assert_eq!(second["revoked"], 2);
+    assert_eq!(second["crl_number"], 2);
+    let start = std::time::Instant::now();
+    let closed = loop {
+        match carol.region("fx-eur").get("k").await {
+            Ok(_) => {
+                assert!(start.elapsed() < WAIT, "carol's connection was not closed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        format!("{closed:?}").contains("revoked"),
+        "the client learns why: {closed:?}"
+    );
+    let err = builder(&carol_cert, &carol_key)
+        .durable("carol-dash", 600)
+        .connect()
+        .await
+        .err()
+        .expect("carol's certificate is revoked now");
+    assert!(matches!(err, ClientError::Connect(_)), "{err:?}");
+    // Dave was not revoked: his connection and new ones keep working.
+    dave.region("fx-eur").put("k", "2").await.unwrap();
+    let dave2 = builder(&dave_cert, &dave_key).connect().await.unwrap();
+    assert_eq!(
+        dave2.region("fx-eur").get("k").await.unwrap().as_deref(),
+        Some(&b"2"[..])
+    );
+
+    // A damaged list is refused; the one in force stays (carol still out, dave still in).
+    std::fs::write(
+        &crl,
+        "-----BEGIN X509 CRL-----\nAAAA\n-----END X509 CRL-----\n",
+    )
+    .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(
+        3 * tether::server::CRL_RELOAD_INTERVAL_MS,
+    ))
+    .await;
+    let dave3 = builder(&dave_cert, &dave_key).connect().await.unwrap();
+    dave3.region("fx-eur").put("k", "3").await.unwrap();
+    assert!(
+        builder(&carol_cert, &carol_key).connect().await.is_err(),
+        "carol stays revoked"
+    );
+    drop((dave, dave2, dave3));
+    node.shutdown().await;
+
+    // At start, a damaged list stops the node with its reason; so does a list without a CA.
+    let mut config = tether::config::ServerConfig::ephemeral(dir.path());
+    config.auth = Some(a.clone());
+    let e = tether::server::Node::start(config)
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("client-crl"), "{e}");
+    let mut config = tether::config::ServerConfig::ephemeral(dir.path());
+    let mut no_ca = a;
+    no_ca.client_ca = None;
+    config.auth = Some(no_ca);
+    let e = tether::server::Node::start(config)
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("needs auth.client-ca"), "{e}");
 }

@@ -525,9 +525,10 @@ struct Inner {
 impl Inner {
     async fn send(&self, msg: &ClientMsg) -> Result<(), ClientError> {
         let mut s = self.send.lock().await;
+        // A write fails when the connection is gone: say why the server closed it, if it did.
         codec::write_frame(&mut s, msg)
             .await
-            .map_err(|_| ClientError::Closed)
+            .map_err(|_| self.closed_error())
     }
 
     async fn call(&self, body: RequestBody) -> Result<ResponseBody, ClientError> {

@@ -16,6 +16,7 @@ mod copies;
 mod failover;
 mod forward;
 mod placement;
+mod revocation;
 mod shipping;
 mod writer;
 
@@ -30,6 +31,7 @@ use tether_storage::{Batch, RocksStore, Store};
 use tether_transport::tls::{self, TlsFiles};
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
 
+pub use revocation::CRL_RELOAD_INTERVAL_MS;
 pub use writer::{GROUP_COMMIT_REQUESTS_MAX, Writer, WriterThread};
 
 use crate::cluster::{Cluster, Members};
@@ -675,19 +677,27 @@ impl Node {
                     .into(),
             ));
         }
-        let client_ca = config.auth.as_ref().and_then(|a| a.client_ca.as_deref());
-        let mut server_config = match client_ca {
-            _ if clustered => tls::server_config_for_cluster(&tls_files, client_ca)?,
-            Some(client_ca) => tls::server_config_with_client_ca(&tls_files, client_ca)?,
-            None => tls::server_config(&tls_files)?,
+        let client_ca = config.auth.as_ref().and_then(|a| a.client_ca.clone());
+        let client_crl = config.auth.as_ref().and_then(|a| a.client_crl.clone());
+        if client_crl.is_some() && client_ca.is_none() && !clustered {
+            return Err(NodeError::Config(
+                "auth.client-crl revokes client certificates: it needs auth.client-ca".into(),
+            ));
+        }
+        let tls_setup = revocation::TlsSetup {
+            files: tls_files.clone(),
+            clustered,
+            client_ca,
+            idle_timeout_ms: config.limits.idle_timeout_ms,
         };
-        let mut transport = tls::transport_config();
-        let idle = Duration::from_millis(config.limits.idle_timeout_ms);
-        transport.max_idle_timeout(Some(
-            quinn::IdleTimeout::try_from(idle)
-                .map_err(|_| NodeError::Config("idle timeout too large".into()))?,
-        ));
-        server_config.transport_config(Arc::new(transport));
+        let (crls, crl_modified) = match &client_crl {
+            Some(path) => {
+                let (crls, modified) = revocation::load_at_start(path)?;
+                (crls, modified)
+            }
+            None => Default::default(),
+        };
+        let server_config = tls_setup.server_config(&crls)?;
         let mut queues = store.queues()?;
         queues.retain(|(q, _)| *q != forward::PUBLISH_LOG_QUEUE);
         let (queues, copies) = NodeCore::split_copies(queues).map_err(NodeError::Recovery)?;
@@ -815,6 +825,15 @@ impl Node {
             endpoint.clone(),
         )));
         tasks.push(tokio::spawn(tick_loop(shared.clone())));
+        if let Some(path) = client_crl {
+            tasks.push(tokio::spawn(revocation::watch(
+                Arc::downgrade(&shared),
+                endpoint.clone(),
+                tls_setup,
+                path,
+                crl_modified,
+            )));
+        }
         Ok(Node {
             shared,
             endpoint,

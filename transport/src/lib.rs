@@ -8,6 +8,7 @@
 #![warn(missing_docs)]
 
 pub mod codec;
+pub mod crl;
 pub mod endpoint;
 pub mod error;
 pub mod tls;

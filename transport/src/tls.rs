@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer};
 
 use crate::{ALPN, PEER_ALPN};
 
@@ -91,7 +91,7 @@ pub enum TlsError {
     Quic(String),
 }
 
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TlsError + '_ {
+pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TlsError + '_ {
     move |source| TlsError::Io {
         path: path.to_path_buf(),
         source,
@@ -124,11 +124,14 @@ pub fn transport_config() -> quinn::TransportConfig {
     t
 }
 
-fn read_file(path: &Path) -> Result<Vec<u8>, TlsError> {
+pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>, TlsError> {
     std::fs::read(path).map_err(io_err(path))
 }
 
-fn parse_certs(pem: &[u8], path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+pub(crate) fn parse_certs(
+    pem: &[u8],
+    path: &Path,
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let certs = CertificateDer::pem_slice_iter(pem)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| TlsError::Pem {
@@ -182,7 +185,7 @@ fn finish_client(mut tls: rustls::ClientConfig) -> Result<quinn::ClientConfig, T
 }
 
 /// The certificates of a PEM file as a root store.
-fn roots_from(path: &Path) -> Result<rustls::RootCertStore, TlsError> {
+pub(crate) fn roots_from(path: &Path) -> Result<rustls::RootCertStore, TlsError> {
     roots_from_pem(&read_file(path)?, path)
 }
 
@@ -197,19 +200,16 @@ fn roots_from_pem(pem: &[u8], path: &Path) -> Result<rustls::RootCertStore, TlsE
 /// [`server_config`] that also accepts client certificates issued by the CA(s) in the PEM
 /// file `client_ca` (mutual TLS). A client without a certificate is still accepted (it may
 /// authenticate with a token instead); one with a certificate that does not verify fails the
-/// handshake. The verified subject is read with [`peer_common_name`].
+/// handshake, and so does one that the revocation lists `crls` revoke. The verified subject is
+/// read with [`peer_common_name`].
 pub fn server_config_with_client_ca(
     files: &TlsFiles,
     client_ca: &Path,
+    crls: &[CertificateRevocationListDer<'static>],
 ) -> Result<quinn::ServerConfig, TlsError> {
     let certs = parse_certs(&read_file(&files.cert)?, &files.cert)?;
     let key = parse_key(&read_file(&files.key)?, &files.key)?;
-    let roots = roots_from(client_ca)?;
-    let verifier =
-        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
-            .allow_unauthenticated()
-            .build()
-            .map_err(|e| TlsError::Quic(format!("client verifier: {e}")))?;
+    let verifier = client_verifier(roots_from(client_ca)?, crls)?;
     let tls = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(verifier)
@@ -221,10 +221,12 @@ pub fn server_config_with_client_ca(
 /// [`PEER_ALPN`]) on one address. Client certificates are verified against the cluster CA
 /// (`files.ca`) and, if given, the client CA; a client without a certificate is accepted
 /// (tokens, or an open node). Whether a peer connection's certificate comes from the cluster
-/// CA is checked after the handshake with [`peer_issued_by_ca`].
+/// CA is checked after the handshake with [`peer_issued_by_ca`]. `crls` revoke client
+/// certificates.
 pub fn server_config_for_cluster(
     files: &TlsFiles,
     client_ca: Option<&Path>,
+    crls: &[CertificateRevocationListDer<'static>],
 ) -> Result<quinn::ServerConfig, TlsError> {
     let certs = parse_certs(&read_file(&files.cert)?, &files.cert)?;
     let key = parse_key(&read_file(&files.key)?, &files.key)?;
@@ -234,11 +236,7 @@ pub fn server_config_for_cluster(
             roots.add(cert)?;
         }
     }
-    let verifier =
-        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
-            .allow_unauthenticated()
-            .build()
-            .map_err(|e| TlsError::Quic(format!("client verifier: {e}")))?;
+    let verifier = client_verifier(roots, crls)?;
     let mut tls = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(verifier)
@@ -248,6 +246,23 @@ pub fn server_config_for_cluster(
     let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(quic));
     cfg.transport_config(Arc::new(transport_config()));
     Ok(cfg)
+}
+
+/// The client-certificate verifier of a server: chains to `roots`, a client without a
+/// certificate allowed (tokens, or an open node), end-entity certificates checked against the
+/// revocation lists `crls`; a certificate whose issuer has no list is not revoked (peers'
+/// certificates under the cluster CA, a client CA without a list).
+fn client_verifier(
+    roots: rustls::RootCertStore,
+    crls: &[CertificateRevocationListDer<'static>],
+) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, TlsError> {
+    rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+        .allow_unauthenticated()
+        .with_crls(crls.iter().cloned())
+        .only_check_end_entity_revocation()
+        .allow_unknown_revocation_status()
+        .build()
+        .map_err(|e| TlsError::Quic(format!("client verifier: {e}")))
 }
 
 /// Idle timeout of node-to-node connections, in milliseconds.
@@ -289,9 +304,10 @@ pub fn negotiated_alpn(conn: &quinn::Connection) -> Option<Vec<u8>> {
 }
 
 /// Whether the (verified) certificate a connection presented was issued by the CA whose
-/// certificate is in the PEM file `ca_pem`: its issuer name equals the CA's subject name.
-/// The handshake already verified the chain against the configured roots, so this tells
-/// which root: a peer must hold a cluster-CA certificate, not a client-CA one.
+/// certificate is in the PEM file `ca_pem` (its signature checked against that CA, see
+/// [`chains_to`]). The handshake verified the chain against every configured root, so this
+/// tells which one: a peer must hold a cluster-CA certificate, not a client-CA one, even when
+/// the two CAs have the same name (every dev CA does).
 pub fn peer_issued_by_ca(conn: &quinn::Connection, ca_pem: &Path) -> bool {
     let Some(identity) = conn.peer_identity() else {
         return false;
@@ -302,20 +318,26 @@ pub fn peer_issued_by_ca(conn: &quinn::Connection, ca_pem: &Path) -> bool {
     let Some(leaf) = chain.first() else {
         return false;
     };
-    let Ok(pem) = read_file(ca_pem) else {
+    roots_from(ca_pem).is_ok_and(|roots| chains_to(leaf, &chain[1..], roots))
+}
+
+/// Whether the end-entity certificate `leaf` (with the `intermediates` it came with) was issued
+/// by one of the CAs in `roots`: the same verification as a client certificate in a handshake
+/// (signatures, validity, key usage).
+pub fn chains_to(
+    leaf: &CertificateDer<'_>,
+    intermediates: &[CertificateDer<'_>],
+    roots: rustls::RootCertStore,
+) -> bool {
+    let Ok(verifier) =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+            .build()
+    else {
         return false;
     };
-    let Ok(cas) = parse_certs(&pem, ca_pem) else {
-        return false;
-    };
-    let Ok((_, leaf)) = x509_parser::parse_x509_certificate(leaf.as_ref()) else {
-        return false;
-    };
-    cas.iter().any(|ca| {
-        x509_parser::parse_x509_certificate(ca.as_ref())
-            .map(|(_, ca)| ca.subject().as_raw() == leaf.issuer().as_raw())
-            .unwrap_or(false)
-    })
+    verifier
+        .verify_client_cert(leaf, intermediates, rustls::pki_types::UnixTime::now())
+        .is_ok()
 }
 
 /// Client configuration trusting the CA in `ca_pem` and presenting the certificate chain in
@@ -405,7 +427,7 @@ fn client_config_inner(pem: &[u8], path: &Path) -> Result<quinn::ClientConfig, T
     finish_client(tls)
 }
 
-fn ca_params() -> Result<rcgen::CertificateParams, TlsError> {
+pub(crate) fn ca_params() -> Result<rcgen::CertificateParams, TlsError> {
     let mut p = rcgen::CertificateParams::new(Vec::<String>::new())?;
     p.distinguished_name = rcgen::DistinguishedName::new();
     p.distinguished_name
@@ -437,7 +459,7 @@ fn server_params() -> Result<rcgen::CertificateParams, TlsError> {
 }
 
 /// Writes `contents` to `path` atomically (temp file + rename), with `mode` on Unix.
-fn write_file(path: &Path, contents: &[u8], mode: Option<u32>) -> Result<(), TlsError> {
+pub(crate) fn write_file(path: &Path, contents: &[u8], mode: Option<u32>) -> Result<(), TlsError> {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let mut opts = std::fs::OpenOptions::new();
     opts.write(true).create(true).truncate(true);

@@ -1,0 +1,135 @@
+//! Client certificate revocation on a running node: the server's TLS configuration is built
+//! with the revocation lists of `[auth] client-crl`, and a task watches that file. When it
+//! changes, the new lists apply to every later handshake (the endpoint's configuration is
+//! replaced) and every open connection whose certificate they revoke is closed with
+//! `unauthenticated`. A damaged new file is refused and the lists in force stay.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tether_transport::crl::Crls;
+use tether_transport::tls::{self, TlsFiles};
+
+use super::{NodeError, Shared};
+use crate::protocol::ErrorCode;
+
+/// How often a node looks at its client CRL file for a change, in milliseconds.
+pub const CRL_RELOAD_INTERVAL_MS: u64 = 1_000;
+
+/// What a node's TLS server configuration is made of (kept to rebuild it on a CRL change).
+pub(super) struct TlsSetup {
+    pub files: TlsFiles,
+    pub clustered: bool,
+    pub client_ca: Option<PathBuf>,
+    pub idle_timeout_ms: u64,
+}
+
+impl TlsSetup {
+    /// The server configuration with these revocation lists.
+    pub fn server_config(&self, crls: &Crls) -> Result<quinn::ServerConfig, NodeError> {
+        let mut config = match self.client_ca.as_deref() {
+            _ if self.clustered => {
+                tls::server_config_for_cluster(&self.files, self.client_ca.as_deref(), &crls.ders)?
+            }
+            Some(client_ca) => {
+                tls::server_config_with_client_ca(&self.files, client_ca, &crls.ders)?
+            }
+            None => tls::server_config(&self.files)?,
+        };
+        let mut transport = tls::transport_config();
+        let idle = Duration::from_millis(self.idle_timeout_ms);
+        transport.max_idle_timeout(Some(
+            quinn::IdleTimeout::try_from(idle)
+                .map_err(|_| NodeError::Config("idle timeout too large".into()))?,
+        ));
+        config.transport_config(Arc::new(transport));
+        Ok(config)
+    }
+}
+
+/// The lists in `path` at start: an unreadable or damaged file stops the node with its reason.
+pub(super) fn load_at_start(path: &Path) -> Result<(Crls, Option<SystemTime>), NodeError> {
+    let modified = modified(path);
+    let crls = Crls::load(path).map_err(|e| NodeError::Config(format!("auth.client-crl: {e}")))?;
+    Ok((crls, modified))
+}
+
+fn modified(path: &Path) -> Option<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+/// Watches `path` every [`CRL_RELOAD_INTERVAL_MS`]; see the module documentation.
+pub(super) async fn watch(
+    shared: std::sync::Weak<Shared>,
+    endpoint: quinn::Endpoint,
+    setup: TlsSetup,
+    path: PathBuf,
+    mut seen: Option<SystemTime>,
+) {
+    let mut tick = tokio::time::interval(Duration::from_millis(CRL_RELOAD_INTERVAL_MS));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let now = modified(&path);
+        if now == seen {
+            continue;
+        }
+        seen = now;
+        let applied = Crls::load(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|crls| {
+                let config = setup.server_config(&crls).map_err(|e| e.to_string())?;
+                endpoint.set_server_config(Some(config));
+                Ok(crls)
+            });
+        match applied {
+            Ok(crls) => {
+                metrics::counter!(crate::metrics::CLIENT_CRL_RELOADS, "result" => "ok")
+                    .increment(1);
+                let Some(shared) = shared.upgrade() else {
+                    return;
+                };
+                let closed = close_revoked(&shared, &crls);
+                tracing::info!(
+                    path = %path.display(),
+                    revoked = crls.revoked_count(),
+                    closed,
+                    "client certificate revocation list reloaded"
+                );
+            }
+            Err(e) => {
+                metrics::counter!(crate::metrics::CLIENT_CRL_RELOADS, "result" => "error")
+                    .increment(1);
+                tracing::error!(
+                    path = %path.display(),
+                    error = %e,
+                    "client certificate revocation list not reloaded; the previous one stays in force"
+                );
+            }
+        }
+    }
+}
+
+/// Closes every open client connection whose certificate `crls` revoke; returns how many.
+fn close_revoked(shared: &Shared, crls: &Crls) -> usize {
+    let conns: Vec<quinn::Connection> = shared
+        .sessions
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .values()
+        .filter_map(|s| s.conn.clone())
+        .collect();
+    let mut closed = 0;
+    for conn in conns {
+        if crls.revokes_peer(&conn) {
+            conn.close(
+                ErrorCode::Unauthenticated.varint(),
+                b"client certificate revoked",
+            );
+            closed += 1;
+        }
+    }
+    metrics::counter!(crate::metrics::REVOKED_CONNECTIONS_CLOSED).increment(closed as u64);
+    closed
+}
