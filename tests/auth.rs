@@ -539,3 +539,101 @@ async fn revoked_client_certificates_are_refused_and_their_connections_closed() 
         .to_string();
     assert!(e.contains("needs auth.client-ca"), "{e}");
 }
+
+/// Revocation on a cluster: the nodes' peers (cluster CA) keep working with a client CRL in
+/// force, a client certificate from a separate client CA (with the same dev-CA name) is
+/// checked against the list on every node, and a revocation reaches every node.
+#[tokio::test]
+async fn revocation_applies_on_every_cluster_node() {
+    use common::cluster::TestCluster;
+    use tether::client::ClientEvent;
+    use tether::transport::tls;
+    let clients = tempfile::tempdir().unwrap();
+    let client_tls = clients.path().join("tls");
+    let client_ca = tls::ensure_dev_certs(&client_tls).unwrap();
+    let out = clients.path().join("certs");
+    let (carol_cert, carol_key) = tls::issue_dev_client_cert(&client_tls, "carol", &out).unwrap();
+    let (eve_cert, eve_key) = tls::issue_dev_client_cert(&client_tls, "eve", &out).unwrap();
+    let crl = std::path::PathBuf::from(
+        revoke(clients.path(), &eve_cert)["crl"]
+            .as_str()
+            .unwrap()
+            .to_string(),
+    );
+    let mut a = auth();
+    a.client_ca = Some(client_ca.ca.clone());
+    a.client_crl = Some(crl);
+    for who in ["carol", "eve"] {
+        a.acl.push(AclEntry {
+            principal: who.into(),
+            publish: vec!["fx-*".into()],
+            subscribe: vec!["fx-*".into()],
+        });
+    }
+    let c = TestCluster::start_with_auth(2, a).await;
+    c.leader().await;
+    let cluster_ca = c.dirs[0].path().join("tls").join(tls::CA_CERT_FILE);
+    let to = |i: usize, cert: &std::path::Path, key: &std::path::Path| {
+        tether::client::ClientBuilder::new()
+            .server(c.node(i).addr())
+            .ca_file(&cluster_ca)
+            .identity(cert, key)
+    };
+    for i in 0..2 {
+        let err = to(i, &eve_cert, &eve_key).connect().await.err();
+        assert!(
+            matches!(&err, Some(ClientError::Connect(m)) if m.contains("Revoked")),
+            "node {i}: {err:?}"
+        );
+    }
+    // Carol's durable queue (placed by the cluster) gets what she publishes through node 1:
+    // the peers work with the list in force.
+    let sub = to(0, &carol_cert, &carol_key)
+        .durable("carol-feed", 600)
+        .connect()
+        .await
+        .unwrap();
+    sub.region("fx-eur")
+        .register(Interest::all_keys())
+        .await
+        .unwrap();
+    let mut events = sub.events().unwrap();
+    sub.ready_for_events().await.unwrap();
+    let publisher = to(1, &carol_cert, &carol_key).connect().await.unwrap();
+    publisher.region("fx-eur").put("k", "1").await.unwrap();
+    let got = loop {
+        match tokio::time::timeout(WAIT, events.next())
+            .await
+            .expect("event")
+        {
+            Some(ClientEvent::Event(e)) => break e,
+            Some(ClientEvent::Live { .. }) => continue,
+            None => panic!("stream ended"),
+        }
+    };
+    assert_eq!(got.value.as_deref(), Some(&b"1"[..]));
+
+    // Revoked: both her connections close, and neither node lets her in again.
+    revoke(clients.path(), &carol_cert);
+    let start = std::time::Instant::now();
+    while publisher.region("fx-eur").put("k", "2").await.is_ok() {
+        assert!(
+            start.elapsed() < WAIT,
+            "carol's publishing connection stays open"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    while sub.region("fx-eur").get("k").await.is_ok() {
+        assert!(
+            start.elapsed() < WAIT,
+            "carol's durable connection stays open"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    for i in 0..2 {
+        assert!(
+            to(i, &carol_cert, &carol_key).connect().await.is_err(),
+            "node {i} refuses carol"
+        );
+    }
+}

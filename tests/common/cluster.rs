@@ -55,6 +55,8 @@ pub struct TestCluster {
     pub nodes: Vec<Option<Node>>,
     /// Operator limits of every node.
     pub limits: tether::config::Limits,
+    /// Client authentication of every node.
+    pub auth: Option<tether::auth::AuthConfig>,
 }
 
 impl TestCluster {
@@ -64,6 +66,19 @@ impl TestCluster {
 
     /// A cluster whose nodes have these limits.
     pub async fn start_with(n: usize, limits: tether::config::Limits) -> TestCluster {
+        Self::start_full(n, limits, None).await
+    }
+
+    /// A cluster whose nodes authenticate clients with `auth`.
+    pub async fn start_with_auth(n: usize, auth: tether::auth::AuthConfig) -> TestCluster {
+        Self::start_full(n, tether::config::Limits::default(), Some(auth)).await
+    }
+
+    async fn start_full(
+        n: usize,
+        limits: tether::config::Limits,
+        auth: Option<tether::auth::AuthConfig>,
+    ) -> TestCluster {
         let dirs = cluster_dirs(n);
         let ports = free_ports(n);
         let names: Vec<String> = (1..=n).map(|i| format!("n{i}")).collect();
@@ -79,6 +94,7 @@ impl TestCluster {
             peers,
             nodes: Vec::new(),
             limits,
+            auth,
         };
         for i in 0..n {
             let node = c.boot(i).await;
@@ -99,6 +115,7 @@ impl TestCluster {
                 &self.peers,
             );
             cfg.limits = self.limits.clone();
+            cfg.auth = self.auth.clone();
             match Node::start(cfg).await {
                 Ok(node) => return node,
                 Err(tether::server::NodeError::Listen { .. })

@@ -230,13 +230,14 @@ pub fn server_config_for_cluster(
 ) -> Result<quinn::ServerConfig, TlsError> {
     let certs = parse_certs(&read_file(&files.cert)?, &files.cert)?;
     let key = parse_key(&read_file(&files.key)?, &files.key)?;
-    let mut roots = roots_from(&files.ca)?;
-    if let Some(client_ca) = client_ca {
-        for cert in parse_certs(&read_file(client_ca)?, client_ca)? {
-            roots.add(cert)?;
-        }
-    }
-    let verifier = client_verifier(roots, crls)?;
+    let client_roots = match client_ca {
+        Some(client_ca) => roots_from(client_ca)?,
+        None => roots_from(&files.ca)?,
+    };
+    let verifier = Arc::new(ClusterClientVerifier::new(
+        client_verifier(client_roots, crls)?,
+        client_verifier(roots_from(&files.ca)?, &[])?,
+    ));
     let mut tls = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(verifier)
@@ -263,6 +264,94 @@ fn client_verifier(
         .allow_unknown_revocation_status()
         .build()
         .map_err(|e| TlsError::Quic(format!("client verifier: {e}")))
+}
+
+/// A cluster node's client-certificate verifier: a certificate is first verified as a client's
+/// (the client CA, or the cluster CA without one, with the revocation lists); a revoked one is
+/// refused there. Any other failure falls back to the peers' verifier (the cluster CA, no
+/// lists: revocation lists are for client certificates). Two verifiers rather than one store
+/// with both CAs, because a revocation list is matched to a certificate by issuer *name*: a
+/// client CA's list must not be applied to peer certificates from a cluster CA of the same
+/// name (every dev CA has the same name).
+#[derive(Debug)]
+struct ClusterClientVerifier {
+    clients: Arc<dyn rustls::server::danger::ClientCertVerifier>,
+    peers: Arc<dyn rustls::server::danger::ClientCertVerifier>,
+    hints: Vec<rustls::DistinguishedName>,
+}
+
+impl ClusterClientVerifier {
+    fn new(
+        clients: Arc<dyn rustls::server::danger::ClientCertVerifier>,
+        peers: Arc<dyn rustls::server::danger::ClientCertVerifier>,
+    ) -> Self {
+        let mut hints = clients.root_hint_subjects().to_vec();
+        for h in peers.root_hint_subjects() {
+            if !hints.iter().any(|x| x.as_ref() == h.as_ref()) {
+                hints.push(h.clone());
+            }
+        }
+        ClusterClientVerifier {
+            clients,
+            peers,
+            hints,
+        }
+    }
+}
+
+impl rustls::server::danger::ClientCertVerifier for ClusterClientVerifier {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        false
+    }
+
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        &self.hints
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        match self
+            .clients
+            .verify_client_cert(end_entity, intermediates, now)
+        {
+            Ok(v) => Ok(v),
+            Err(e @ rustls::Error::InvalidCertificate(rustls::CertificateError::Revoked)) => Err(e),
+            Err(e) => self
+                .peers
+                .verify_client_cert(end_entity, intermediates, now)
+                .map_err(|_| e),
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.peers.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.peers.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.peers.supported_verify_schemes()
+    }
 }
 
 /// Idle timeout of node-to-node connections, in milliseconds.
