@@ -610,13 +610,7 @@ async fn publish_all(
     while next < range.end || !inflight.is_empty() {
         while next < range.end && inflight.len() < PUBLISH_CONCURRENCY {
             let end = (next + PUBLISH_BATCH_OPS as u64).min(range.end);
-            let ops: Vec<PublishOp> = (next..end)
-                .map(|i| PublishOp::Put {
-                    region: "bench".into(),
-                    key: format!("key-{}", i % 10_000),
-                    value: value_of(size, i),
-                })
-                .collect();
+            let ops = bench_puts(next..end, size);
             let p = publisher.clone();
             inflight.spawn(async move { p.publish_with(ops, ack).await.unwrap() });
             next = end;
@@ -624,6 +618,17 @@ async fn publish_all(
         inflight.join_next().await.unwrap().unwrap();
     }
     t.elapsed()
+}
+
+/// Puts of events `range` (values of `size` B) into the bench region, over 10,000 keys.
+fn bench_puts(range: std::ops::Range<u64>, size: usize) -> Vec<PublishOp> {
+    range
+        .map(|i| PublishOp::Put {
+            region: "bench".into(),
+            key: format!("key-{}", i % 10_000),
+            value: value_of(size, i),
+        })
+        .collect()
 }
 
 /// Live end-to-end latency in microseconds: a live durable client receives `rate` events/s of

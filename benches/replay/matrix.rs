@@ -10,10 +10,9 @@ use std::time::{Duration, Instant};
 
 use tether::client::ClientBuilder;
 use tether::config::ServerConfig;
-use tether::protocol::PublishOp;
 use tether::server::Node;
 
-use crate::{RssSampler, median, park_durable, replay, value_of};
+use crate::{RssSampler, bench_puts, median, park_durable, replay};
 
 /// Operations per embedded publish while filling.
 const FILL_BATCH_OPS: u64 = 1000;
@@ -70,13 +69,7 @@ pub async fn cell(dir: &Path, events: u64, value_bytes: usize) -> Cell {
     while next < events || !inflight.is_empty() {
         while next < events && inflight.len() < FILL_CONCURRENCY {
             let end = (next + FILL_BATCH_OPS).min(events);
-            let ops: Vec<PublishOp> = (next..end)
-                .map(|i| PublishOp::Put {
-                    region: "bench".into(),
-                    key: format!("key-{}", i % 10_000),
-                    value: value_of(value_bytes, i),
-                })
-                .collect();
+            let ops = bench_puts(next..end, value_bytes);
             let p = publisher.clone();
             inflight.spawn(async move { p.publish(&ops).await.unwrap() });
             next = end;
