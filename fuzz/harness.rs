@@ -962,9 +962,16 @@ impl SessionSim {
             .collect();
         let metas = self.store.queues().expect("queues");
         let store = &self.store;
-        let (core, batch) = NodeCore::recover("n1", self.now, metas.clone(), |k| {
-            store.state_get(k).unwrap()
-        })
+        let (core, batch) = NodeCore::recover(
+            "n1",
+            self.now,
+            metas.clone(),
+            |k| store.state_get(k).unwrap(),
+            |q, from, to| {
+                tether::core::bytes::stored_entry_bytes(store, q, from, to)
+                    .map_err(|e| e.to_string())
+            },
+        )
         .unwrap_or_else(|e| panic!("session: recovery failed: {e}"));
         self.core = core;
         self.store.write(&batch, true).expect("recovery batch");

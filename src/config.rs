@@ -32,7 +32,8 @@ impl std::str::FromStr for SyncMode {
     }
 }
 
-/// What a node does when a publish would grow a subscription queue past its entry limit.
+/// What a node does when a publish would grow a subscription queue past its entry or byte
+/// limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum QueueFullPolicy {
@@ -74,6 +75,9 @@ pub const QUEUE_FULL_BLOCK_MS_DEFAULT: u64 = 5_000;
 pub struct Limits {
     /// Entries one queue may hold beyond its acked offset.
     pub queue_entries_max: u64,
+    /// Bytes of stored events one queue may hold beyond its acked offset (counted with an
+    /// over-estimate of at most 1/64 of this plus one event, never under).
+    pub queue_bytes_max: u64,
     pub queue_full_policy: QueueFullPolicy,
     /// How long a publish waits under the `block` policy, in milliseconds.
     pub queue_full_block_ms: u64,
@@ -93,6 +97,7 @@ impl Default for Limits {
         use crate::limits::*;
         Limits {
             queue_entries_max: QUEUE_ENTRIES_MAX,
+            queue_bytes_max: QUEUE_BYTES_MAX,
             queue_full_policy: QueueFullPolicy::Reject,
             queue_full_block_ms: QUEUE_FULL_BLOCK_MS_DEFAULT,
             connections_max: CONNECTIONS_PER_NODE_MAX,
@@ -116,6 +121,10 @@ impl Limits {
             if v == 0 {
                 return Err(format!("limits.{name} must be at least 1"));
             }
+        }
+        let lowest = crate::limits::QUEUE_BYTES_MAX_LOWEST_BYTES;
+        if self.queue_bytes_max < lowest {
+            return Err(format!("limits.queue-bytes-max must be at least {lowest}"));
         }
         if self.queue_full_block_ms > QUEUE_FULL_BLOCK_MS_MAX {
             return Err(format!(

@@ -28,6 +28,11 @@ pub const DURABLE_TIMEOUT_SECS_MAX: u64 = 7 * 24 * 3600;
 pub const DURABLE_TIMEOUT_SECS_DEFAULT: u64 = 300;
 /// Entries waiting in one queue before publishes that match it are rejected.
 pub const QUEUE_ENTRIES_MAX: u64 = 50_000_000;
+/// Bytes of stored events waiting in one queue before publishes that match it are refused
+/// (16 GiB).
+pub const QUEUE_BYTES_MAX: u64 = 16 << 30;
+/// Lowest `queue-bytes-max` a node accepts, in bytes.
+pub const QUEUE_BYTES_MAX_LOWEST_BYTES: u64 = 4096;
 /// Concurrent client connections one node accepts.
 pub const CONNECTIONS_PER_NODE_MAX: usize = 10_000;
 /// Time a new connection has to send its hello frame, in milliseconds.

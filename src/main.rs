@@ -123,6 +123,9 @@ struct ServerArgs {
     /// Entries a subscription queue may hold beyond its acked offset.
     #[arg(long)]
     queue_entries_max: Option<u64>,
+    /// Bytes of stored events a subscription queue may hold beyond its acked offset.
+    #[arg(long)]
+    queue_bytes_max: Option<u64>,
     /// What a publish to a full queue does: block, reject or drop-queue.
     #[arg(long)]
     queue_full_policy: Option<String>,
@@ -358,6 +361,9 @@ async fn run(cmd: Command) -> Result<(), Fail> {
                 if let Some(p) = &q.primary {
                     line["primary"] = json!(p);
                 }
+                if let Some(b) = q.pending_bytes {
+                    line["pending_bytes"] = json!(b);
+                }
                 emit(line);
             }
             c.close(false).await?;
@@ -508,6 +514,9 @@ async fn server(a: ServerArgs) -> Result<(), Fail> {
     };
     cfg.tls = file.tls;
     cfg.limits = file.limits.unwrap_or_default();
+    if let Some(n) = a.queue_bytes_max {
+        cfg.limits.queue_bytes_max = n;
+    }
     if let Some(n) = a.queue_entries_max {
         cfg.limits.queue_entries_max = n;
     }

@@ -16,6 +16,7 @@ pub const EVENTS_REDELIVERED: &str = "tether_events_redelivered_total";
 pub const EVENTS_ACKED: &str = "tether_events_acked_total";
 pub const QUEUES: &str = "tether_queues";
 pub const PENDING_EVENTS: &str = "tether_pending_events";
+pub const PENDING_BYTES: &str = "tether_pending_bytes";
 pub const OLDEST_UNACKED_AGE: &str = "tether_oldest_unacked_age_seconds";
 pub const CONNECTIONS: &str = "tether_connections";
 pub const QUEUES_EXPIRED: &str = "tether_queues_expired_total";
@@ -132,6 +133,10 @@ fn describe() {
     describe_gauge!(
         PENDING_EVENTS,
         "Queued entries not yet acknowledged, all queues"
+    );
+    describe_gauge!(
+        PENDING_BYTES,
+        "Bytes of stored events not yet acknowledged, all queues (as the byte limit counts them)"
     );
     describe_gauge!(
         OLDEST_UNACKED_AGE,

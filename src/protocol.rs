@@ -345,6 +345,10 @@ pub struct QueueReport {
     pub durable_id: Option<String>,
     pub state: String,
     pub pending: u64,
+    /// Bytes of the stored events waiting, as the byte limit counts them (over by at most
+    /// 1/64 of `queue-bytes-max` plus one event). Absent for a secondary's copy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_bytes: Option<u64>,
     pub acked_offset: u64,
     pub end_offset: u64,
     pub timeout_secs: u64,

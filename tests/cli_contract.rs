@@ -334,20 +334,23 @@ impl Server {
 }
 
 fn assert_queue_fields(q: &Value) {
-    assert_fields(
-        q,
-        &[
-            "type",
-            "durable_id",
-            "state",
-            "pending",
-            "acked_offset",
-            "end_offset",
-            "timeout_secs",
-            "role",
-            "interests",
-        ],
-    );
+    // The contract's fields, plus `pending_bytes` (added: a primary's bytes waiting).
+    let mut want = vec![
+        "type",
+        "durable_id",
+        "state",
+        "pending",
+        "acked_offset",
+        "end_offset",
+        "timeout_secs",
+        "role",
+        "interests",
+    ];
+    if q["role"] == "primary" {
+        want.push("pending_bytes");
+        assert!(q["pending_bytes"].is_u64(), "{q}");
+    }
+    assert_fields(q, &want);
     assert_eq!(q["type"], "queue");
     assert!(
         q["durable_id"].is_string() || q["durable_id"].is_null(),
@@ -954,6 +957,11 @@ fn subscribe_durable_replay_pending_and_live_once() {
     let q = s.queue("d1").expect("d1 listed");
     assert_eq!(q["state"], "away");
     assert_eq!(q["pending"], 4);
+    // Four stored events: at least their values, keys and region, at most 64 bytes more each.
+    let bytes = q["pending_bytes"]
+        .as_u64()
+        .expect("a primary reports pending_bytes");
+    assert!((4 * 3..=4 * 200).contains(&bytes), "{q}");
     assert_eq!(q["timeout_secs"], 300);
     assert_eq!(
         q["interests"],

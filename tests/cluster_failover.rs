@@ -442,6 +442,9 @@ async fn g7_killed_primary_rejoins_as_a_secondary_and_catches_up() {
     })
     .await;
     assert_eq!(r.pending, 3_000);
+    let bytes = r
+        .pending_bytes
+        .expect("a primary reports its pending bytes");
     let copy = report(&p, 0, "d", "secondary")
         .await
         .expect("n1 holds a copy");
@@ -454,6 +457,14 @@ async fn g7_killed_primary_rejoins_as_a_secondary_and_catches_up() {
     })
     .await;
     assert_eq!(d.queue_status(), QueueStatus::Resumed);
+    // The promoted copy counted the same bytes as the primary it replaces (its byte limit
+    // holds across the failover).
+    let mut promoted = None;
+    for &i in &survivors {
+        promoted = promoted.or(report(&p, i, "d", "primary").await);
+    }
+    let promoted = promoted.expect("a survivor holds the queue");
+    assert_eq!(promoted.pending_bytes, Some(bytes));
 }
 
 /// A partition, made by UDP relays on every link between the primary (n1) and its peers that

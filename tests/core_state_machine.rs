@@ -96,9 +96,16 @@ impl Sim {
     }
 
     fn recover(&self, now: u64) -> NodeCore {
-        let (core, b) = NodeCore::recover("n1", now, self.store.queues().unwrap(), |k| {
-            self.store.state_get(k).unwrap()
-        })
+        let (core, b) = NodeCore::recover(
+            "n1",
+            now,
+            self.store.queues().unwrap(),
+            |k| self.store.state_get(k).unwrap(),
+            |q, from, to| {
+                tether::core::bytes::stored_entry_bytes(&self.store, q, from, to)
+                    .map_err(|e| e.to_string())
+            },
+        )
         .unwrap();
         self.apply(b);
         core

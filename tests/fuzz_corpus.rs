@@ -669,6 +669,7 @@ mod findings {
                     epoch: 1,
                     info: info("roomy"),
                     end: 5,
+                    byte_marks: vec![],
                 },
             ),
             (
@@ -679,10 +680,11 @@ mod findings {
                     epoch: 1,
                     info: info("full"),
                     end: QUEUE_ENTRIES_MAX - 1,
+                    byte_marks: vec![],
                 },
             ),
         ];
-        let (mut core, _) = NodeCore::recover("n1", 0, metas, |_| None).unwrap();
+        let (mut core, _) = NodeCore::recover("n1", 0, metas, |_| None, |_, _, _| Ok(0)).unwrap();
         let (p, _) = core.publisher_session();
         core.publish(0, p, &[put("a"), put("b")], &mut |_, _| false)
             .expect_err("the second op finds queue 2 full");

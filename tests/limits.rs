@@ -269,3 +269,99 @@ async fn idle_timeout_closes_silent_connections_as_crashes() {
     );
     drop(c);
 }
+
+/// The byte limit: a queue holding `queue-bytes-max` bytes of stored events refuses more
+/// (reject policy), the count survives a restart exactly, and a partial ack makes room.
+#[tokio::test]
+async fn queue_bytes_limit_refuses_past_it_survives_restart_and_partial_acks() {
+    const LIMIT: u64 = 64 * 1024;
+    const VALUE: usize = 1024;
+    let mut n = TestNode::start_with(Limits {
+        queue_bytes_max: LIMIT,
+        ..Limits::default()
+    })
+    .await;
+    away_subscriber(&n, "X", "R").await;
+    away_subscriber(&n, "Y", "S").await;
+    let p = n.node().publisher().await.unwrap();
+    let mut published = 0u32;
+    let refusal = loop {
+        match p
+            .put("R", &format!("k{published:03}"), vec![7; VALUE])
+            .await
+        {
+            Ok(_) => published += 1,
+            Err(e) => break queue_full(e),
+        }
+        assert!(published < 1000, "the byte limit never applied");
+    };
+    assert!(
+        refusal.contains("queue of X is full (65536 bytes)"),
+        "{refusal}"
+    );
+    let x = n.queue("X").unwrap();
+    let bytes = x
+        .pending_bytes
+        .expect("a primary reports its pending bytes");
+    // Each event stores its value plus a little encoding (event id, region, key).
+    assert!(
+        bytes >= u64::from(published) * VALUE as u64,
+        "{bytes} for {published}"
+    );
+    assert!(bytes <= LIMIT, "{bytes} over the limit");
+    // The last refused publish was the one that did not fit (within one event and one mark).
+    assert!(
+        bytes + 2 * (VALUE as u64 + 64) + 4096 > LIMIT,
+        "refused too early: {bytes}"
+    );
+    assert_eq!(x.pending, u64::from(published));
+    // Other queues are not held back, and a refused publish changed nothing.
+    p.put("S", "k", vec![1; VALUE]).await.unwrap();
+    assert_eq!(
+        n.node().get("R", &format!("k{published:03}")).unwrap(),
+        None
+    );
+
+    // A restart rebuilds the same count (from the stored byte marks plus short reads).
+    drop(p);
+    n.restart().await;
+    assert_eq!(n.queue("X").unwrap().pending_bytes, Some(bytes));
+    let p = n.node().publisher().await.unwrap();
+    let again = queue_full(
+        p.put("R", "after-restart", vec![7; VALUE])
+            .await
+            .unwrap_err(),
+    );
+    assert!(again.contains("65536 bytes"), "{again}");
+
+    // Acking half of the backlog makes room for about half again.
+    let x = n
+        .builder()
+        .durable("X", 600)
+        .ack_interval(Duration::from_secs(3600))
+        .connect()
+        .await
+        .unwrap();
+    x.ready_for_events().await.unwrap();
+    let mut ev = x.events().unwrap();
+    let half = published as usize / 2;
+    take_events(&mut ev, half).await;
+    ev.commit();
+    x.ack_now().await.unwrap();
+    eventually("half acked", || {
+        n.queue("X").unwrap().pending == u64::from(published) - half as u64
+    })
+    .await;
+    let left = n.queue("X").unwrap().pending_bytes.unwrap();
+    let exact_left = bytes - bytes * half as u64 / u64::from(published);
+    assert!(left < bytes, "an ack frees bytes: {left} of {bytes}");
+    assert!(
+        left <= exact_left + 4096 + 2 * (VALUE as u64 + 64),
+        "over-count beyond one mark interval: {left}, about {exact_left} waiting"
+    );
+    for i in 0..half as u32 / 2 {
+        p.put("R", &format!("more{i}"), vec![7; VALUE])
+            .await
+            .unwrap();
+    }
+}

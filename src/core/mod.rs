@@ -10,6 +10,7 @@
 //! `end` the highest assigned one, `visible_end` the highest committed one (delivery reads only
 //! committed entries), so `pending = end - acked` in O(1).
 
+pub mod bytes;
 pub mod cursor;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -21,6 +22,7 @@ use tether_transport::codec::{decode_body, encode_body, encode_body_packed};
 
 pub use cursor::{Cursor, FlagBounds, Step};
 
+use self::bytes::{QueueBytes, event_bytes_max};
 use crate::config::{Limits, QueueFullPolicy};
 use crate::interest::{InterestIndex, Interests, Registration, Selector, validate_key};
 use crate::limits::*;
@@ -126,6 +128,8 @@ pub struct Queue {
     pub prior_runs: Vec<EpochStart>,
     /// See [`QueueInfo::promoted_at`].
     pub promoted_at: Offset,
+    /// Bytes of the entries waiting, for the byte limit.
+    pub bytes: QueueBytes,
     /// On a queue promoted here (cluster failover): per publisher, the highest event sequence
     /// the queue holds, so a forwarded event the failed primary had already appended (and
     /// shipped) is not appended twice. None elsewhere.
@@ -185,6 +189,11 @@ impl Queue {
         self.end - self.acked
     }
 
+    /// Bytes of the entries waiting (see [`QueueBytes::pending`]).
+    pub fn pending_bytes(&self) -> u64 {
+        self.bytes.pending()
+    }
+
     /// Whether this (promoted) queue already holds event `seq` of publisher `(node, session)`.
     fn holds(&self, node: &str, session: u64, seq: u64) -> bool {
         self.seen.as_ref().is_some_and(|seen| {
@@ -195,16 +204,23 @@ impl Queue {
     }
 
     /// Appends the encoded event `body` (with id `id`) at the next offset; returns the offset.
+    /// `mark_interval`: see [`bytes::mark_interval_bytes`].
     fn append_event(
         &mut self,
         body: &Arc<[u8]>,
         id: &EventId,
         wants_values: bool,
-        now_ms: u64,
+        (now_ms, mark_interval): (u64, u64),
         batch: &mut Batch,
     ) -> Offset {
         self.end += 1;
         self.note_append(now_ms);
+        if let Some((offset, bytes)) = self
+            .bytes
+            .append(self.end, body.len() as u64, mark_interval)
+        {
+            batch.put_byte_mark(self.id, offset, bytes);
+        }
         let flags = if wants_values { 0 } else { FLAG_NO_VALUE };
         batch.append(
             self.id,
@@ -400,6 +416,7 @@ pub struct QueueCounts {
     pub ready: u64,
     pub away: u64,
     pub pending_total: u64,
+    pub pending_bytes_total: u64,
     pub oldest_unacked_age_ms: u64,
 }
 
@@ -493,12 +510,15 @@ impl NodeCore {
 
     /// Rebuilds the core from storage after a restart (or a kill -9): every durable queue comes
     /// back away (a session attached at the crash is treated as a crash: keepalive), with its
-    /// durable interest; non-durable queues are dropped in the returned batch.
+    /// durable interest; non-durable queues are dropped in the returned batch. `state` reads a
+    /// node-state key; `entry_bytes(queue, from, to)` the bytes of stored entries `from..=to`
+    /// (a few short reads per queue with a backlog, see [`QueueBytes::recover`]).
     pub fn recover(
         node_id: impl Into<String>,
         now_ms: u64,
         queues: Vec<(QueueId, QueueMeta)>,
         state: impl Fn(&str) -> Option<Vec<u8>>,
+        mut entry_bytes: impl FnMut(QueueId, Offset, Offset) -> Result<u64, String>,
     ) -> Result<(Self, Batch), String> {
         let mut core = NodeCore::new(node_id);
         let read_u64 = |key: &str| -> Result<Option<u64>, String> {
@@ -528,7 +548,12 @@ impl NodeCore {
                 batch.drop_queue(id);
                 continue;
             }
-            core.restore_queue(id, &meta, info, now_ms, &mut batch);
+            let bytes =
+                QueueBytes::recover(meta.acked, meta.end, &meta.byte_marks, &mut |from, to| {
+                    entry_bytes(id, from, to)
+                })
+                .map_err(|e| format!("byte count of queue {id}: {e}"))?;
+            core.restore_queue(id, &meta, info, bytes, now_ms, &mut batch);
         }
         Ok((core, batch))
     }
@@ -556,6 +581,7 @@ impl NodeCore {
         id: QueueId,
         meta: &QueueMeta,
         info: QueueInfo,
+        bytes: QueueBytes,
         now_ms: u64,
         batch: &mut Batch,
     ) {
@@ -582,6 +608,7 @@ impl NodeCore {
             deliver_cap: None,
             prior_runs: info.prior_runs.clone(),
             promoted_at: info.promoted_at,
+            bytes,
             seen: None,
         };
         for (region, sel, reg) in info.interests {
@@ -596,14 +623,16 @@ impl NodeCore {
         self.queues.insert(id, Box::new(queue));
     }
 
-    /// Promotion: the copy `id` of a queue (`info.copy` holds its replication state) becomes this node's queue, primary at `epoch`, away (its client was connected to the
-    /// failed primary, or away already). Every entry it holds counts as possibly delivered: the
-    /// old primary may have sent any of them. Returns the batch that makes it durable; fails if
-    /// the durable id already has a queue here.
+    /// Promotion: the copy `id` of a queue (`info.copy` holds its replication state, `bytes`
+    /// its byte count) becomes this node's queue, primary at `epoch`, away (its client was
+    /// connected to the failed primary, or away already). Every entry it holds counts as
+    /// possibly delivered: the old primary may have sent any of them. Returns the batch that
+    /// makes it durable; fails if the durable id already has a queue here.
     pub fn adopt_copy(
         &mut self,
         id: QueueId,
         mut info: QueueInfo,
+        bytes: QueueBytes,
         epoch: u64,
         now_ms: u64,
     ) -> Result<Batch, String> {
@@ -628,9 +657,10 @@ impl NodeCore {
             epoch,
             info: Vec::new(),
             end: copy.log.end(),
+            byte_marks: Vec::new(),
         };
         let mut batch = Batch::new();
-        self.restore_queue(id, &meta, info, now_ms, &mut batch);
+        self.restore_queue(id, &meta, info, bytes, now_ms, &mut batch);
         let q = &self.queues[&id];
         q.persist_info(&mut batch);
         batch.set_acked(id, meta.acked);
@@ -653,6 +683,7 @@ impl NodeCore {
         forwards: &[RecentForward],
     ) -> Option<(Batch, Offset)> {
         self.queues.get_mut(&qid)?.seen = Some(Box::new(seen));
+        let interval = bytes::mark_interval_bytes(self.limits.queue_bytes_max);
         let mut batch = Batch::new();
         let mut scratch = BTreeMap::new();
         for f in forwards {
@@ -678,7 +709,13 @@ impl NodeCore {
                     _ => None,
                 };
                 let (record, body) = encode_event(id, region, key, *event_op, value);
-                q.append_event(&body, &record.id, wants_values, now_ms, &mut batch);
+                q.append_event(
+                    &body,
+                    &record.id,
+                    wants_values,
+                    (now_ms, interval),
+                    &mut batch,
+                );
             }
         }
         let q = self.queues.get_mut(&qid)?;
@@ -949,6 +986,7 @@ impl NodeCore {
             deliver_cap: None,
             prior_runs: Vec::new(),
             promoted_at: 0,
+            bytes: QueueBytes::default(),
             seen: None,
         };
         q.persist_info(batch);
@@ -1139,9 +1177,16 @@ impl NodeCore {
         let mut scratch = std::mem::take(&mut self.scratch);
         let mut matches = std::mem::take(&mut self.match_scratch);
         matches.clear();
-        let mut growth: BTreeMap<QueueId, u64> = BTreeMap::new();
+        // Per queue: entries and (an upper bound of) bytes the publish would add.
+        let mut growth: BTreeMap<QueueId, (u64, u64)> = BTreeMap::new();
+        let node = origin.map_or(self.node_id.as_str(), |o| o.node.as_str());
         for (i, op) in ops.iter().enumerate() {
             let (region, key) = op_target(op);
+            let value_bytes = match op {
+                PublishOp::Put { value, .. } => value.len(),
+                _ => 0,
+            };
+            let op_bytes = event_bytes_max(node, region, key, value_bytes);
             self.index.matches(region, key, &mut scratch);
             for (&q, &values) in scratch.iter() {
                 if let Some(o) = origin
@@ -1153,27 +1198,36 @@ impl NodeCore {
                     continue; // Appended by a failed primary before this node took over.
                 }
                 matches.push((i, q, values));
-                *growth.entry(q).or_default() += 1;
+                let g = growth.entry(q).or_default();
+                g.0 += 1;
+                g.1 += op_bytes;
             }
         }
         self.scratch = scratch;
-        let max = self.limits.queue_entries_max;
+        let (max, max_bytes) = (self.limits.queue_entries_max, self.limits.queue_bytes_max);
         let full: Vec<QueueId> = growth
             .iter()
-            .filter(|(q, n)| self.queues.get(q).is_some_and(|q| q.pending() + **n > max))
+            .filter(|(q, (n, b))| {
+                self.queues.get(q).is_some_and(|q| {
+                    q.pending() + n > max || q.pending_bytes().saturating_add(*b) > max_bytes
+                })
+            })
             .map(|(q, _)| *q)
             .collect();
         let mut plan = PublishPlan::default();
         if let Some(&first) = full.first() {
             if self.limits.queue_full_policy != QueueFullPolicy::DropQueue {
                 self.match_scratch = matches;
-                let who = self.queues[&first]
-                    .durable_id
-                    .as_deref()
-                    .unwrap_or("a non-durable client");
+                let q = &self.queues[&first];
+                let who = q.durable_id.as_deref().unwrap_or("a non-durable client");
+                let limit = if q.pending() + growth[&first].0 > max {
+                    format!("{max} entries")
+                } else {
+                    format!("{max_bytes} bytes")
+                };
                 return Err(WireError::new(
                     ErrorCode::QueueFull,
-                    format!("the queue of {who} is full ({max} entries); nothing was published"),
+                    format!("the queue of {who} is full ({limit}); nothing was published"),
                 ));
             }
             for qid in full {
@@ -1189,6 +1243,7 @@ impl NodeCore {
             self.persist_expired(&mut plan.batch);
         }
         // Pass 2: events, region store, appends.
+        let interval = bytes::mark_interval_bytes(max_bytes);
         self.write_seq += 1;
         let seq = self.write_seq;
         plan.seq = seq;
@@ -1264,7 +1319,13 @@ impl NodeCore {
                 let Some(q) = self.queues.get_mut(&qid) else {
                     continue;
                 };
-                let off = q.append_event(&body, &record.id, wants_values, now_ms, &mut plan.batch);
+                let off = q.append_event(
+                    &body,
+                    &record.id,
+                    wants_values,
+                    (now_ms, interval),
+                    &mut plan.batch,
+                );
                 last.insert(qid, off);
                 plan.enqueued += 1;
             }
@@ -1358,6 +1419,7 @@ impl NodeCore {
         }
         q.acked = offset;
         q.note_ack();
+        q.bytes.ack(offset, offset >= q.end);
         let mut b = Batch::new();
         b.set_acked(q.id, offset);
         Ok(Some(b))
@@ -1476,6 +1538,7 @@ impl NodeCore {
                 }
                 .to_string(),
                 pending: q.pending(),
+                pending_bytes: Some(q.pending_bytes()),
                 acked_offset: q.acked,
                 end_offset: q.end,
                 timeout_secs: q.timeout_secs,
@@ -1496,6 +1559,7 @@ impl NodeCore {
         let mut c = QueueCounts::default();
         for q in self.queues.values() {
             c.pending_total += q.pending();
+            c.pending_bytes_total += q.pending_bytes();
             c.oldest_unacked_age_ms = c
                 .oldest_unacked_age_ms
                 .max(q.oldest_unacked_age_ms(now_ms).unwrap_or(0));

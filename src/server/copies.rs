@@ -20,7 +20,9 @@ use tether_transport::codec::{decode_body, encode_body};
 
 use super::Shared;
 use crate::cluster::network::{PeerResponse, ReplicateHeader, ReplicateMsg, ShippedEntry};
+use crate::config::Limits;
 use crate::core::QueueInfo;
+use crate::core::bytes::{QueueBytes, mark_interval_bytes};
 use crate::metrics as m;
 use crate::protocol::EventRecord;
 use crate::replication::{Decision, Replica, Write, WriteOp};
@@ -36,6 +38,9 @@ pub(crate) struct Copy {
     /// Per publisher `(node, session)`, the highest event sequence written to this copy since
     /// the node started (with the entries held, what a promotion must not append again).
     pub(crate) seen: crate::core::SeenEvents,
+    /// The copy's byte count: it writes byte marks like a queue, so that once promoted the
+    /// queue's count is there (and a restart finds it from the marks).
+    pub(crate) bytes: QueueBytes,
     /// The first messages of a snapshot sent in several: (sender, snapshot batch) and entries.
     staged: Option<((u64, u64), Vec<ShippedEntry>)>,
 }
@@ -51,10 +56,19 @@ pub(crate) struct Copies {
 }
 
 impl Copies {
-    /// Rebuilds the copies found in storage at start.
-    pub(crate) fn recover(stored: Vec<(QueueId, QueueMeta, QueueInfo)>) -> Result<Self, String> {
+    /// Rebuilds the copies found in storage at start; `entry_bytes(queue, from, to)` reads the
+    /// bytes of stored entries (see [`QueueBytes::recover`]).
+    pub(crate) fn recover(
+        stored: Vec<(QueueId, QueueMeta, QueueInfo)>,
+        mut entry_bytes: impl FnMut(QueueId, u64, u64) -> Result<u64, String>,
+    ) -> Result<Self, String> {
         let mut map = HashMap::new();
-        for (qid, _meta, mut info) in stored {
+        for (qid, meta, mut info) in stored {
+            let bytes =
+                QueueBytes::recover(meta.acked, meta.end, &meta.byte_marks, &mut |from, to| {
+                    entry_bytes(qid, from, to)
+                })
+                .map_err(|e| format!("byte count of copy queue {qid}: {e}"))?;
             let state = info.copy.take().expect("split_copies returns copies");
             let replica = Replica::recover(state).map_err(|e| format!("copy queue {qid}: {e}"))?;
             let id = info
@@ -67,6 +81,7 @@ impl Copies {
                 info,
                 gone: false,
                 seen: Default::default(),
+                bytes,
                 staged: None,
             };
             map.insert(id, Arc::new(tokio::sync::Mutex::new(copy)));
@@ -211,8 +226,14 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     };
     let mut batch = Batch::new();
     let mut written = Vec::new();
+    let copy = &mut *copy;
     for w in &writes {
-        if let Err(e) = add_write(&mut batch, copy.qid, w, &msg.entries, first, &mut written) {
+        let out = Out {
+            batch: &mut batch,
+            bytes: &mut copy.bytes,
+            written: &mut written,
+        };
+        if let Err(e) = add_write(out, &shared.limits, copy.qid, w, &msg.entries, first) {
             // Cannot happen with a well-formed message (the count was checked): refuse it.
             return PeerResponse::BadRequest(e);
         }
@@ -266,6 +287,7 @@ async fn copy_for(shared: &Arc<Shared>, id: &str, info: &QueueInfo) -> Result<Co
             info: info.clone(),
             gone: false,
             seen: Default::default(),
+            bytes: QueueBytes::default(),
             staged: None,
         }))
     });
@@ -274,25 +296,43 @@ async fn copy_for(shared: &Arc<Shared>, id: &str, info: &QueueInfo) -> Result<Co
     Ok(cell)
 }
 
+/// Where [`add_write`] puts what it does.
+struct Out<'a> {
+    batch: &'a mut Batch,
+    /// The copy's byte count, kept in step with the batch (marks go into it).
+    bytes: &'a mut QueueBytes,
+    /// Indices of the message entries written.
+    written: &'a mut Vec<usize>,
+}
+
 /// Adds the storage operations of one replica write. `entries` are the message's entries, the
 /// first at replication offset `first`; replication offset `o` is stored as entry `o + 1`.
 fn add_write(
-    batch: &mut Batch,
+    out: Out<'_>,
+    limits: &Limits,
     qid: QueueId,
     w: &Write,
     entries: &[ShippedEntry],
     first: u64,
-    written: &mut Vec<usize>,
 ) -> Result<(), String> {
-    let mut entry = |offset: u64| -> Result<Entry, String> {
+    let Out {
+        batch,
+        bytes,
+        written,
+    } = out;
+    let interval = mark_interval_bytes(limits.queue_bytes_max);
+    let append = |batch: &mut Batch, bytes: &mut QueueBytes, offset: u64| {
         let i = offset
             .checked_sub(first)
             .and_then(|i| usize::try_from(i).ok())
             .filter(|&i| i < entries.len())
             .ok_or_else(|| format!("offset {offset} is not in the message"))?;
-        written.push(i);
         let e = &entries[i];
-        Ok(Entry::new(e.flags, e.body.as_slice()))
+        batch.append(qid, offset + 1, Entry::new(e.flags, e.body.as_slice()));
+        if let Some((at, total)) = bytes.append(offset + 1, e.body.len() as u64, interval) {
+            batch.put_byte_mark(qid, at, total);
+        }
+        Ok::<usize, String>(i)
     };
     match &w.op {
         WriteOp::Append {
@@ -300,20 +340,26 @@ fn add_write(
         } => {
             if let Some(t) = truncate_to {
                 batch.truncate_queue(qid, t + 1);
+                bytes.truncate(t + 1, interval);
             }
             for o in range.clone() {
-                batch.append(qid, o + 1, entry(o)?);
+                written.push(append(batch, bytes, o)?);
             }
         }
         WriteOp::Meta => {}
         WriteOp::Snapshot { start, end } => {
             batch.truncate_queue(qid, 0);
             batch.set_acked(qid, *start);
+            *bytes = QueueBytes::default();
             for o in *start..*end {
-                batch.append(qid, o + 1, entry(o)?);
+                written.push(append(batch, bytes, o)?);
             }
         }
-        WriteOp::Trim { start } => batch.set_acked(qid, *start),
+        WriteOp::Trim { start } => {
+            batch.set_acked(qid, *start);
+            // Whether the trim reaches the copy's end is not known here: count conservatively.
+            bytes.ack(*start, false);
+        }
     }
     Ok(())
 }

@@ -545,6 +545,7 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
     let mut info = copy.info.clone();
     info.copy = Some(state);
     let qid = copy.qid;
+    let bytes = copy.bytes.clone();
     let epoch = p.epoch;
     let held = match held_ids(shared, qid, copy.replica.acked(), copy.replica.log().end()) {
         Ok(ids) => {
@@ -563,7 +564,7 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
         .apply(|core| {
             let now = now_ms();
             let mut batch = core
-                .adopt_copy(qid, info, epoch, now)
+                .adopt_copy(qid, info, bytes, epoch, now)
                 .map_err(super::internal)?;
             let recent = shared
                 .recent

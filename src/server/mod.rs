@@ -465,6 +465,7 @@ impl Shared {
                 }
                 .to_string(),
                 pending: log.end() - copy.replica.acked(),
+                pending_bytes: None,
                 acked_offset: copy.replica.acked(),
                 end_offset: log.end(),
                 timeout_secs: copy.info.timeout_secs,
@@ -701,12 +702,19 @@ impl Node {
         let mut queues = store.queues()?;
         queues.retain(|(q, _)| *q != forward::PUBLISH_LOG_QUEUE);
         let (queues, copies) = NodeCore::split_copies(queues).map_err(NodeError::Recovery)?;
-        let copies = copies::Copies::recover(copies).map_err(NodeError::Recovery)?;
+        let entry_bytes = |q, from, to| {
+            crate::core::bytes::stored_entry_bytes(&*store, q, from, to).map_err(|e| e.to_string())
+        };
+        let copies = copies::Copies::recover(copies, entry_bytes).map_err(NodeError::Recovery)?;
         let recovered = queues.len();
         let st = store.clone();
-        let (core, batch) = NodeCore::recover(node_id.clone(), now_ms(), queues, |k| {
-            st.state_get(k).ok().flatten()
-        })
+        let (core, batch) = NodeCore::recover(
+            node_id.clone(),
+            now_ms(),
+            queues,
+            |k| st.state_get(k).ok().flatten(),
+            entry_bytes,
+        )
         .map_err(NodeError::Recovery)?;
         let mut core = core.with_limits(config.limits.clone());
         if clustered {
@@ -996,6 +1004,7 @@ async fn tick_loop(shared: Arc<Shared>) {
         metrics::gauge!(m::QUEUES, "state" => "ready").set(c.ready as f64);
         metrics::gauge!(m::QUEUES, "state" => "away").set(c.away as f64);
         metrics::gauge!(m::PENDING_EVENTS).set(c.pending_total as f64);
+        metrics::gauge!(m::PENDING_BYTES).set(c.pending_bytes_total as f64);
         metrics::gauge!(m::OLDEST_UNACKED_AGE).set(c.oldest_unacked_age_ms as f64 / 1e3);
         metrics::gauge!(m::CONNECTIONS).set(shared.connections.load(Ordering::Relaxed) as f64);
         if let Some(cl) = shared.cluster.get() {

@@ -40,6 +40,9 @@ pub struct QueueMeta {
     /// Highest stored offset, or `acked` when no entry is stored (derived on read, never
     /// stored). Precisely `max(highest stored offset, acked)`, so it never goes below `acked`.
     pub end: Offset,
+    /// The queue's byte marks above `acked`, ascending offset: `(offset, value)` as put by
+    /// [`Batch::put_byte_mark`] (the caller's cumulative byte count through that entry).
+    pub byte_marks: Vec<(Offset, u64)>,
 }
 
 /// One operation of a [`Batch`].
@@ -57,13 +60,19 @@ pub enum Op {
         epoch: u64,
         info: Vec<u8>,
     },
-    /// Delete every entry `<= acked` and record `acked`.
+    /// Delete every entry and byte mark `<= acked` and record `acked`.
     SetAcked { queue: QueueId, acked: Offset },
+    /// Record a byte mark of the queue at `offset` (overwrites one there).
+    PutByteMark {
+        queue: QueueId,
+        offset: Offset,
+        bytes: u64,
+    },
     /// Record `delivered`.
     SetDelivered { queue: QueueId, delivered: Offset },
-    /// Delete all entries and all metadata of the queue.
+    /// Delete all entries, byte marks and metadata of the queue.
     DropQueue { queue: QueueId },
-    /// Delete every entry `>= from` (a divergent tail); metadata is kept.
+    /// Delete every entry and byte mark `>= from` (a divergent tail); metadata is kept.
     TruncateQueue { queue: QueueId, from: Offset },
     /// Put a key of a region.
     RegionPut {
@@ -119,20 +128,32 @@ impl Batch {
     pub fn put_queue_info(&mut self, queue: QueueId, epoch: u64, info: Vec<u8>) {
         self.ops.push(Op::PutQueueInfo { queue, epoch, info });
     }
-    /// Deletes every entry `<= acked` (one DeleteRange in RocksDB) and records `acked`,
-    /// atomically. Creates the queue's metadata if absent.
+    /// Deletes every entry and byte mark `<= acked` (DeleteRanges in RocksDB) and records
+    /// `acked`, atomically. Creates the queue's metadata if absent.
     pub fn set_acked(&mut self, queue: QueueId, acked: Offset) {
         self.ops.push(Op::SetAcked { queue, acked });
+    }
+    /// Records a byte mark: `bytes` is the caller's cumulative count of the queue's entry bytes
+    /// through `offset`. Marks go with the entries (acked, truncated, dropped alike) and come
+    /// back in [`QueueMeta::byte_marks`], so a restart finds a queue's byte count from a few
+    /// marks instead of reading its whole backlog. Does not create the queue's metadata.
+    pub fn put_byte_mark(&mut self, queue: QueueId, offset: Offset, bytes: u64) {
+        self.ops.push(Op::PutByteMark {
+            queue,
+            offset,
+            bytes,
+        });
     }
     /// Records `delivered`. Creates the queue's metadata if absent.
     pub fn set_delivered(&mut self, queue: QueueId, delivered: Offset) {
         self.ops.push(Op::SetDelivered { queue, delivered });
     }
-    /// Deletes all entries and all metadata of the queue.
+    /// Deletes all entries, byte marks and metadata of the queue.
     pub fn drop_queue(&mut self, queue: QueueId) {
         self.ops.push(Op::DropQueue { queue });
     }
-    /// Deletes every entry at or above `from` (one DeleteRange in RocksDB); metadata stays.
+    /// Deletes every entry and byte mark at or above `from` (DeleteRanges in RocksDB);
+    /// metadata stays.
     pub fn truncate_queue(&mut self, queue: QueueId, from: Offset) {
         self.ops.push(Op::TruncateQueue { queue, from });
     }
@@ -175,6 +196,7 @@ impl Batch {
                 Op::Append { entry, .. } => check_value(entry.body.len() + 1)?,
                 Op::PutQueueInfo { info, .. } => check_value(info.len() + 8)?,
                 Op::SetAcked { .. }
+                | Op::PutByteMark { .. }
                 | Op::SetDelivered { .. }
                 | Op::DropQueue { .. }
                 | Op::TruncateQueue { .. } => {}

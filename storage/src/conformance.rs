@@ -18,6 +18,7 @@ pub fn run_all(make: &mut dyn FnMut() -> Box<dyn Store>) {
     info_epoch_round_trip(make);
     drop_queue_isolated(make);
     truncate_queue_keeps_prefix_and_meta(make);
+    byte_marks_follow_the_entries(make);
     regions_isolated(make);
     state_round_trip(make);
     batch_mixed_ops_atomic(make);
@@ -247,7 +248,8 @@ pub fn info_epoch_round_trip(make: MakeStore<'_>) {
             delivered: 0,
             epoch: 3,
             info: b"durable-id\x00\xff".to_vec(),
-            end: 0
+            end: 0,
+            byte_marks: vec![]
         }
     );
     let mut b = Batch::new();
@@ -262,7 +264,8 @@ pub fn info_epoch_round_trip(make: MakeStore<'_>) {
             delivered: 4,
             epoch: 4,
             info: vec![],
-            end: 2
+            end: 2,
+            byte_marks: vec![]
         }
     );
     let big = vec![7u8; 100_000];
@@ -305,6 +308,55 @@ pub fn truncate_queue_keeps_prefix_and_meta(make: MakeStore<'_>) {
     b.append(1, 4, entry(1, b"new"));
     write(&*s, &b);
     assert_eq!(read_all(&*s, 1, 4, 4), vec![(4, 1, b"new".to_vec())]);
+}
+
+/// Byte marks come back above `acked` only, and go with acks, truncations and drops.
+pub fn byte_marks_follow_the_entries(make: MakeStore<'_>) {
+    let s = make();
+    let mut b = Batch::new();
+    for q in [1u64, 2] {
+        b.put_queue_info(q, 1, vec![]);
+        for off in 1..=10u64 {
+            b.append(q, off, entry(0, &[0; 10]));
+            if off % 3 == 0 {
+                b.put_byte_mark(q, off, off * 10 + q);
+            }
+        }
+    }
+    write(&*s, &b);
+    let marks = |q| meta(&*s, q).byte_marks;
+    assert_eq!(marks(1), vec![(3, 31), (6, 61), (9, 91)]);
+    let listed: Vec<Vec<(u64, u64)>> = s
+        .queues()
+        .unwrap()
+        .into_iter()
+        .map(|(_, m)| m.byte_marks)
+        .collect();
+    assert_eq!(listed, vec![marks(1), marks(2)]);
+    // An ack removes the marks at and below it; a truncation those at and above its start.
+    let mut b = Batch::new();
+    b.set_acked(1, 6);
+    b.truncate_queue(2, 6);
+    write(&*s, &b);
+    assert_eq!(marks(1), vec![(9, 91)]);
+    assert_eq!(marks(2), vec![(3, 32)]);
+    // A mark put at or below `acked` (a late write) is not reported; an overwrite is.
+    let mut b = Batch::new();
+    b.put_byte_mark(1, 5, 1);
+    b.put_byte_mark(1, 9, 99);
+    write(&*s, &b);
+    assert_eq!(marks(1), vec![(9, 99)]);
+    // A queue whose entries are all acked reports none; a dropped queue keeps none.
+    let mut b = Batch::new();
+    b.set_acked(1, 10);
+    b.drop_queue(2);
+    write(&*s, &b);
+    assert_eq!(marks(1), vec![]);
+    let mut b = Batch::new();
+    b.put_queue_info(2, 1, vec![]);
+    b.append(2, 1, entry(0, b"x"));
+    write(&*s, &b);
+    assert_eq!(marks(2), vec![]);
 }
 
 pub fn drop_queue_isolated(make: MakeStore<'_>) {

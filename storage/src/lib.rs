@@ -18,6 +18,7 @@
 //! | `meta` | queue id u64 ++ field u8 (9 bytes) | `1` acked: u64; `2` delivered: u64; `3` info: epoch u64 ++ info blob |
 //! | `regions` | region-name length u16 ++ region name ++ key | value |
 //! | `state` | key | value |
+//! | `marks` | queue id u64 ++ offset u64 (16 bytes) | byte mark u64 |
 //!
 //! One queue's entries are one contiguous key range, so acknowledging (`set_acked`) is a
 //! single DeleteRange of `[(q, 0), (q, acked)]` plus the `acked` meta put, and `drop_queue`
@@ -29,7 +30,9 @@
 //! * A queue "exists" (is listed by [`Store::queues`], has [`Store::queue_meta`]) iff at least
 //!   one of its meta fields is stored; `put_queue_info`, `set_acked` and `set_delivered` all
 //!   create it, absent fields read as 0 / empty.
-//! * After `set_acked(q, a)` no entry `<= a` of `q` is stored (until re-appended).
+//! * After `set_acked(q, a)` no entry and no byte mark `<= a` of `q` is stored (until
+//!   re-appended); byte marks are read back only above `acked` and only for a queue with
+//!   entries (`end > acked`).
 //! * [`QueueMeta::end`] is never stored: it is `max(highest stored offset, acked)`, found with
 //!   one bounded reverse seek, so recovery ([`Store::queues`]) reads only the meta column
 //!   family plus one seek per queue.
@@ -50,7 +53,7 @@ pub use keys::{MAX_KEY_BYTES, MAX_REGION_NAME_BYTES, MAX_VALUE_BYTES};
 pub use mem::MemStore;
 pub use raft_log::{CF_RAFT_LOG, CF_RAFT_META, RaftLogDb};
 pub use rocks::{
-    BLOCK_CACHE_BYTES, BLOOM_BITS_PER_KEY, CF_ENTRIES, CF_META, CF_REGIONS, CF_STATE,
+    BLOCK_CACHE_BYTES, BLOOM_BITS_PER_KEY, CF_ENTRIES, CF_MARKS, CF_META, CF_REGIONS, CF_STATE,
     ENTRIES_BLOCK_SIZE_BYTES, ENTRIES_WRITE_BUFFER_BYTES, MEMTABLE_MAX_RANGE_DELETIONS_COUNT,
     READ_AHEAD_BYTES, RocksStore, SMALL_CF_WRITE_BUFFER_BYTES,
 };

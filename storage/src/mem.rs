@@ -13,8 +13,10 @@ type StoredEntry = (u8, Arc<[u8]>);
 struct Inner {
     /// `(queue, offset) -> (flags, body)`.
     entries: BTreeMap<(QueueId, Offset), StoredEntry>,
-    /// Stored metadata; `end` is always 0 here and derived on read.
+    /// Stored metadata; `end` and `byte_marks` are empty here and derived on read.
     meta: BTreeMap<QueueId, QueueMeta>,
+    /// `(queue, offset) -> bytes`.
+    marks: BTreeMap<(QueueId, Offset), u64>,
     /// `(region, key) -> value`; `String` order is byte order, like RocksDB.
     regions: BTreeMap<(String, String), Vec<u8>>,
     state: BTreeMap<String, Vec<u8>>,
@@ -34,19 +36,32 @@ impl Inner {
     fn with_end(&self, queue: QueueId, m: &QueueMeta) -> QueueMeta {
         QueueMeta {
             end: self.end(queue, m.acked),
+            byte_marks: self
+                .marks
+                .range((queue, m.acked + 1)..=(queue, Offset::MAX))
+                .map(|(&(_, o), &b)| (o, b))
+                .collect(),
             ..m.clone()
         }
     }
 
-    /// Removes entries `(queue, 0..=upto)`; cost proportional to the number removed.
-    fn delete_entries(&mut self, queue: QueueId, upto: Offset) {
+    /// Removes entries and marks `(queue, from..=to)`; cost proportional to the number removed.
+    fn delete_entries(&mut self, queue: QueueId, from: Offset, to: Offset) {
         let doomed: Vec<(QueueId, Offset)> = self
             .entries
-            .range((queue, 0)..=(queue, upto))
+            .range((queue, from)..=(queue, to))
             .map(|(k, _)| *k)
             .collect();
         for k in doomed {
             self.entries.remove(&k);
+        }
+        let doomed: Vec<(QueueId, Offset)> = self
+            .marks
+            .range((queue, from)..=(queue, to))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in doomed {
+            self.marks.remove(&k);
         }
     }
 
@@ -66,25 +81,25 @@ impl Inner {
                 m.info = info.clone();
             }
             Op::SetAcked { queue, acked } => {
-                self.delete_entries(*queue, *acked);
+                self.delete_entries(*queue, 0, *acked);
                 self.meta.entry(*queue).or_default().acked = *acked;
+            }
+            Op::PutByteMark {
+                queue,
+                offset,
+                bytes,
+            } => {
+                self.marks.insert((*queue, *offset), *bytes);
             }
             Op::SetDelivered { queue, delivered } => {
                 self.meta.entry(*queue).or_default().delivered = *delivered;
             }
             Op::DropQueue { queue } => {
-                self.delete_entries(*queue, Offset::MAX);
+                self.delete_entries(*queue, 0, Offset::MAX);
                 self.meta.remove(queue);
             }
             Op::TruncateQueue { queue, from } => {
-                let doomed: Vec<(QueueId, Offset)> = self
-                    .entries
-                    .range((*queue, *from)..=(*queue, Offset::MAX))
-                    .map(|(k, _)| *k)
-                    .collect();
-                for k in doomed {
-                    self.entries.remove(&k);
-                }
+                self.delete_entries(*queue, *from, Offset::MAX);
             }
             Op::RegionPut { region, key, value } => {
                 self.regions

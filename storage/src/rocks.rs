@@ -20,7 +20,9 @@ pub const CF_META: &str = "meta";
 pub const CF_REGIONS: &str = "regions";
 /// Column family of the node-state map.
 pub const CF_STATE: &str = "state";
-const ALL_CFS: [&str; 4] = [CF_ENTRIES, CF_META, CF_REGIONS, CF_STATE];
+/// Column family of queue byte marks (same key layout as `entries`).
+pub const CF_MARKS: &str = "marks";
+const ALL_CFS: [&str; 5] = [CF_ENTRIES, CF_META, CF_REGIONS, CF_STATE, CF_MARKS];
 
 /// Shared LRU block cache for all column families, in bytes.
 pub const BLOCK_CACHE_BYTES: usize = 64 << 20;
@@ -38,7 +40,7 @@ pub const READ_AHEAD_BYTES: usize = 256 << 10;
 /// Bloom filter bits per key for the point-read column families (meta, regions, state).
 pub const BLOOM_BITS_PER_KEY: f64 = 10.0;
 
-/// Durable store on RocksDB (one DB, four column families). `Send + Sync`; all methods
+/// Durable store on RocksDB (one DB, five column families). `Send + Sync`; all methods
 /// take `&self` and may be called from several threads.
 pub struct RocksStore {
     db: DB,
@@ -89,6 +91,7 @@ impl RocksStore {
             ColumnFamilyDescriptor::new(CF_META, small(DBCompressionType::None)),
             ColumnFamilyDescriptor::new(CF_REGIONS, small(DBCompressionType::Lz4)),
             ColumnFamilyDescriptor::new(CF_STATE, small(DBCompressionType::None)),
+            ColumnFamilyDescriptor::new(CF_MARKS, small(DBCompressionType::None)),
         ];
         let db = DB::open_cf_descriptors(&db_opts, dir, cfs)?;
         let store = RocksStore { db, _cache: cache };
@@ -139,8 +142,34 @@ impl RocksStore {
         Ok(())
     }
 
+    /// The byte marks of `queue` above `acked`, ascending.
+    fn byte_marks(
+        &self,
+        queue: QueueId,
+        acked: Offset,
+    ) -> Result<Vec<(Offset, u64)>, StorageError> {
+        let lower = keys::entry_key(queue, acked.saturating_add(1));
+        let mut ro = ReadOptions::default();
+        ro.set_iterate_lower_bound(lower.to_vec());
+        ro.set_iterate_upper_bound(keys::entry_key_after(queue, Offset::MAX).to_vec());
+        ro.fill_cache(false);
+        let mut it = self.db.raw_iterator_cf_opt(self.cf(CF_MARKS)?, ro);
+        it.seek(lower);
+        let mut marks = Vec::new();
+        while let Some((k, v)) = it.item() {
+            let (_, offset) = keys::decode_entry_key(k)?;
+            marks.push((offset, keys::decode_u64_value(v, "byte mark")?));
+            it.next();
+        }
+        it.status()?;
+        Ok(marks)
+    }
+
     fn finish_meta(&self, queue: QueueId, mut m: QueueMeta) -> Result<QueueMeta, StorageError> {
         m.end = self.last_offset(queue)?.unwrap_or(0).max(m.acked);
+        if m.end > m.acked {
+            m.byte_marks = self.byte_marks(queue, m.acked)?;
+        }
         Ok(m)
     }
 }
@@ -158,6 +187,7 @@ impl Store for RocksStore {
         let meta = self.cf(CF_META)?;
         let regions = self.cf(CF_REGIONS)?;
         let state = self.cf(CF_STATE)?;
+        let marks = self.cf(CF_MARKS)?;
         let mut wb = WriteBatch::default();
         for op in batch.ops() {
             match op {
@@ -176,37 +206,50 @@ impl Store for RocksStore {
                     keys::encode_info_value(*epoch, info),
                 ),
                 Op::SetAcked { queue, acked } => {
-                    wb.delete_range_cf(
-                        entries,
-                        &keys::entry_key(*queue, 0)[..],
-                        &keys::entry_key_after(*queue, *acked)[..],
-                    );
+                    for cf in [entries, marks] {
+                        wb.delete_range_cf(
+                            cf,
+                            &keys::entry_key(*queue, 0)[..],
+                            &keys::entry_key_after(*queue, *acked)[..],
+                        );
+                    }
                     wb.put_cf(
                         meta,
                         keys::meta_key(*queue, META_FIELD_ACKED),
                         acked.to_be_bytes(),
                     );
                 }
+                Op::PutByteMark {
+                    queue,
+                    offset,
+                    bytes,
+                } => wb.put_cf(marks, keys::entry_key(*queue, *offset), bytes.to_be_bytes()),
                 Op::SetDelivered { queue, delivered } => wb.put_cf(
                     meta,
                     keys::meta_key(*queue, META_FIELD_DELIVERED),
                     delivered.to_be_bytes(),
                 ),
                 Op::DropQueue { queue } => {
-                    wb.delete_range_cf(
-                        entries,
-                        &keys::entry_key(*queue, 0)[..],
-                        &keys::entry_key_after(*queue, Offset::MAX)[..],
-                    );
+                    for cf in [entries, marks] {
+                        wb.delete_range_cf(
+                            cf,
+                            &keys::entry_key(*queue, 0)[..],
+                            &keys::entry_key_after(*queue, Offset::MAX)[..],
+                        );
+                    }
                     for field in [META_FIELD_ACKED, META_FIELD_DELIVERED, META_FIELD_INFO] {
                         wb.delete_cf(meta, keys::meta_key(*queue, field));
                     }
                 }
-                Op::TruncateQueue { queue, from } => wb.delete_range_cf(
-                    entries,
-                    &keys::entry_key(*queue, *from)[..],
-                    &keys::entry_key_after(*queue, Offset::MAX)[..],
-                ),
+                Op::TruncateQueue { queue, from } => {
+                    for cf in [entries, marks] {
+                        wb.delete_range_cf(
+                            cf,
+                            &keys::entry_key(*queue, *from)[..],
+                            &keys::entry_key_after(*queue, Offset::MAX)[..],
+                        );
+                    }
+                }
                 Op::RegionPut { region, key, value } => {
                     wb.put_cf(regions, keys::region_key(region, key)?, value)
                 }
