@@ -78,6 +78,9 @@ pub struct Limits {
     /// Bytes of stored events one queue may hold beyond its acked offset (counted with an
     /// over-estimate of at most 1/64 of this plus one event, never under).
     pub queue_bytes_max: u64,
+    /// Cluster: bytes of this node's publishes kept for peers that have not applied them; a
+    /// node holding this much refuses new publishes (`unavailable`) until peers catch up.
+    pub publish_log_bytes_max: u64,
     pub queue_full_policy: QueueFullPolicy,
     /// How long a publish waits under the `block` policy, in milliseconds.
     pub queue_full_block_ms: u64,
@@ -98,6 +101,7 @@ impl Default for Limits {
         Limits {
             queue_entries_max: QUEUE_ENTRIES_MAX,
             queue_bytes_max: QUEUE_BYTES_MAX,
+            publish_log_bytes_max: PUBLISH_LOG_BYTES_MAX,
             queue_full_policy: QueueFullPolicy::Reject,
             queue_full_block_ms: QUEUE_FULL_BLOCK_MS_DEFAULT,
             connections_max: CONNECTIONS_PER_NODE_MAX,
@@ -125,6 +129,11 @@ impl Limits {
         let lowest = crate::limits::QUEUE_BYTES_MAX_LOWEST_BYTES;
         if self.queue_bytes_max < lowest {
             return Err(format!("limits.queue-bytes-max must be at least {lowest}"));
+        }
+        if self.publish_log_bytes_max < lowest {
+            return Err(format!(
+                "limits.publish-log-bytes-max must be at least {lowest}"
+            ));
         }
         if self.queue_full_block_ms > QUEUE_FULL_BLOCK_MS_MAX {
             return Err(format!(
@@ -346,6 +355,32 @@ mod tests {
             ..Limits::default()
         };
         assert!(long.validate().is_err());
+        let bytes: FileConfig =
+            toml::from_str("[limits]\nqueue-bytes-max = 65536\npublish-log-bytes-max = 1048576\n")
+                .unwrap();
+        let l = bytes.limits.unwrap();
+        assert_eq!(
+            (l.queue_bytes_max, l.publish_log_bytes_max),
+            (65536, 1 << 20)
+        );
+        for (tiny, name) in [
+            (
+                Limits {
+                    queue_bytes_max: 4095,
+                    ..Limits::default()
+                },
+                "queue-bytes-max",
+            ),
+            (
+                Limits {
+                    publish_log_bytes_max: 0,
+                    ..Limits::default()
+                },
+                "publish-log-bytes-max",
+            ),
+        ] {
+            assert!(tiny.validate().unwrap_err().contains(name), "{name}");
+        }
     }
 
     #[test]

@@ -33,6 +33,9 @@ pub const QUEUE_ENTRIES_MAX: u64 = 50_000_000;
 pub const QUEUE_BYTES_MAX: u64 = 16 << 30;
 /// Lowest `queue-bytes-max` a node accepts, in bytes.
 pub const QUEUE_BYTES_MAX_LOWEST_BYTES: u64 = 4096;
+/// Bytes of publishes a clustered node keeps for peers that have not applied them (a peer
+/// down or slow) before it refuses new publishes (32 GiB).
+pub const PUBLISH_LOG_BYTES_MAX: u64 = 32 << 30;
 /// Concurrent client connections one node accepts.
 pub const CONNECTIONS_PER_NODE_MAX: usize = 10_000;
 /// Time a new connection has to send its hello frame, in milliseconds.

@@ -28,6 +28,7 @@ pub const PUBLISH_BLOCKED: &str = "tether_publish_blocked_total";
 pub const QUEUES_DROPPED_FULL: &str = "tether_queues_dropped_full_total";
 pub const CLIENT_ERRORS: &str = "tether_client_errors_total";
 pub const FORWARD_LAG: &str = "tether_forward_lag_entries";
+pub const PUBLISH_LOG_BYTES: &str = "tether_publish_log_bytes";
 pub const FORWARDED: &str = "tether_forwarded_publishes_total";
 pub const CLUSTER_IS_LEADER: &str = "tether_cluster_is_leader";
 pub const CLUSTER_TERM: &str = "tether_cluster_term";
@@ -76,6 +77,10 @@ fn describe() {
     describe_gauge!(
         FORWARD_LAG,
         "Publishes of this node not yet applied by a peer (label peer)"
+    );
+    describe_gauge!(
+        PUBLISH_LOG_BYTES,
+        "Bytes of this node's publishes kept until every peer applied them (limit: publish-log-bytes-max)"
     );
     describe_gauge!(
         CLUSTER_IS_LEADER,

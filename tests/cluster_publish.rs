@@ -149,3 +149,70 @@ async fn publishes_made_while_a_node_is_down_reach_it_when_it_returns() {
     d.close(false).await.unwrap();
     c.shutdown().await;
 }
+
+/// The publish log is bounded: while a peer is down, a node keeps its publishes for it up to
+/// `publish-log-bytes-max`, then refuses new ones with `unavailable` (naming the peer) rather
+/// than accept a publish it could not keep; when the peer returns it gets every accepted
+/// publish and publishing resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_log_limit_refuses_publishes_while_a_peer_is_away_and_loses_none() {
+    const LIMIT: u64 = 64 * 1024;
+    let limits = tether::config::Limits {
+        publish_log_bytes_max: LIMIT,
+        ..Default::default()
+    };
+    let mut c = TestCluster::start_with(3, limits).await;
+    c.leader().await;
+    c.nodes[0].take().unwrap().shutdown().await;
+    let p = c.node(1).publisher().await.expect("publisher");
+    let mut accepted = 0u32;
+    let refusal = loop {
+        match p.put("R", &format!("k-{accepted}"), vec![7; 1024]).await {
+            Ok(_) => accepted += 1,
+            Err(e) => break e,
+        }
+        assert!(accepted < 1_000, "the publish log limit never applied");
+    };
+    assert_eq!(
+        refusal.code,
+        tether::protocol::ErrorCode::Unavailable,
+        "{refusal:?}"
+    );
+    assert!(
+        refusal.message.contains("publish log is full") && refusal.message.contains("n1"),
+        "{}",
+        refusal.message
+    );
+    // About the limit's worth was kept (1 KiB values), not more.
+    assert!((50..=70).contains(&accepted), "{accepted} publishes kept");
+    // The refused publish changed nothing, on this node or its live peer.
+    assert_eq!(c.node(1).get("R", &format!("k-{accepted}")).unwrap(), None);
+
+    // The peer returns: it receives every accepted publish, and publishing resumes.
+    let node = c.boot(0).await;
+    c.nodes[0] = Some(node);
+    let last = format!("k-{}", accepted - 1);
+    common::eventually("the returning peer applies the kept publishes", || {
+        c.node(0).get("R", &last).unwrap().is_some()
+    })
+    .await;
+    for i in 0..accepted {
+        assert_eq!(
+            c.node(0).get("R", &format!("k-{i}")).unwrap(),
+            Some(vec![7; 1024]),
+            "k-{i} on the returning peer"
+        );
+    }
+    let deadline = tokio::time::Instant::now() + common::WAIT;
+    loop {
+        match p.put("R", "after", b"x".to_vec()).await {
+            Ok(_) => break,
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                assert_eq!(e.code, tether::protocol::ErrorCode::Unavailable, "{e:?}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("publishing did not resume: {e:?}"),
+        }
+    }
+    c.shutdown().await;
+}

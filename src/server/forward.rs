@@ -7,6 +7,10 @@
 //!   queue of the node's store with the reserved id [`PUBLISH_LOG_QUEUE`], in the same atomic
 //!   batch as the publish itself: a publish acknowledged locally is also durably queued for
 //!   every peer, whatever happens next (peer down, origin killed and restarted).
+//! * The log is bounded (`publish-log-bytes-max`): once it holds that many bytes (a peer down
+//!   or slow), new publishes on this node are refused with `unavailable` until the peers catch
+//!   up: a publish is never accepted without being kept for every peer. Bytes are counted like
+//!   a queue's ([`QueueBytes`], byte marks stored with the log).
 //! * One forwarding task per peer ships the log in order (batches of up to
 //!   [`FORWARD_BATCH_ENTRIES_MAX`] entries over one peer RPC at a time) and records, durably, how
 //!   far the peer has applied (`fwd-sent/<peer>`). Entries every peer has applied are trimmed.
@@ -31,10 +35,13 @@ use super::Shared;
 use crate::cluster::Cluster;
 use crate::cluster::meta::{RaftId, raft_id};
 use crate::cluster::network::{ForwardedPublish, PeerRequest, PeerResponse, PublishSink};
+use crate::config::Limits;
+use crate::core::bytes::{QueueBytes, mark_interval_bytes, stored_entry_bytes};
 use crate::core::{EventOrigin, SessionId};
 use crate::metrics as m;
 use crate::protocol::EventId;
 use crate::protocol::PublishOp;
+use crate::protocol::{ErrorCode, WireError};
 
 /// Queue id of the publish log in the node's store (never allocated to a subscription queue:
 /// those count up from 1).
@@ -79,6 +86,10 @@ pub(crate) struct Forwarding {
     pub(crate) sent_changed: tokio::sync::Notify,
     /// Offsets at or below this are trimmed from the log.
     trimmed: AtomicU64,
+    /// Bytes of the log not trimmed yet (locked under the core lock on the publish path).
+    bytes: Mutex<QueueBytes>,
+    /// `publish-log-bytes-max`.
+    bytes_max: u64,
     /// Per origin: highest offset applied here; the lock also serializes forwarded applies.
     applied: tokio::sync::Mutex<HashMap<String, Offset>>,
     /// The session forwarded publishes are made under (created on first use).
@@ -92,19 +103,24 @@ impl Forwarding {
         store: &dyn Store,
         me: &str,
         peers: &[(String, String)],
+        limits: &Limits,
     ) -> Result<Self, String> {
         let meta = store
             .queue_meta(PUBLISH_LOG_QUEUE)
             .map_err(|e| e.to_string())?;
-        let (acked, end) = match meta {
-            Some(m) => (m.acked, m.end),
+        let (acked, end, marks) = match meta {
+            Some(m) => (m.acked, m.end, m.byte_marks),
             None => {
                 let mut b = Batch::new();
                 b.put_queue_info(PUBLISH_LOG_QUEUE, 0, PUBLISH_LOG_INFO.to_vec());
                 store.write(&b, true).map_err(|e| e.to_string())?;
-                (0, 0)
+                (0, 0, Vec::new())
             }
         };
+        let bytes = QueueBytes::recover(acked, end, &marks, &mut |from, to| {
+            stored_entry_bytes(store, PUBLISH_LOG_QUEUE, from, to)
+        })
+        .map_err(|e| format!("publish log byte count: {e}"))?;
         let peers: Vec<(String, RaftId)> = peers
             .iter()
             .filter(|(name, _)| name != me)
@@ -128,6 +144,8 @@ impl Forwarding {
             sent: Mutex::new(sent),
             sent_changed: tokio::sync::Notify::new(),
             trimmed: AtomicU64::new(acked),
+            bytes: Mutex::new(bytes),
+            bytes_max: limits.publish_log_bytes_max,
             applied: tokio::sync::Mutex::new(HashMap::new()),
             session: Mutex::new(None),
         })
@@ -159,9 +177,52 @@ impl Forwarding {
             ops,
         };
         let body = codec::encode_body(&entry).ok()?;
+        // The offset is assigned under the byte count's lock, so a trim never counts an entry
+        // as applied that it has not seen assigned.
+        let mut bytes = self.lock_bytes();
         let offset = self.log_end.fetch_add(1, Ordering::SeqCst) + 1;
+        let interval = mark_interval_bytes(self.bytes_max);
+        if let Some((at, total)) = bytes.append(offset, body.len() as u64, interval) {
+            batch.put_byte_mark(PUBLISH_LOG_QUEUE, at, total);
+        }
         batch.append(PUBLISH_LOG_QUEUE, offset, Entry::new(0, body));
         Some(offset)
+    }
+
+    fn lock_bytes(&self) -> std::sync::MutexGuard<'_, QueueBytes> {
+        self.bytes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Bytes of the log not yet applied by every peer.
+    pub(crate) fn pending_bytes(&self) -> u64 {
+        self.lock_bytes().pending()
+    }
+
+    /// Refuses a new publish while the log holds `publish-log-bytes-max` (so it holds at most
+    /// that plus one publish). Call under the core lock, before planning the publish.
+    pub(crate) fn check_room(&self) -> Result<(), WireError> {
+        if self.peers.is_empty() {
+            return Ok(());
+        }
+        let held = self.pending_bytes();
+        if held < self.bytes_max {
+            return Ok(());
+        }
+        let sent = self.sent.lock().expect("forward lock");
+        let end = self.log_end.load(Ordering::SeqCst);
+        let behind: Vec<String> = sent
+            .iter()
+            .filter(|(_, s)| **s < end)
+            .map(|(p, s)| format!("{p} ({} publishes behind)", end - s))
+            .collect();
+        Err(WireError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "the publish log is full ({held} of {} bytes kept for peers that have not applied them: {}); publishes resume as they catch up",
+                self.bytes_max,
+                behind.join(", ")
+            ),
+        ))
     }
 
     /// How far `peer` has applied this node's publish log.
@@ -316,6 +377,9 @@ async fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) -> bool {
     if min > f.trimmed.load(Ordering::SeqCst) {
         b.set_acked(PUBLISH_LOG_QUEUE, min);
         f.trimmed.store(min, Ordering::SeqCst);
+        let mut bytes = f.lock_bytes();
+        let all = min >= f.log_end.load(Ordering::SeqCst);
+        bytes.ack(min, all);
     }
     let _ = s.writer.submit(b, None).await;
     f.sent_changed.notify_waiters();

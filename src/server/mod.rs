@@ -232,6 +232,12 @@ impl Shared {
         let receipt_logged;
         let (count, enqueued, dropped, rx) = {
             let mut core = self.core();
+            if let (None, Some(f)) = (origin, &self.forwarding) {
+                f.check_room().inspect_err(|_| {
+                    metrics::counter!(m::PUBLISH_REJECTED, "reason" => "publish-log-full")
+                        .increment(1);
+                })?;
+            }
             let store = self.store.clone();
             let ids = origin.map(|o| &o.ids);
             let plan = core.publish_from(now_ms(), session, ops, ids, &mut |region, key| {
@@ -731,7 +737,7 @@ impl Node {
         );
         let forwarding = if clustered {
             Some(
-                forward::Forwarding::open(&*store, &node_id, &config.peers)
+                forward::Forwarding::open(&*store, &node_id, &config.peers, &config.limits)
                     .map_err(NodeError::Recovery)?,
             )
         } else {
@@ -1005,6 +1011,9 @@ async fn tick_loop(shared: Arc<Shared>) {
         metrics::gauge!(m::QUEUES, "state" => "away").set(c.away as f64);
         metrics::gauge!(m::PENDING_EVENTS).set(c.pending_total as f64);
         metrics::gauge!(m::PENDING_BYTES).set(c.pending_bytes_total as f64);
+        if let Some(f) = &shared.forwarding {
+            metrics::gauge!(m::PUBLISH_LOG_BYTES).set(f.pending_bytes() as f64);
+        }
         metrics::gauge!(m::OLDEST_UNACKED_AGE).set(c.oldest_unacked_age_ms as f64 / 1e3);
         metrics::gauge!(m::CONNECTIONS).set(shared.connections.load(Ordering::Relaxed) as f64);
         if let Some(cl) = shared.cluster.get() {
