@@ -27,6 +27,16 @@ async fn away_subscriber(n: &TestNode, id: &str, region: &str) {
     c.close(true).await.unwrap();
 }
 
+/// Durable client `id` (600 s timeout) that acks only when told to (`ack_now`).
+async fn manual_acks(n: &TestNode, id: &str) -> tether::client::Client {
+    n.builder()
+        .durable(id, 600)
+        .ack_interval(Duration::from_secs(3600))
+        .connect()
+        .await
+        .unwrap()
+}
+
 fn queue_full(err: tether::protocol::WireError) -> String {
     assert_eq!(err.code, ErrorCode::QueueFull, "{err:?}");
     err.message
@@ -69,13 +79,7 @@ async fn queue_full_block_waits_for_acks_then_gives_up() {
     let mut l = limits(3, QueueFullPolicy::Block);
     l.queue_full_block_ms = 10_000;
     let n = TestNode::start_with(l).await;
-    let x = n
-        .builder()
-        .durable("X", 600)
-        .ack_interval(Duration::from_secs(3600))
-        .connect()
-        .await
-        .unwrap();
+    let x = manual_acks(&n, "X").await;
     x.region("R").register(Interest::all_keys()).await.unwrap();
     x.ready_for_events().await.unwrap();
     let mut ev = x.events().unwrap();
@@ -144,23 +148,11 @@ async fn inflight_window_bounds_unacknowledged_delivery() {
         ..Limits::default()
     })
     .await;
-    let c = n
-        .builder()
-        .durable("X", 600)
-        .ack_interval(Duration::from_secs(3600))
-        .connect()
-        .await
-        .unwrap();
+    let c = manual_acks(&n, "X").await;
     c.region("R").register(Interest::all_keys()).await.unwrap();
     c.close(true).await.unwrap();
     n.put_many("R", 0..20).await;
-    let c = n
-        .builder()
-        .durable("X", 600)
-        .ack_interval(Duration::from_secs(3600))
-        .connect()
-        .await
-        .unwrap();
+    let c = manual_acks(&n, "X").await;
     c.ready_for_events().await.unwrap();
     let mut ev = c.events().unwrap();
     let first = take_events(&mut ev, 5).await;
@@ -335,13 +327,7 @@ async fn queue_bytes_limit_refuses_past_it_survives_restart_and_partial_acks() {
     assert!(again.contains("65536 bytes"), "{again}");
 
     // Acking half of the backlog makes room for about half again.
-    let x = n
-        .builder()
-        .durable("X", 600)
-        .ack_interval(Duration::from_secs(3600))
-        .connect()
-        .await
-        .unwrap();
+    let x = manual_acks(&n, "X").await;
     x.ready_for_events().await.unwrap();
     let mut ev = x.events().unwrap();
     let half = published as usize / 2;
