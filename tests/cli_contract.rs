@@ -1826,3 +1826,49 @@ fn cluster_redundancy_replicated_ack_and_queue_copies() {
         )
     );
 }
+
+/// `tether server --queue-bytes-max N` applies the byte limit (the refusal names it), and the
+/// node exports the bytes waiting as `tether_pending_bytes`.
+#[test]
+fn server_queue_bytes_max_refuses_past_it_and_exports_pending_bytes() {
+    let s = start_server(&["--queue-bytes-max", "4096", "--metrics", "127.0.0.1:0"]);
+    let out = s.ok(
+        "subscribe",
+        &[
+            "--region",
+            "R",
+            "--durable-id",
+            "d1",
+            "--all-keys",
+            "--exit-on-live",
+        ],
+    );
+    assert_closed(out.last().expect("lines"), true);
+    let big = "x".repeat(3000);
+    s.put("R", "a", &big);
+    let msg = s
+        .run("put", &["--region", "R", "--key", "b", "--value", &big])
+        .failed();
+    assert!(msg.contains("queue of d1 is full (4096 bytes)"), "{msg}");
+    let bytes = s.queue("d1").expect("d1 listed")["pending_bytes"]
+        .as_u64()
+        .expect("pending_bytes");
+    assert!((3000..=4096).contains(&bytes), "{bytes}");
+    let m = s.listening["metrics"]
+        .as_str()
+        .expect("metrics")
+        .to_string();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let resp = http_get(&m, "/metrics");
+        if resp.contains(&format!("tether_pending_bytes {bytes}")) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no tether_pending_bytes {bytes}: {resp}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    s.stop();
+}

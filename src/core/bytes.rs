@@ -153,11 +153,6 @@ impl QueueBytes {
             marks,
         })
     }
-
-    /// Marks held in memory (for tests and memory accounting).
-    pub fn marks_len(&self) -> usize {
-        self.marks.len()
-    }
 }
 
 #[cfg(test)]
