@@ -10,7 +10,7 @@ use rustls::pki_types::CertificateRevocationListDer;
 use rustls::pki_types::pem::PemObject;
 use x509_parser::num_bigint::BigUint;
 
-use crate::tls::{CA_KEY_FILE, TlsError, ca_params, io_err, parse_certs, read_file, write_file};
+use crate::tls::{TlsError, dev_ca_issuer, io_err, parse_certs, read_file, write_file};
 
 /// How long a list the dev CA signs stays current (its `nextUpdate`), in days. The verifier
 /// does not enforce it: a list stays in force until it is replaced.
@@ -102,8 +102,6 @@ pub fn revoke_dev_client_cert(
         path: path.to_path_buf(),
         message,
     };
-    let ca_key = tls_dir.join(CA_KEY_FILE);
-    let key_pem = std::fs::read_to_string(&ca_key).map_err(io_err(&ca_key))?;
     let ca_cert_path = tls_dir.join(crate::tls::CA_CERT_FILE);
     let ca_cert = parse_certs(&read_file(&ca_cert_path)?, &ca_cert_path)?;
     let (_, ca) = x509_parser::parse_x509_certificate(ca_cert[0].as_ref())
@@ -170,7 +168,7 @@ pub fn revoke_dev_client_cert(
         revoked_certs: revoked,
         key_identifier_method: rcgen::KeyIdMethod::Sha256,
     };
-    let issuer = rcgen::Issuer::new(ca_params()?, rcgen::KeyPair::from_pem(&key_pem)?);
+    let issuer = dev_ca_issuer(tls_dir)?;
     let list = params.signed_by(&issuer)?;
     let count = params.revoked_certs.len();
     // Written whole, then renamed: a server reloading the list never reads half of it.

@@ -46,7 +46,9 @@ pub const SERVER_KEY_FILE: &str = "server.key";
 pub const KEY_FILE_MODE: u32 = 0o600;
 /// Subject alternative names of the dev server certificate.
 pub const DEV_SERVER_SANS: [&str; 3] = [SERVER_NAME, "127.0.0.1", "::1"];
-/// Common name of the dev CA.
+/// Common name of the dev CA, followed by a suffix unique to each CA (from its key), so that
+/// two dev CAs never share a name: revocation lists are matched to certificates by issuer
+/// name.
 pub const DEV_CA_COMMON_NAME: &str = "Tether dev CA";
 
 /// Paths of a CA certificate and a server certificate with its key, all PEM.
@@ -272,7 +274,7 @@ fn client_verifier(
 /// lists: revocation lists are for client certificates). Two verifiers rather than one store
 /// with both CAs, because a revocation list is matched to a certificate by issuer *name*: a
 /// client CA's list must not be applied to peer certificates from a cluster CA of the same
-/// name (every dev CA has the same name).
+/// name (dev CAs made before their names were unique all share one, and other CAs may too).
 #[derive(Debug)]
 struct ClusterClientVerifier {
     clients: Arc<dyn rustls::server::danger::ClientCertVerifier>,
@@ -396,7 +398,7 @@ pub fn negotiated_alpn(conn: &quinn::Connection) -> Option<Vec<u8>> {
 /// certificate is in the PEM file `ca_pem` (its signature checked against that CA, see
 /// [`chains_to`]). The handshake verified the chain against every configured root, so this
 /// tells which one: a peer must hold a cluster-CA certificate, not a client-CA one, even when
-/// the two CAs have the same name (every dev CA does).
+/// the two CAs have the same name (dev CAs made before names were unique all do).
 pub fn peer_issued_by_ca(conn: &quinn::Connection, ca_pem: &Path) -> bool {
     let Some(identity) = conn.peer_identity() else {
         return false;
@@ -470,9 +472,7 @@ pub fn issue_dev_client_cert(
     common_name: &str,
     out_dir: &Path,
 ) -> Result<(PathBuf, PathBuf), TlsError> {
-    let ca_key = tls_dir.join(CA_KEY_FILE);
-    let pem = std::fs::read_to_string(&ca_key).map_err(io_err(&ca_key))?;
-    let issuer = rcgen::Issuer::new(ca_params()?, rcgen::KeyPair::from_pem(&pem)?);
+    let issuer = dev_ca_issuer(tls_dir)?;
     let mut p = rcgen::CertificateParams::new(Vec::<String>::new())?;
     p.distinguished_name = rcgen::DistinguishedName::new();
     p.distinguished_name
@@ -516,11 +516,16 @@ fn client_config_inner(pem: &[u8], path: &Path) -> Result<quinn::ClientConfig, T
     finish_client(tls)
 }
 
-pub(crate) fn ca_params() -> Result<rcgen::CertificateParams, TlsError> {
+/// Parameters of a new dev CA whose key is `key`: its common name is [`DEV_CA_COMMON_NAME`]
+/// and eight hex digits derived from the key.
+fn ca_params(key: &rcgen::KeyPair) -> Result<rcgen::CertificateParams, TlsError> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.public_key_raw().hash(&mut h);
+    let name = format!("{DEV_CA_COMMON_NAME} {:08x}", h.finish() as u32);
     let mut p = rcgen::CertificateParams::new(Vec::<String>::new())?;
     p.distinguished_name = rcgen::DistinguishedName::new();
-    p.distinguished_name
-        .push(rcgen::DnType::CommonName, DEV_CA_COMMON_NAME);
+    p.distinguished_name.push(rcgen::DnType::CommonName, name);
     p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
     p.key_usages = vec![
         rcgen::KeyUsagePurpose::KeyCertSign,
@@ -528,6 +533,20 @@ pub(crate) fn ca_params() -> Result<rcgen::CertificateParams, TlsError> {
         rcgen::KeyUsagePurpose::DigitalSignature,
     ];
     Ok(p)
+}
+
+/// The dev CA in `tls_dir` (`ca.pem`, `ca.key`) as an issuer: its name, key identifier and key
+/// usages are read from the certificate itself, so what it signs names it exactly (also a CA
+/// made before names were unique).
+pub(crate) fn dev_ca_issuer(
+    tls_dir: &Path,
+) -> Result<rcgen::Issuer<'static, rcgen::KeyPair>, TlsError> {
+    let ca_key = tls_dir.join(CA_KEY_FILE);
+    let key =
+        rcgen::KeyPair::from_pem(&std::fs::read_to_string(&ca_key).map_err(io_err(&ca_key))?)?;
+    let ca_cert = tls_dir.join(CA_CERT_FILE);
+    let pem = std::fs::read_to_string(&ca_cert).map_err(io_err(&ca_cert))?;
+    Ok(rcgen::Issuer::from_ca_cert_pem(&pem, key)?)
 }
 
 fn server_params() -> Result<rcgen::CertificateParams, TlsError> {
@@ -584,19 +603,14 @@ pub fn ensure_dev_certs(dir: &Path) -> Result<TlsFiles, TlsError> {
         return Ok(files);
     }
 
-    let params = ca_params()?;
-    let ca_key_pair = if ca_cert.exists() && ca_key.exists() {
-        let pem = std::fs::read_to_string(&ca_key).map_err(io_err(&ca_key))?;
-        rcgen::KeyPair::from_pem(&pem)?
-    } else {
+    if !(ca_cert.exists() && ca_key.exists()) {
         let kp = rcgen::KeyPair::generate()?;
-        let cert = params.self_signed(&kp)?;
+        let cert = ca_params(&kp)?.self_signed(&kp)?;
         write_file(&ca_key, kp.serialize_pem().as_bytes(), Some(KEY_FILE_MODE))?;
         write_file(&ca_cert, cert.pem().as_bytes(), None)?;
         tracing::info!(dir = %dir.display(), "generated dev CA");
-        kp
-    };
-    let issuer = rcgen::Issuer::new(params, ca_key_pair);
+    }
+    let issuer = dev_ca_issuer(dir)?;
 
     let server_kp = rcgen::KeyPair::generate()?;
     let server_cert = server_params()?.signed_by(&server_kp, &issuer)?;
@@ -617,6 +631,70 @@ mod tests {
     #[test]
     fn transport_config_builds() {
         let _ = transport_config();
+    }
+
+    fn subject_and_issuer(cert: &Path) -> (String, String) {
+        let der = parse_certs(&read_file(cert).unwrap(), cert)
+            .unwrap()
+            .swap_remove(0);
+        let (_, c) = x509_parser::parse_x509_certificate(der.as_ref()).unwrap();
+        (c.subject().to_string(), c.issuer().to_string())
+    }
+
+    #[test]
+    fn every_dev_ca_has_its_own_name_and_signs_under_it() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let fa = ensure_dev_certs(a.path()).unwrap();
+        let fb = ensure_dev_certs(b.path()).unwrap();
+        let (ca_a, _) = subject_and_issuer(&fa.ca);
+        let (ca_b, _) = subject_and_issuer(&fb.ca);
+        assert!(
+            ca_a.starts_with(&format!("CN={DEV_CA_COMMON_NAME} ")),
+            "{ca_a}"
+        );
+        assert_ne!(ca_a, ca_b, "two dev CAs share a name");
+        assert_eq!(subject_and_issuer(&fa.cert).1, ca_a);
+        let (cert, _) = issue_dev_client_cert(a.path(), "alice", a.path()).unwrap();
+        assert_eq!(
+            subject_and_issuer(&cert),
+            ("CN=alice".to_string(), ca_a.clone())
+        );
+        assert!(chains_to(
+            &parse_certs(&read_file(&cert).unwrap(), &cert).unwrap()[0],
+            &[],
+            roots_from(&fa.ca).unwrap()
+        ));
+        // A server certificate signed again later (its files deleted) names the same CA.
+        std::fs::remove_file(&fa.cert).unwrap();
+        let again = ensure_dev_certs(a.path()).unwrap();
+        assert_eq!(subject_and_issuer(&again.cert).1, ca_a);
+    }
+
+    #[test]
+    fn a_dev_ca_from_before_unique_names_still_signs() {
+        let dir = tempfile::tempdir().unwrap();
+        let kp = rcgen::KeyPair::generate().unwrap();
+        let mut params = ca_params(&kp).unwrap();
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, DEV_CA_COMMON_NAME);
+        let ca = params.self_signed(&kp).unwrap();
+        write_file(
+            &dir.path().join(CA_KEY_FILE),
+            kp.serialize_pem().as_bytes(),
+            None,
+        )
+        .unwrap();
+        write_file(&dir.path().join(CA_CERT_FILE), ca.pem().as_bytes(), None).unwrap();
+        let files = ensure_dev_certs(dir.path()).unwrap();
+        let (_, issuer) = subject_and_issuer(&files.cert);
+        assert_eq!(issuer, format!("CN={DEV_CA_COMMON_NAME}"));
+        assert!(chains_to(
+            &parse_certs(&read_file(&files.cert).unwrap(), &files.cert).unwrap()[0],
+            &[],
+            roots_from(&files.ca).unwrap()
+        ));
     }
 
     #[test]
