@@ -49,7 +49,8 @@ bench: deps
 bench-quick: deps
 	EVENTS=100000 VALUE_BYTES=128 TETHER_BENCH_LIVE_SECS=2 \
 	  TETHER_BENCH_MATRIX_EVENTS=10000,100000 TETHER_BENCH_FANOUT_EVENTS=10000 \
-	  TETHER_BENCH_IDLE_QUEUES=1000 TETHER_BENCH_IDLE_WARM=200 scripts/bench.sh
+	  TETHER_BENCH_IDLE_QUEUES=1000 TETHER_BENCH_IDLE_WARM=200 \
+	  TETHER_BENCH_CONN_CLIENTS=200 TETHER_BENCH_CONN_STALLED=20 scripts/bench.sh
 
 fmt:
 	$(CARGO) fmt --all
@@ -71,8 +72,10 @@ FUZZ_SANITIZER ?= none
 FUZZ_TARGET_DIR ?= $(HOME)/.cache/tether-fuzz-target
 FUZZ_REUSE_ROCKSDB ?= 1
 FUZZ_ROCKSDB_LIB := $(patsubst %/librocksdb.a,%,$(firstword $(wildcard $(TARGET_DIR)/release/build/librocksdb-sys-*/out/librocksdb.a)))
-# Long crash-safety run: kill -9 rounds per sync mode, and the seed (printed to replay a failure).
+# Long crash-safety run: kill -9 rounds per sync mode (one node, then a three-node cluster), and
+# the seed (printed to replay a failure).
 CRASH_ROUNDS ?= 50
+CLUSTER_CRASH_ROUNDS ?= 20
 CRASH_SEED ?= $(shell date +%s)
 
 .PHONY: fuzz fuzz-deps crash-test
@@ -94,16 +97,25 @@ fuzz: fuzz-deps
 crash-test: deps
 	TETHER_CRASH_ROUNDS=$(CRASH_ROUNDS) TETHER_CRASH_SEED=$(CRASH_SEED) \
 	  $(CARGO) test --release --test crash_safety -- --nocapture
+	TETHER_CLUSTER_CRASH_ROUNDS=$(CLUSTER_CRASH_ROUNDS) TETHER_CRASH_SEED=$(CRASH_SEED) RUST_LOG=$${RUST_LOG:-error} \
+	  $(CARGO) test --release --test cluster_crash_safety -- --nocapture
 
 # Soak run (bounded, not part of `make test`): durable clients connecting, consuming, closing,
-# crashing and coming back against one in-process node while publishers run; checks nothing is
-# lost and every redelivery is flagged. The seed is printed (SOAK_SEED replays a run).
+# crashing and coming back against `tether server` processes while publishers run; checks
+# nothing is lost and every redelivery is flagged, and reports the servers' memory over time.
+# `make soak` runs one node; `make soak-cluster` three with redundancy 1, killing nodes (-9)
+# during the run. The seed is printed (SOAK_SEED replays a run).
 SOAK_SECS ?= 300
 SOAK_CLIENTS ?= 1000
 SOAK_SEED ?=
+SOAK_NODE_KILLS ?= 4
 
-.PHONY: soak
+.PHONY: soak soak-cluster
 
 soak: deps
 	TETHER_SOAK_SECS=$(SOAK_SECS) TETHER_SOAK_CLIENTS=$(SOAK_CLIENTS) $(if $(SOAK_SEED),TETHER_SOAK_SEED=$(SOAK_SEED)) \
 	  $(CARGO) bench --bench soak
+
+soak-cluster: deps
+	TETHER_SOAK_SECS=$(SOAK_SECS) TETHER_SOAK_CLIENTS=$(SOAK_CLIENTS) $(if $(SOAK_SEED),TETHER_SOAK_SEED=$(SOAK_SEED)) \
+	  TETHER_SOAK_NODES=3 TETHER_SOAK_NODE_KILLS=$(SOAK_NODE_KILLS) RUST_LOG=$${RUST_LOG:-error} $(CARGO) bench --bench soak

@@ -93,6 +93,13 @@ pub struct Limits {
     /// A connection silent this long is closed (treated as a crash: keepalive), in
     /// milliseconds. Must exceed the keep-alive interval.
     pub idle_timeout_ms: u64,
+    /// Bytes a client (or peer) may send on one connection beyond what the node has read
+    /// (QUIC flow control: what the node buffers for it, all streams together; one stream gets
+    /// at most `STREAM_RECEIVE_WINDOW_BYTES` of it).
+    pub connection_receive_window_bytes: u64,
+    /// Bytes the node keeps written but not yet acknowledged by the other side on one
+    /// connection (its send buffer for a slow client).
+    pub connection_send_window_bytes: u64,
 }
 
 impl Default for Limits {
@@ -108,6 +115,8 @@ impl Default for Limits {
             handshake_timeout_ms: HANDSHAKE_TIMEOUT_MS,
             inflight_events_max: INFLIGHT_EVENTS_PER_SESSION_MAX,
             idle_timeout_ms: tether_transport::tls::IDLE_TIMEOUT_MS,
+            connection_receive_window_bytes: tether_transport::tls::SERVER_RECEIVE_WINDOW_BYTES,
+            connection_send_window_bytes: tether_transport::tls::SERVER_SEND_WINDOW_BYTES,
         }
     }
 }
@@ -145,6 +154,23 @@ impl Limits {
             return Err(format!(
                 "limits.idle-timeout-ms must be above the keep-alive interval ({keep_alive}) and at most {IDLE_TIMEOUT_MS_MAX}"
             ));
+        }
+        use tether_transport::tls::{CONNECTION_WINDOW_BYTES_LOWEST, CONNECTION_WINDOW_BYTES_MAX};
+        for (name, v) in [
+            (
+                "connection-receive-window-bytes",
+                self.connection_receive_window_bytes,
+            ),
+            (
+                "connection-send-window-bytes",
+                self.connection_send_window_bytes,
+            ),
+        ] {
+            if !(CONNECTION_WINDOW_BYTES_LOWEST..=CONNECTION_WINDOW_BYTES_MAX).contains(&v) {
+                return Err(format!(
+                    "limits.{name} must be between {CONNECTION_WINDOW_BYTES_LOWEST} and {CONNECTION_WINDOW_BYTES_MAX}"
+                ));
+            }
         }
         if self.handshake_timeout_ms > QUEUE_FULL_BLOCK_MS_MAX {
             return Err(format!(
@@ -363,6 +389,19 @@ mod tests {
             (l.queue_bytes_max, l.publish_log_bytes_max),
             (65536, 1 << 20)
         );
+        let windows: FileConfig = toml::from_str(
+            "[limits]\nconnection-receive-window-bytes = 65536\nconnection-send-window-bytes = 131072\n",
+        )
+        .unwrap();
+        let l = windows.limits.unwrap();
+        assert_eq!(
+            (
+                l.connection_receive_window_bytes,
+                l.connection_send_window_bytes
+            ),
+            (65536, 131072)
+        );
+        assert!(l.validate().is_ok());
         for (tiny, name) in [
             (
                 Limits {
@@ -377,6 +416,20 @@ mod tests {
                     ..Limits::default()
                 },
                 "publish-log-bytes-max",
+            ),
+            (
+                Limits {
+                    connection_receive_window_bytes: 1024,
+                    ..Limits::default()
+                },
+                "connection-receive-window-bytes",
+            ),
+            (
+                Limits {
+                    connection_send_window_bytes: 2 << 30,
+                    ..Limits::default()
+                },
+                "connection-send-window-bytes",
             ),
         ] {
             assert!(tiny.validate().unwrap_err().contains(name), "{name}");

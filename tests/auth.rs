@@ -637,3 +637,179 @@ async fn revocation_applies_on_every_cluster_node() {
         );
     }
 }
+
+/// Credentials are checked at every connection, so the latest ones count: after the operator
+/// rotates alice's token (the node restarted with the new configuration), the old token is
+/// refused and the new one resumes alice's durable queue; a principal whose subscribe right was
+/// withdrawn meanwhile can no longer register, and keeps its queue.
+#[tokio::test]
+async fn rotated_credentials_count_at_the_next_connection() {
+    let mut n = TestNode::start_auth(auth()).await;
+    let a = n
+        .builder()
+        .token("alice-secret")
+        .durable("dash", 600)
+        .connect()
+        .await
+        .unwrap();
+    a.region("fx-eur")
+        .register(Interest::all_keys())
+        .await
+        .unwrap();
+    a.close(true).await.unwrap();
+    n.put("fx-eur", "EURUSD", "1.08").await;
+    let mut rotated = auth();
+    rotated.tokens.retain(|t| t.principal != "alice");
+    rotated.tokens.push(TokenEntry {
+        principal: "alice".into(),
+        sha256: hash_token("alice-rotated"),
+    });
+    rotated.acl.retain(|e| e.principal != "alice");
+    rotated.acl.push(AclEntry {
+        principal: "alice".into(),
+        publish: vec![],
+        subscribe: vec!["fx-gbp".into()],
+    });
+    n.auth = Some(rotated);
+    n.restart().await;
+    let e = refusal(
+        n.builder()
+            .token("alice-secret")
+            .durable("dash", 600)
+            .connect()
+            .await
+            .err()
+            .expect("the old token is gone"),
+    );
+    assert_eq!(
+        (e.code, e.message.as_str()),
+        (ErrorCode::Unauthenticated, "unknown token")
+    );
+    let a = n
+        .builder()
+        .token("alice-rotated")
+        .durable("dash", 600)
+        .connect()
+        .await
+        .expect("the new token is alice's");
+    assert_eq!(
+        (a.queue_status(), a.pending()),
+        (QueueStatus::Resumed, Some(1))
+    );
+    let e = refusal(
+        a.region("fx-eur")
+            .register(Interest::all_keys())
+            .await
+            .expect_err("alice may no longer subscribe to fx-eur"),
+    );
+    assert_eq!(e.code, ErrorCode::Forbidden);
+    a.close(true).await.unwrap();
+}
+
+/// On a cluster, a durable id's owner travels with the queue's copy: after its primary is
+/// stopped and the copy promoted, the owner resumes it through another node with every event,
+/// and another principal is refused there as on the first node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ownership_and_acls_hold_on_a_promoted_copy() {
+    use common::cluster::TestCluster;
+    use tether::client::ClientEvent;
+    let mut c = TestCluster::start_with_auth(3, auth()).await;
+    c.leader().await;
+    let ca = c.dirs[0]
+        .path()
+        .join("tls")
+        .join(tether::transport::tls::CA_CERT_FILE);
+    let via = |c: &TestCluster, nodes: &[usize], token: &str| {
+        tether::client::ClientBuilder::new()
+            .servers(nodes.iter().map(|&i| c.node(i).addr()))
+            .ca_file(&ca)
+            .token(token)
+    };
+    let a = via(&c, &[0], "alice-secret")
+        .durable("dash", 600)
+        .redundancy(1)
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(a.node_id(), "n1");
+    a.region("fx-eur")
+        .register(Interest::all_keys())
+        .await
+        .unwrap();
+    a.close(true).await.unwrap();
+    let p = via(&c, &[1], "alice-secret").connect().await.unwrap();
+    for i in 0..10 {
+        p.region("fx-eur")
+            .put(format!("k{i}"), b"v".to_vec())
+            .await
+            .unwrap();
+    }
+    // Bob is refused for alice's id, and may not publish at all.
+    let e = refusal(
+        via(&c, &[1, 2], "bob-secret")
+            .durable("dash", 600)
+            .connect()
+            .await
+            .err()
+            .unwrap(),
+    );
+    assert_eq!(e.code, ErrorCode::Forbidden);
+    let b = via(&c, &[2], "bob-secret").connect().await.unwrap();
+    let e = refusal(
+        b.region("fx-eur")
+            .put("k", b"v".to_vec())
+            .await
+            .err()
+            .unwrap(),
+    );
+    assert_eq!(e.code, ErrorCode::Forbidden);
+    b.close(false).await.unwrap();
+    // The primary goes away; the copy on n2 or n3 is promoted (with the owner in its info).
+    c.nodes[0].take().unwrap().shutdown().await;
+    let start = std::time::Instant::now();
+    let a = loop {
+        match via(&c, &[1, 2], "alice-secret")
+            .durable("dash", 600)
+            .connect()
+            .await
+        {
+            Ok(a) if a.node_id() != "n1" => break a,
+            Ok(a) => a.close(true).await.unwrap(),
+            Err(e) => {
+                assert!(start.elapsed() < WAIT, "no promotion: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
+    };
+    assert_eq!(
+        (a.queue_status(), a.pending()),
+        (QueueStatus::Resumed, Some(10))
+    );
+    let e = refusal(
+        via(&c, &[1, 2], "bob-secret")
+            .durable("dash", 600)
+            .connect()
+            .await
+            .err()
+            .expect("still alice's on the new primary"),
+    );
+    assert_eq!(e.code, ErrorCode::Forbidden);
+    assert!(
+        e.message.contains("belongs to another principal"),
+        "{}",
+        e.message
+    );
+    a.ready_for_events().await.unwrap();
+    let mut ev = a.events().unwrap();
+    let got = until_live(&mut ev, "fx-eur").await;
+    assert_eq!(
+        got.iter()
+            .filter(|e| matches!(e, ClientEvent::Event(_)))
+            .count(),
+        10
+    );
+    drop(ev);
+    a.close(true).await.unwrap();
+    p.close(false).await.ok();
+    c.shutdown().await;
+}

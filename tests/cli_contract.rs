@@ -524,7 +524,73 @@ fn server_metrics_endpoint_serves_prometheus_text() {
         .expect("a tether_ sample line");
     let value = metric.rsplit(' ').next().unwrap();
     assert!(value.parse::<f64>().is_ok(), "sample line {metric:?}");
+    // A durable queue that fills while away, then replays (acked on exit).
+    let sub = s.spawn(
+        "subscribe",
+        &[
+            "--region",
+            "R",
+            "--all-keys",
+            "--durable-id",
+            "m1",
+            "--exit-on-live",
+        ],
+    );
+    assert!(sub.finish().status.success());
+    s.put("R", "b", "2");
+    let sub = s.spawn(
+        "subscribe",
+        &["--region", "R", "--durable-id", "m1", "--exit-on-live"],
+    );
+    assert!(sub.finish().status.success());
+    // The brief's metrics are there, and every exported name is documented.
+    let names = metric_names(&http_get(&m, "/metrics"));
+    for want in [
+        "tether_events_published_total",
+        "tether_events_enqueued_total",
+        "tether_events_delivered_total",
+        "tether_events_replayed_total",
+        "tether_events_acked_total",
+        "tether_queues",
+        "tether_pending_events",
+        "tether_pending_bytes",
+        "tether_oldest_unacked_age_seconds",
+        "tether_connections",
+        "tether_replay_duration_seconds",
+        "tether_storage_write_batch_ops",
+        "tether_storage_fsync_seconds",
+    ] {
+        assert!(names.contains(want), "{want} not exported: {names:?}");
+    }
+    let docs = concat!(
+        include_str!("../docs/operations.md"),
+        include_str!("../docs/cluster.md")
+    );
+    for name in &names {
+        assert!(
+            docs.contains(&format!("`{name}")),
+            "{name} is exported but not documented in docs/operations.md or docs/cluster.md"
+        );
+    }
     s.stop();
+}
+
+/// The metric names of a Prometheus text exposition (histogram series folded into their name).
+fn metric_names(exposition: &str) -> std::collections::BTreeSet<String> {
+    let body = exposition
+        .split_once("\r\n\r\n")
+        .map_or(exposition, |(_, b)| b);
+    body.lines()
+        .filter(|l| l.starts_with("tether_"))
+        .map(|l| {
+            let name = l.split(['{', ' ']).next().unwrap_or(l);
+            ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .unwrap_or(name)
+                .to_string()
+        })
+        .collect()
 }
 
 #[test]

@@ -351,3 +351,52 @@ async fn queue_bytes_limit_refuses_past_it_survives_restart_and_partial_acks() {
             .unwrap();
     }
 }
+
+/// The per-connection windows (`connection-receive-window-bytes`, `connection-send-window-bytes`)
+/// at their lowest (64 KiB): flow control holds every connection to them, and everything still
+/// flows through in order: a publish of a value sixteen times the receive window, and a replay
+/// of about 4 MB to a durable client through the small send window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smallest_connection_windows_still_carry_large_values_and_replays() {
+    let lowest = tether::transport::tls::CONNECTION_WINDOW_BYTES_LOWEST;
+    let n = TestNode::start_with(Limits {
+        connection_receive_window_bytes: lowest,
+        connection_send_window_bytes: lowest,
+        ..Limits::default()
+    })
+    .await;
+    away_subscriber(&n, "X", "R").await;
+    let p = n.plain().await;
+    let big = vec![b'b'; 1024 * 1024];
+    p.region("R").put("big", big.clone()).await.unwrap();
+    let values: Vec<Vec<u8>> = (0..3_000u32)
+        .map(|i| format!("{i:06}").repeat(170).into_bytes())
+        .collect();
+    for chunk in values.chunks(100).enumerate() {
+        let ops = chunk
+            .1
+            .iter()
+            .enumerate()
+            .map(|(j, v)| tether::protocol::PublishOp::Put {
+                region: "R".into(),
+                key: format!("k{}", chunk.0 * 100 + j),
+                value: v.clone(),
+            })
+            .collect();
+        p.publish(ops).await.unwrap();
+    }
+    assert_eq!(n.node().get("R", "big").unwrap(), Some(big.clone()));
+    let x = n.durable("X", 600).await;
+    assert_eq!(x.pending(), Some(3_001));
+    x.ready_for_events().await.unwrap();
+    let mut ev = x.events().unwrap();
+    let got = until_live(&mut ev, "R").await;
+    let got = entries(&got);
+    assert_eq!(got.len(), 3_001, "the whole replay arrived");
+    assert_eq!(got[0].value.as_deref(), Some(&big[..]));
+    for (i, e) in got[1..].iter().enumerate() {
+        assert_eq!(e.key, format!("k{i}"));
+        assert_eq!(e.value.as_deref(), Some(&values[i][..]), "value of k{i}");
+        assert!(e.replayed);
+    }
+}

@@ -600,7 +600,12 @@ async fn request(
             super::placement::forget(shared, &durable_id, false);
             Ok(ResponseBody::ClosedDurable { durable_id })
         }
-        RequestBody::Close { keepalive } => Ok(ResponseBody::Closed { keepalive }),
+        RequestBody::Close { keepalive } => {
+            if keepalive {
+                shared.wait_acks_durable(session).await?;
+            }
+            Ok(ResponseBody::Closed { keepalive })
+        }
     }
 }
 
@@ -675,6 +680,9 @@ const FIRST_DELIVERY_FRAME_BODY_BYTES: usize = 8 * 1024;
 /// CBOR bytes a wire entry adds to its record (map header, field names, offset, flags).
 const WIRE_ENTRY_OVERHEAD_BYTES: usize = 40;
 
+/// Capacity a caught-up delivery task keeps of its frame buffers, in bytes; more is freed.
+const DELIVERY_BUFFER_BYTES_KEPT: usize = 64 * 1024;
+
 /// An entry read from storage, waiting in the frame arena.
 struct Pending {
     offset: Offset,
@@ -692,7 +700,9 @@ async fn deliver(
     wake: Arc<Notify>,
 ) {
     let mut ready_at: Option<Instant> = None;
-    let mut arena: Vec<u8> = Vec::with_capacity(DELIVERY_FRAME_BODY_BYTES_MAX + VALUE_BYTES_MAX);
+    // Grows with the first reads (to a frame's budget plus one value at most), never allocated
+    // up front: a connected session that receives nothing costs no frame buffer.
+    let mut arena: Vec<u8> = Vec::new();
     let mut pending: Vec<Pending> = Vec::new();
     let mut out = BytesMut::new();
     // Small first frames get the first events out fast; larger ones then carry the bulk.
@@ -708,7 +718,18 @@ async fn deliver(
             ready_at = Some(Instant::now());
         }
         match step {
-            Step::Idle => wake.notified().await,
+            Step::Idle => {
+                // Caught up: give back what a replay grew (a live stream's small frames keep
+                // theirs), so idle sessions hold no large buffers.
+                if arena.capacity() > DELIVERY_BUFFER_BYTES_KEPT {
+                    arena = Vec::new();
+                    pending = Vec::new();
+                }
+                if out.capacity() > DELIVERY_BUFFER_BYTES_KEPT {
+                    out = BytesMut::new();
+                }
+                wake.notified().await
+            }
             Step::Live(regions) => {
                 if let Some(t) = ready_at {
                     metrics::histogram!(m::REPLAY_DURATION).record(t.elapsed().as_secs_f64());

@@ -618,6 +618,13 @@ fn held_ids(
         shared
             .store
             .read_entries(qid, acked + 1, end, usize::MAX, &mut |o, _, body| {
+                // A copy with a hole would lose those events silently once promoted.
+                if o != acked + 1 + ids.len() as u64 && bad.is_none() {
+                    bad = Some(format!(
+                        "the copy's entries are not contiguous: entry {o} follows {} (acked {acked}, end {end})",
+                        acked + ids.len() as u64
+                    ));
+                }
                 match tether_transport::codec::decode_body::<EventRecord>(body) {
                     Ok(r) => ids.push(r.id),
                     Err(e) => bad = Some(format!("entry {o}: {e}")),

@@ -331,16 +331,7 @@ impl Shared {
     /// queue holds the change, so an acknowledged registration survives a failover. At once for
     /// a queue without copies.
     pub(crate) async fn wait_interest_copied(&self, session: SessionId) -> Result<(), WireError> {
-        let qid = match self.core().session(session) {
-            Some(s) => s.queue,
-            None => return Ok(()),
-        };
-        let Some((sq, version)) = self.shipping.info_changed(qid) else {
-            return Ok(());
-        };
-        let deadline =
-            tokio::time::Instant::now() + Duration::from_millis(REPLICATED_ACK_TIMEOUT_MS);
-        if shipping::Shipping::wait_info(sq, version, deadline).await {
+        if self.wait_queue_state_copied(session).await {
             return Ok(());
         }
         Err(WireError::new(
@@ -349,6 +340,46 @@ impl Shared {
                 "the interest change is committed here but not on every copy of the queue within {REPLICATED_ACK_TIMEOUT_MS} ms; retry (registration is idempotent)"
             ),
         ))
+    }
+
+    /// Before a close with keepalive is answered: the session's acks are committed here (under
+    /// the node's sync mode) and held by every copy of its queue, so a client that closed
+    /// cleanly never gets what it acknowledged again, whichever node serves it next.
+    pub(crate) async fn wait_acks_durable(&self, session: SessionId) -> Result<(), WireError> {
+        // The writer commits in submission order: once this empty batch is committed, so is
+        // every ack this session made before it.
+        match self.writer.submit(Batch::new(), None).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(WireError::new(ErrorCode::Internal, e)),
+            Err(_) => {
+                return Err(WireError::new(ErrorCode::Shutdown, "the node is stopping"));
+            }
+        }
+        if self.wait_queue_state_copied(session).await {
+            return Ok(());
+        }
+        Err(WireError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "the session is closed and its acks are committed here, but not on every copy of the queue within {REPLICATED_ACK_TIMEOUT_MS} ms; events acknowledged last may come again, flagged possible_duplicate"
+            ),
+        ))
+    }
+
+    /// Waits until every copy of session `session`'s queue holds the queue's current state
+    /// (interest, away time and acked offset travel with every replication message). True at
+    /// once for a queue without copies; false if that takes over `REPLICATED_ACK_TIMEOUT_MS`.
+    async fn wait_queue_state_copied(&self, session: SessionId) -> bool {
+        let qid = match self.core().session(session) {
+            Some(s) => s.queue,
+            None => return true,
+        };
+        let Some((sq, version)) = self.shipping.info_changed(qid) else {
+            return true;
+        };
+        let deadline =
+            tokio::time::Instant::now() + Duration::from_millis(REPLICATED_ACK_TIMEOUT_MS);
+        shipping::Shipping::wait_info(sq, version, deadline).await
     }
 
     /// `--ack replicated`: waits until every matching queue in the cluster and each of its
@@ -696,6 +727,8 @@ impl Node {
             clustered,
             client_ca,
             idle_timeout_ms: config.limits.idle_timeout_ms,
+            receive_window_bytes: config.limits.connection_receive_window_bytes,
+            send_window_bytes: config.limits.connection_send_window_bytes,
         };
         let (crls, crl_modified) = match &client_crl {
             Some(path) => {

@@ -23,6 +23,8 @@ pub(super) struct TlsSetup {
     pub clustered: bool,
     pub client_ca: Option<PathBuf>,
     pub idle_timeout_ms: u64,
+    pub receive_window_bytes: u64,
+    pub send_window_bytes: u64,
 }
 
 impl TlsSetup {
@@ -37,12 +39,12 @@ impl TlsSetup {
             }
             None => tls::server_config(&self.files)?,
         };
-        let mut transport = tls::transport_config();
-        let idle = Duration::from_millis(self.idle_timeout_ms);
-        transport.max_idle_timeout(Some(
-            quinn::IdleTimeout::try_from(idle)
-                .map_err(|_| NodeError::Config("idle timeout too large".into()))?,
-        ));
+        let transport = tls::server_transport_config(
+            Duration::from_millis(self.idle_timeout_ms),
+            self.receive_window_bytes,
+            self.send_window_bytes,
+        )
+        .map_err(|e| NodeError::Config(e.to_string()))?;
         config.transport_config(Arc::new(transport));
         Ok(config)
     }

@@ -27,6 +27,17 @@ pub const STREAM_RECEIVE_WINDOW_BYTES: u32 = 2 * 1024 * 1024;
 pub const CONNECTION_RECEIVE_WINDOW_BYTES: u32 = 16 * 1024 * 1024;
 /// Per-connection send window, in bytes.
 pub const SEND_WINDOW_BYTES: u64 = 16 * 1024 * 1024;
+/// A node's default per-connection receive window (what one client may make it buffer, all
+/// streams together), in bytes. Far below [`CONNECTION_RECEIVE_WINDOW_BYTES`]: a node serves
+/// thousands of connections, a client one.
+pub const SERVER_RECEIVE_WINDOW_BYTES: u64 = 2 * 1024 * 1024;
+/// A node's default per-connection send window (written, not yet acknowledged), in bytes.
+pub const SERVER_SEND_WINDOW_BYTES: u64 = 4 * 1024 * 1024;
+/// Lowest per-connection window a node accepts in its configuration, in bytes (room for
+/// some frames in flight).
+pub const CONNECTION_WINDOW_BYTES_LOWEST: u64 = 64 * 1024;
+/// Highest per-connection window a node accepts in its configuration, in bytes.
+pub const CONNECTION_WINDOW_BYTES_MAX: u64 = 1 << 30;
 /// Requested UDP socket send and receive buffer size, in bytes (the OS may cap it).
 pub const UDP_SOCKET_BUFFER_BYTES: usize = 4 * 1024 * 1024;
 /// Maximum number of concurrent bidirectional streams a peer may open.
@@ -108,6 +119,30 @@ pub fn install_crypto_provider() {
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The transport settings of a node's incoming connections: [`transport_config`] with the
+/// node's idle timeout and per-connection windows, which bound the memory one connection can
+/// hold on the node (receive window plus send window, see `docs/operations.md`).
+pub fn server_transport_config(
+    idle_timeout: Duration,
+    receive_window_bytes: u64,
+    send_window_bytes: u64,
+) -> Result<quinn::TransportConfig, TlsError> {
+    let mut t = transport_config();
+    let bad = |what: &str| TlsError::Quic(format!("{what} out of range"));
+    let receive =
+        quinn::VarInt::from_u64(receive_window_bytes).map_err(|_| bad("receive window"))?;
+    let stream =
+        quinn::VarInt::from_u64(receive_window_bytes.min(STREAM_RECEIVE_WINDOW_BYTES as u64))
+            .map_err(|_| bad("receive window"))?;
+    t.max_idle_timeout(Some(
+        quinn::IdleTimeout::try_from(idle_timeout).map_err(|_| bad("idle timeout"))?,
+    ))
+    .receive_window(receive)
+    .stream_receive_window(stream)
+    .send_window(send_window_bytes);
+    Ok(t)
 }
 
 /// The quinn transport settings shared by clients and servers (the constants of this module).
