@@ -1,7 +1,14 @@
-//! Soak run (`make soak`): many durable clients coming and going against one in-process node
-//! while publishers run the whole time, with an end-to-end delivery check.
+//! Soak run (`make soak`, `make soak-cluster`): many durable clients coming and going against
+//! `tether server` processes while publishers run the whole time, with an end-to-end delivery
+//! check and the servers' memory over time.
 //!
-//! One node (RocksDB in a temp dir, QUIC+TLS on loopback) and every client live in this process.
+//! The nodes are separate processes (RocksDB in a temp dir, QUIC+TLS on loopback), so their
+//! resident memory is theirs alone; every client lives in this process. With
+//! `TETHER_SOAK_NODES` > 1 they form a cluster and every durable queue has a copy (redundancy
+//! 1); `TETHER_SOAK_NODE_KILLS` kills that many nodes with SIGKILL during the soak, spread over
+//! it, one at a time, each started again on its data after a few seconds (clients and
+//! publishers fail over as applications do).
+//!
 //! Publishers put events at a steady, bounded rate over a key space for the whole run; each
 //! event's value carries its sequence number, so the run knows which key every event id went to.
 //! Durable clients with a key, key-list, regex or all-keys interest connect, consume (acking),
@@ -14,18 +21,22 @@
 //! published after its registration was acknowledged) was received at least once (`lost=0`);
 //! an event received again always carried `possible_duplicate` (`unflagged_duplicates=0`); the
 //! pending count at resume equals the replayed events then delivered; no event outside its
-//! interest or from before its registration; offsets without gaps; flags consistent with the
-//! live marker. Figures and verdict lines go to stdout; the process exits non-zero on a failed
-//! check.
+//! interest or (one node) from before its registration; offsets without gaps; flags consistent
+//! with the live marker. Memory: each server's resident memory after the warm-up, at the end,
+//! its peak, and its slope over the second half of the soak (`server_rss_*`); this process's
+//! (`harness_rss_*`). Figures and verdict lines go to stdout; the process exits non-zero on a
+//! failed check.
 //!
 //! Settings (environment): TETHER_SOAK_SECS (300), TETHER_SOAK_CLIENTS (1000),
 //! TETHER_SOAK_CONNECTED_MAX (150), TETHER_SOAK_RATE (events/s, 2000), TETHER_SOAK_PUBLISHERS
 //! (2), TETHER_SOAK_BATCH (ops per publish request, 50), TETHER_SOAK_VALUE_BYTES (64),
+//! TETHER_SOAK_NODES (1), TETHER_SOAK_NODE_KILLS (0), TETHER_SOAK_SYNC (batch),
 //! TETHER_SOAK_SEED (random).
 
 mod common;
 
 use common::rss_kb;
+use common::server::{Nodes, primary_queues};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -34,9 +45,7 @@ use std::time::{Duration, Instant};
 use tether::client::{
     Client, ClientBuilder, ClientError, ClientEvent, DedupState, Event, Interest,
 };
-use tether::config::ServerConfig;
 use tether::protocol::{ErrorCode, PublishOp, QueueStatus, ResultPolicy};
-use tether::server::Node;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -48,6 +57,11 @@ const KEYS: u64 = 10_000;
 const DURABLE_TIMEOUT_SECS: u64 = 24 * 3600;
 /// Upper bound for one client step (connect, register, ready, close, one event wait).
 const STEP: Duration = Duration::from_secs(20);
+/// Connection failure timeout of the clients when nodes may die: a dead node is noticed within
+/// this.
+const CLIENT_FAILURE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a killed node stays down before it starts again.
+const NODE_DOWN: Duration = Duration::from_secs(5);
 /// Upper bound for a final drain to the live marker.
 const FINAL_DRAIN: Duration = Duration::from_secs(120);
 /// Upper bound for sessions to wind down once the soak phase is over.
@@ -247,9 +261,27 @@ impl Pubs {
     }
 }
 
+/// Connects a publisher, retrying while its nodes are down (a node kill).
+async fn connect_publisher(p: usize, builder: &ClientBuilder, pubs: &Pubs) -> Option<Client> {
+    while !pubs.stop.load(Ordering::Acquire) {
+        match tokio::time::timeout(STEP, builder.clone().connect()).await {
+            Ok(Ok(c)) => return Some(c),
+            other => {
+                let why = match other {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "timed out".into(),
+                };
+                eprintln!("publisher {p}: connect failed: {why}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    None
+}
+
 async fn publisher(
     p: usize,
-    client: Client,
+    builder: ClientBuilder,
     pubs: Arc<Pubs>,
     every: Duration,
     batch: u64,
@@ -257,6 +289,9 @@ async fn publisher(
 ) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let Some(mut client) = connect_publisher(p, &builder, &pubs).await else {
+        return;
+    };
     while !pubs.stop.load(Ordering::Acquire) {
         tick.tick().await;
         let (a, b) = {
@@ -297,6 +332,14 @@ async fn publisher(
             pubs.failed.lock().unwrap().push((a, b));
         }
         pubs.state.lock().unwrap().inflight[p] = None;
+        if !ok {
+            // Its node may be gone (a node kill): publish through another one.
+            client.crash();
+            match connect_publisher(p, &builder, &pubs).await {
+                Some(c) => client = c,
+                None => return,
+            }
+        }
     }
     let _ = tokio::time::timeout(STEP, client.close(false)).await;
 }
@@ -339,6 +382,12 @@ struct Stats {
     wrong_key: AtomicU64,
     outside_interest: AtomicU64,
     before_registration: AtomicU64,
+    /// Cluster: events acknowledged on another node before the registration that still
+    /// reached the queue (forwarding between nodes is asynchronous: the publish had not been
+    /// applied on the queue's node yet). Reported, not a failure.
+    forwarded_before_registration: AtomicU64,
+    /// Several nodes: see `forwarded_before_registration`.
+    clustered: bool,
     no_registration: AtomicU64,
     undecodable: AtomicU64,
     offset_gaps: AtomicU64,
@@ -616,6 +665,9 @@ async fn session(
                     ));
                 }
                 match &cl.reg {
+                    Some(w) if w.forbidden(seq) && stats.clustered => {
+                        inc(&stats.forwarded_before_registration);
+                    }
                     Some(w) if w.forbidden(seq) => {
                         inc(&stats.before_registration);
                         stats.example(format!(
@@ -748,6 +800,8 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 
 // ---------------------------------------------------------------------------------------------
 
+/// Resident memory samples: of this process (the clients and the run's tracking) and of each
+/// server process.
 #[derive(Default)]
 struct Rss {
     start_kb: u64,
@@ -755,6 +809,25 @@ struct Rss {
     at_60s_kb: Option<u64>,
     max_kb: u64,
     samples: Vec<(f64, u64)>,
+    /// Per node: (time, KiB) while it runs.
+    nodes: Vec<Vec<(f64, u64)>>,
+    /// Per node: when it last started.
+    started_at: Vec<f64>,
+    /// Per node: KiB at the end of the warm-up.
+    nodes_warm_kb: Vec<u64>,
+}
+
+/// Least-squares slope of `samples` (seconds, KiB) in MB per minute.
+fn slope_mb_per_min(samples: &[(f64, u64)]) -> Option<f64> {
+    if samples.len() < 3 {
+        return None;
+    }
+    let n = samples.len() as f64;
+    let mt = samples.iter().map(|s| s.0).sum::<f64>() / n;
+    let mk = samples.iter().map(|s| s.1 as f64).sum::<f64>() / n;
+    let cov: f64 = samples.iter().map(|s| (s.0 - mt) * (s.1 as f64 - mk)).sum();
+    let var: f64 = samples.iter().map(|s| (s.0 - mt).powi(2)).sum();
+    (var > 0.0).then(|| cov / var * 60.0 / 1024.0)
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -767,6 +840,9 @@ async fn main() {
     let n_pubs = env_u64("TETHER_SOAK_PUBLISHERS", 2).max(1) as usize;
     let batch = env_u64("TETHER_SOAK_BATCH", 50).max(1);
     let value_bytes = env_u64("TETHER_SOAK_VALUE_BYTES", 64) as usize;
+    let n_nodes = env_u64("TETHER_SOAK_NODES", 1).clamp(1, 5) as usize;
+    let node_kills = env_u64("TETHER_SOAK_NODE_KILLS", 0);
+    let sync = std::env::var("TETHER_SOAK_SYNC").unwrap_or_else(|_| "batch".into());
     let seed = std::env::var("TETHER_SOAK_SEED")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -779,7 +855,9 @@ async fn main() {
         });
     println!(
         "# tether soak: {secs} s, {n_clients} durable clients (at most {connected_max} connected), \
-         {rate} events/s from {n_pubs} publishers in requests of {batch}, values of {value_bytes} B, {} cores",
+         {rate} events/s from {n_pubs} publishers in requests of {batch}, values of {value_bytes} B, \
+         {n_nodes} node(s) (sync {sync}{}), {node_kills} node kill(s), {} cores",
+        if n_nodes > 1 { ", redundancy 1" } else { "" },
         std::thread::available_parallelism()
             .map(|p| p.get())
             .unwrap_or(1)
@@ -788,26 +866,40 @@ async fn main() {
     let mut rng = Rng::new(seed);
 
     let dir = tempfile::tempdir().expect("tempdir");
-    let node = Node::start(ServerConfig::ephemeral(dir.path().join("node")))
-        .await
-        .expect("node starts");
-    let builder = ClientBuilder::new()
-        .server(node.addr())
-        .ca_file(node.ca_file());
+    let nodes = Nodes::start(dir.path(), n_nodes, &["--sync", &sync]);
+    let admins = nodes.admin_builders();
+    // Durable client i starts at node i mod n (new queues are placed across the cluster); with
+    // several nodes every queue has a copy, and a lost connection is noticed within seconds.
+    let builders: Vec<ClientBuilder> = (0..n_nodes)
+        .map(|k| {
+            let b = nodes.builder(k);
+            if n_nodes > 1 || node_kills > 0 {
+                b.redundancy(u8::from(n_nodes > 1))
+                    .failure_timeout(CLIENT_FAILURE_TIMEOUT)
+            } else {
+                b
+            }
+        })
+        .collect();
+    let nodes = Arc::new(Mutex::new(nodes));
     let t_start = Instant::now();
 
-    // RSS sampler.
+    // RSS sampler: this process and every server process.
     let rss = Arc::new(Mutex::new(Rss {
         start_kb: rss_kb(),
+        nodes: vec![Vec::new(); n_nodes],
+        started_at: vec![0.0; n_nodes],
         ..Default::default()
     }));
     let rss_stop = Arc::new(AtomicBool::new(false));
     let sampler = {
         let rss = rss.clone();
         let stop = rss_stop.clone();
+        let nodes = nodes.clone();
         tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
                 let kb = rss_kb();
+                let servers = nodes.lock().unwrap().rss_kb();
                 let t = t_start.elapsed().as_secs_f64();
                 {
                     let mut r = rss.lock().unwrap();
@@ -816,6 +908,11 @@ async fn main() {
                         r.at_60s_kb = Some(kb);
                     }
                     r.samples.push((t, kb));
+                    for (i, &k) in servers.iter().enumerate() {
+                        if k > 0 {
+                            r.nodes[i].push((t, k));
+                        }
+                    }
                 }
                 tokio::time::sleep(RSS_EVERY).await;
             }
@@ -837,21 +934,29 @@ async fn main() {
     let every = Duration::from_secs_f64(batch as f64 * n_pubs as f64 / rate as f64);
     let mut pub_tasks = Vec::new();
     for p in 0..n_pubs {
-        let c = builder
+        let b = builders[p % n_nodes]
             .clone()
-            .name(format!("soak-publisher-{p}"))
-            .connect()
-            .await
-            .expect("publisher connects");
+            .name(format!("soak-publisher-{p}"));
         pub_tasks.push(tokio::spawn(publisher(
             p,
-            c,
+            b,
             pubs.clone(),
             every,
             batch,
             value_bytes,
         )));
     }
+    // Node kills, evenly spread over the soak after the first minute, each node down for
+    // NODE_DOWN (then started again on its data and port).
+    let mut kill_at: std::collections::VecDeque<Instant> = (1..=node_kills)
+        .map(|k| {
+            // Between the first minute and the last 30 s.
+            let span = secs.saturating_sub(90).max(1) as f64;
+            t_start + Duration::from_secs_f64(60.0 + span * k as f64 / node_kills as f64)
+        })
+        .collect();
+    let mut restarts: Vec<tokio::task::JoinHandle<()>> = Vec::new();
+    let mut kills_done = Vec::new();
 
     // Durable clients.
     let mut slots: Vec<Option<Cl>> = (0..n_clients)
@@ -879,7 +984,10 @@ async fn main() {
     mix.sort();
     println!("interests: {mix:?}");
 
-    let stats = Arc::new(Stats::default());
+    let stats = Arc::new(Stats {
+        clustered: n_nodes > 1,
+        ..Default::default()
+    });
     let stop = Arc::new(AtomicBool::new(false));
     let mut active: tokio::task::JoinSet<Cl> = tokio::task::JoinSet::new();
     let mut never: std::collections::VecDeque<usize> = (0..n_clients).collect();
@@ -913,11 +1021,38 @@ async fn main() {
             registered_all = true;
             let kb = rss_kb();
             let t = t_start.elapsed().as_secs_f64();
-            rss.lock().unwrap().warm_kb = Some((t, kb));
+            let servers = nodes.lock().unwrap().rss_kb();
+            {
+                let mut r = rss.lock().unwrap();
+                r.warm_kb = Some((t, kb));
+                r.nodes_warm_kb = servers;
+            }
             println!(
                 "warm-up done at {t:.1} s: every client registered, rss={:.1} MB",
                 mb(kb)
             );
+        }
+        restarts.retain(|r| !r.is_finished());
+        // One node down at a time: a kill waits for the previous node's restart.
+        if restarts.is_empty() && kill_at.front().is_some_and(|&t| Instant::now() >= t) {
+            kill_at.pop_front();
+            let victim = rng.below(n_nodes as u64) as usize;
+            let t = t_start.elapsed().as_secs_f64();
+            println!(
+                "t={t:>4.0}s kill -9 n{} (down for {NODE_DOWN:?})",
+                victim + 1
+            );
+            nodes.lock().unwrap().kill9(victim);
+            kills_done.push(format!("n{}@{t:.0}s", victim + 1));
+            let (nodes, rss) = (nodes.clone(), rss.clone());
+            restarts.push(tokio::spawn(async move {
+                tokio::time::sleep(NODE_DOWN).await;
+                let n2 = nodes.clone();
+                tokio::task::spawn_blocking(move || n2.lock().unwrap().restart(victim))
+                    .await
+                    .expect("restart");
+                rss.lock().unwrap().started_at[victim] = t_start.elapsed().as_secs_f64();
+            }));
         }
         let now = Instant::now();
         let mut starts = 0;
@@ -949,9 +1084,10 @@ async fn main() {
                 crash_after: rng.chance(15).then(|| rng.between(1, 2_000)),
                 last: false,
             };
+            let b = builders[i % n_nodes].clone();
             active.spawn(session(
                 cl,
-                builder.clone(),
+                b,
                 pubs.clone(),
                 stats.clone(),
                 plan,
@@ -1009,8 +1145,13 @@ async fn main() {
             }
         }
     }
+    // Every killed node is back before the final phase (its restart may still be under way).
+    for r in restarts {
+        let _ = r.await;
+    }
     let soak_kb = rss_kb();
-    let queues = node.queues();
+    let soak_server_kb = nodes.lock().unwrap().rss_kb();
+    let queues = primary_queues(&admins).await;
     let pending_before_final: u64 = queues.iter().map(|q| q.pending).sum();
     let away_before_final = queues.iter().filter(|q| q.state == "away").count();
     println!(
@@ -1033,7 +1174,7 @@ async fn main() {
             let cl = slots[i].take().expect("present");
             final_active.spawn(session(
                 cl,
-                builder.clone(),
+                builders[i % n_nodes].clone(),
                 pubs.clone(),
                 stats.clone(),
                 Plan {
@@ -1064,7 +1205,7 @@ async fn main() {
         }
     }
     let final_secs = t_final.elapsed().as_secs_f64();
-    let queues = node.queues();
+    let queues = primary_queues(&admins).await;
     let pending_after: u64 = queues.iter().map(|q| q.pending).sum();
     let final_kb = rss_kb();
 
@@ -1087,7 +1228,11 @@ async fn main() {
         .flatten()
         .map(|c| c.received.capacity() * 4 + c.matcher.capacity())
         .sum();
-    node.shutdown().await;
+    let final_server_kb = nodes.lock().unwrap().rss_kb();
+    match Arc::try_unwrap(nodes) {
+        Ok(n) => n.into_inner().unwrap().stop(),
+        Err(_) => eprintln!("the nodes are still shared; they are killed at exit"),
+    }
 
     // Report.
     let s = &*stats;
@@ -1122,6 +1267,10 @@ async fn main() {
     );
     println!("step_errors={}", g(&s.step_errors));
     println!("streams_ended_unexpectedly={}", g(&s.stream_ended));
+    println!(
+        "forwarded_before_registration={}",
+        g(&s.forwarded_before_registration)
+    );
     println!("pending_before_final={pending_before_final}");
     println!("pending_after_final={pending_after}");
     println!(
@@ -1136,29 +1285,57 @@ async fn main() {
         percentile(&mut fst, 0.99),
         fst.len()
     );
-    println!("rss_start_mb={:.1}", mb(r.start_kb));
+    // The servers' own memory (separate processes): after the warm-up, at the end of the soak
+    // phase, the peak, and the slope over the second half of the soak (samples since a killed
+    // node's restart only).
+    let half = soak_secs / 2.0;
+    let mut worst_slope: Option<f64> = None;
+    for (i, samples) in r.nodes.iter().enumerate() {
+        let from = half.max(r.started_at[i] + 30.0);
+        let tail: Vec<(f64, u64)> = samples
+            .iter()
+            .copied()
+            .filter(|&(t, _)| t >= from && t <= soak_secs)
+            .collect();
+        let slope = slope_mb_per_min(&tail);
+        if let Some(sl) = slope {
+            worst_slope = Some(worst_slope.map_or(sl, |w: f64| w.max(sl)));
+        }
+        let peak = samples.iter().map(|s| s.1).max().unwrap_or(0);
+        println!(
+            "server_rss_mb node=n{} after_warmup={:.1} end_of_soak={:.1} peak={:.1} final={:.1} second_half_slope_mb_per_min={}",
+            i + 1,
+            mb(r.nodes_warm_kb.get(i).copied().unwrap_or(0)),
+            mb(soak_server_kb[i]),
+            mb(peak),
+            mb(final_server_kb[i]),
+            slope.map_or("n/a".into(), |v| format!("{v:.2}"))
+        );
+        let series: Vec<String> = samples
+            .iter()
+            .filter(|(t, _)| (*t as u64) % 30 < 2)
+            .map(|(t, kb)| format!("{:.0}s:{:.0}", t, mb(*kb)))
+            .collect();
+        println!("server_rss_series_mb node=n{}: {}", i + 1, series.join(" "));
+    }
+    println!(
+        "server_rss_second_half_slope_mb_per_min={}",
+        worst_slope.map_or("n/a".into(), |v| format!("{v:.2}"))
+    );
+    println!("node_kills={} {}", kills_done.len(), kills_done.join(" "));
+    // This process: the clients (each with its own QUIC endpoint) and the run's tracking.
+    println!("harness_rss_start_mb={:.1}", mb(r.start_kb));
     match r.warm_kb {
-        Some((t, kb)) => println!("rss_after_warmup_mb={:.1} (at {t:.1} s)", mb(kb)),
-        None => println!("rss_after_warmup_mb=n/a"),
+        Some((t, kb)) => println!("harness_rss_after_warmup_mb={:.1} (at {t:.1} s)", mb(kb)),
+        None => println!("harness_rss_after_warmup_mb=n/a"),
     }
-    match r.at_60s_kb {
-        Some(kb) => println!("rss_at_60s_mb={:.1}", mb(kb)),
-        None => println!("rss_at_60s_mb=n/a"),
-    }
-    println!("rss_end_of_soak_mb={:.1}", mb(soak_kb));
-    println!("rss_max_mb={:.1}", mb(r.max_kb.max(final_kb)));
-    println!("rss_final_mb={:.1}", mb(final_kb));
+    println!("harness_rss_end_of_soak_mb={:.1}", mb(soak_kb));
+    println!("harness_rss_max_mb={:.1}", mb(r.max_kb.max(final_kb)));
+    println!("harness_rss_final_mb={:.1}", mb(final_kb));
     println!(
         "harness_tracking_mb={:.1}",
         tracker_bytes as f64 / 1048576.0
     );
-    let series: Vec<String> = r
-        .samples
-        .iter()
-        .filter(|(t, _)| (*t as u64) % 30 < 2)
-        .map(|(t, kb)| format!("{:.0}s:{:.0}", t, mb(*kb)))
-        .collect();
-    println!("rss_series_mb={}", series.join(" "));
     println!();
     println!("== checks");
     let checks = [

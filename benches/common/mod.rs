@@ -1,5 +1,7 @@
 //! Helpers shared by the benchmarks.
 
+pub mod server;
+
 /// The process's resident memory, in KiB (0 where /proc is missing).
 pub fn rss_kb() -> u64 {
     rss_kb_of("self")

@@ -6,15 +6,13 @@
 //! recovered from disk (the slope between a restart with the warm-up queues and one with all),
 //! and one of them resumes.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use tether::client::ClientBuilder;
 use tether::protocol::QueueStatus;
 
-use crate::common::rss_kb_of;
+use crate::common::server::ServerProcess;
 use crate::park_durable;
 
 /// Durable clients connecting at once while the queues are created.
@@ -72,48 +70,10 @@ impl Idle {
     }
 }
 
-struct Server {
-    child: Child,
-    builder: ClientBuilder,
-}
-
-impl Server {
-    fn start(data: &Path) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tether"))
-            .args(["server", "--metrics", "off", "--listen", "127.0.0.1:0"])
-            // Memory does not depend on the sync mode; creating the queues is faster without fsync.
-            .args(["--sync", "none"])
-            .arg("--data-dir")
-            .arg(data)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn tether server");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .expect("listening line");
-        let v: serde_json::Value = serde_json::from_str(&line)
-            .unwrap_or_else(|e| panic!("bad listening line {line:?}: {e}"));
-        assert_eq!(v["type"], "listening");
-        let addr = v["addr"].as_str().unwrap().parse().unwrap();
-        let ca = PathBuf::from(v["ca"].as_str().unwrap());
-        Server {
-            child,
-            builder: ClientBuilder::new().server(addr).ca_file(ca),
-        }
-    }
-
-    fn rss_kb(&self) -> u64 {
-        rss_kb_of(&self.child.id().to_string())
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A server process of its own for these queues. Memory does not depend on the sync mode;
+/// creating the queues is faster without fsync.
+fn start_server(data: &Path) -> ServerProcess {
+    ServerProcess::start(data, &["--sync", "none"])
 }
 
 async fn create(builder: &ClientBuilder, range: std::ops::Range<u64>, what: &str) -> Duration {
@@ -142,12 +102,12 @@ async fn settle() {
 
 pub async fn run(dir: &Path, queues: u64, warm: u64) -> Idle {
     let data = dir.join("idle");
-    let server = Server::start(&data);
+    let server = start_server(&data);
     settle().await;
     let rss_empty_kb = server.rss_kb();
     create(&server.builder, 0..warm, "idle queues (warm-up)").await;
     drop(server); // kill -9
-    let server = Server::start(&data);
+    let server = start_server(&data);
     settle().await;
     let rss_recovered_warm_kb = server.rss_kb();
     let warm_end = 2 * warm;
@@ -165,12 +125,12 @@ pub async fn run(dir: &Path, queues: u64, warm: u64) -> Idle {
     drop(server);
 
     let t = Instant::now();
-    let server = Server::start(&data);
+    let server = start_server(&data);
     let restart = t.elapsed();
     settle().await;
     let rss_recovered_full_kb = server.rss_kb();
     drop(server);
-    let server = Server::start(&data);
+    let server = start_server(&data);
     settle().await;
     let rss_recovered_again_kb = server.rss_kb();
     let c = server

@@ -26,13 +26,20 @@
 //! - publish throughput with fan-out to TETHER_BENCH_FANOUT durable queues (default 1,10,1000;
 //!   TETHER_BENCH_FANOUT_EVENTS events, default 100,000, fewer beyond ten queues);
 //! - TETHER_BENCH_IDLE_QUEUES idle durable queues (default 100,000) on a server process of
-//!   their own: resident memory per queue, live and recovered after kill -9.
+//!   their own: resident memory per queue, live and recovered after kill -9;
+//! - memory per connection (`connections.rs`): TETHER_BENCH_CONN_CLIENTS durable clients
+//!   (default 1,000) connected and idle on a server process of their own, then
+//!   TETHER_BENCH_CONN_STALLED of them (default 100) stalled with a backlog of
+//!   TETHER_BENCH_CONN_BACKLOG events of 1 KiB each (default 16,000): the server's resident
+//!   bytes per idle and per stalled connection, and the client side's per connection
+//!   (TETHER_BENCH_CONN_WINDOW_BYTES sets the node's per-connection windows, default its own).
 //!
 //! The plots (replay time against backlog size, live latency CDF) go to TETHER_BENCH_OUT
 //! (default `bench-out/`). A list setting of 0 skips its phase.
 
 #[path = "../common/mod.rs"]
 mod common;
+mod connections;
 mod fanout;
 mod idle;
 mod matrix;
@@ -256,6 +263,17 @@ async fn main() {
             .clamp(PUBLISH_BATCH_OPS as u64, fanout_events.max(1));
         fanouts.push(fanout::run(dir.path(), queues, events, size).await);
     }
+    let conn_clients = env_u64("TETHER_BENCH_CONN_CLIENTS", 1_000) as usize;
+    let conns = if conn_clients > 0 {
+        let stalled = env_u64("TETHER_BENCH_CONN_STALLED", 100) as usize;
+        let backlog = env_u64("TETHER_BENCH_CONN_BACKLOG", 16_000);
+        let window = std::env::var("TETHER_BENCH_CONN_WINDOW_BYTES")
+            .ok()
+            .and_then(|v| v.parse().ok());
+        Some(connections::run(dir.path(), conn_clients, stalled, backlog, window).await)
+    } else {
+        None
+    };
     let idle_queues = env_u64("TETHER_BENCH_IDLE_QUEUES", 100_000);
     let idle = if idle_queues > 0 {
         let warm = env_u64("TETHER_BENCH_IDLE_WARM", idle::WARM_QUEUES_DEFAULT).max(1);
@@ -527,6 +545,35 @@ async fn main() {
         println!(
             "idle_queues_restart_ms={:.0}",
             i.restart.as_secs_f64() * 1e3
+        );
+    }
+    if let Some(c) = &conns {
+        println!("connected_clients={}", c.clients);
+        println!(
+            "connect_ms_per_client={:.2}",
+            c.connect.as_secs_f64() * 1e3 / c.clients.max(1) as f64
+        );
+        println!(
+            "server_bytes_per_idle_connection={:.0}",
+            c.idle_bytes_per_client()
+        );
+        println!(
+            "server_bytes_per_stalled_connection={:.0} (stalled={} backlog={} x 1 KiB, windows {})",
+            c.stalled_bytes_per_client(),
+            c.stalled,
+            c.backlog,
+            std::env::var("TETHER_BENCH_CONN_WINDOW_BYTES").unwrap_or_else(|_| "default".into())
+        );
+        println!(
+            "server_rss_mb warm={:.1} idle={:.1} stalled={:.1} closed={:.1}",
+            c.rss_warm_kb as f64 / 1024.0,
+            c.rss_idle_kb as f64 / 1024.0,
+            c.rss_stalled_kb as f64 / 1024.0,
+            c.rss_closed_kb as f64 / 1024.0
+        );
+        println!(
+            "client_side_bytes_per_connection={:.0}",
+            c.client_side_bytes_per_client()
         );
     }
     for (name, path) in plots {
