@@ -45,6 +45,10 @@ pub const HANDSHAKE_TIMEOUT_MS: u64 = 5_000;
 pub const LIVENESS_PROBE_TIMEOUT_MS: u64 = 1_000;
 /// Events a session may have on the wire beyond its acked offset before delivery pauses.
 pub const INFLIGHT_EVENTS_PER_SESSION_MAX: u64 = 1_000_000;
+/// Delivery reads of queue entries a node runs at once, whatever the number of sessions
+/// replaying: more would only add blocking threads, storage iterators and frame buffers (each
+/// allocator heap of a thread keeps memory), not throughput.
+pub const DELIVERY_READS_IN_FLIGHT_MAX: usize = 8;
 /// Bytes of entry bodies read from storage into one delivery frame.
 pub const DELIVERY_FRAME_BODY_BYTES_MAX: usize = 256 * 1024;
 /// Expired durable ids remembered so that their next connection sees `expired` once.

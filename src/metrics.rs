@@ -23,6 +23,8 @@ pub const QUEUES_EXPIRED: &str = "tether_queues_expired_total";
 pub const REPLAY_DURATION: &str = "tether_replay_duration_seconds";
 pub const WRITE_BATCH_OPS: &str = "tether_storage_write_batch_ops";
 pub const FSYNC_LATENCY: &str = "tether_storage_fsync_seconds";
+pub const STORAGE_MEMORY: &str = "tether_storage_memory_bytes";
+pub const STORAGE_L0_FILES: &str = "tether_storage_l0_files";
 pub const PUBLISH_REJECTED: &str = "tether_publish_rejected_total";
 pub const PUBLISH_BLOCKED: &str = "tether_publish_blocked_total";
 pub const QUEUES_DROPPED_FULL: &str = "tether_queues_dropped_full_total";
@@ -152,6 +154,14 @@ fn describe() {
     describe_histogram!(REPLAY_DURATION, "Time from ready to the live marker");
     describe_histogram!(WRITE_BATCH_OPS, "Operations per storage group commit");
     describe_histogram!(FSYNC_LATENCY, "Duration of a synced storage write");
+    describe_gauge!(
+        STORAGE_MEMORY,
+        "Memory the storage engine holds, by kind: memtables, table_readers, block_cache, block_cache_pinned"
+    );
+    describe_gauge!(
+        STORAGE_L0_FILES,
+        "Level-0 table files of the queue entries (many: compaction is behind)"
+    );
     describe_counter!(PUBLISH_REJECTED, "Publishes refused, by reason");
     describe_counter!(
         PUBLISH_BLOCKED,

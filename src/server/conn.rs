@@ -746,6 +746,9 @@ async fn deliver(
                 let store = shared.store.clone();
                 let mut a = std::mem::take(&mut arena);
                 let mut p = std::mem::take(&mut pending);
+                let Ok(permit) = shared.delivery_reads.acquire().await else {
+                    return;
+                };
                 let read = tokio::task::spawn_blocking(move || {
                     a.clear();
                     p.clear();
@@ -768,6 +771,7 @@ async fn deliver(
                     (r, a, p)
                 })
                 .await;
+                drop(permit);
                 let Ok((result, a, p)) = read else { return };
                 arena = a;
                 pending = p;

@@ -95,6 +95,9 @@ pub(crate) struct Shared {
     /// After `writer`: dropping the shared state closes the channel, then joins the thread.
     _writer_thread: WriterThread,
     write_permits: Semaphore,
+    /// Delivery reads of queue entries running at once (each on a blocking thread with a
+    /// storage iterator and its frame buffer).
+    pub(crate) delivery_reads: Semaphore,
     sessions: Mutex<HashMap<SessionId, SessionHandle>>,
     connections: AtomicUsize,
     /// Notified when acks free queue space (publishers blocked by a full queue wait on it).
@@ -793,6 +796,7 @@ impl Node {
             writer,
             _writer_thread: WriterThread::new(writer_thread),
             write_permits: Semaphore::new(WRITER_QUEUE_REQUESTS_MAX),
+            delivery_reads: Semaphore::new(DELIVERY_READS_IN_FLIGHT_MAX),
             sessions: Mutex::new(HashMap::new()),
             connections: AtomicUsize::new(0),
             space: Notify::new(),
@@ -1049,6 +1053,16 @@ async fn tick_loop(shared: Arc<Shared>) {
         }
         metrics::gauge!(m::OLDEST_UNACKED_AGE).set(c.oldest_unacked_age_ms as f64 / 1e3);
         metrics::gauge!(m::CONNECTIONS).set(shared.connections.load(Ordering::Relaxed) as f64);
+        let mem = shared.store.memory();
+        for (kind, bytes) in [
+            ("memtables", mem.memtables_bytes),
+            ("table_readers", mem.table_readers_bytes),
+            ("block_cache", mem.block_cache_bytes),
+            ("block_cache_pinned", mem.block_cache_pinned_bytes),
+        ] {
+            metrics::gauge!(m::STORAGE_MEMORY, "kind" => kind).set(bytes as f64);
+        }
+        metrics::gauge!(m::STORAGE_L0_FILES).set(mem.entries_l0_files as f64);
         if let Some(cl) = shared.cluster.get() {
             let me = cl.id();
             metrics::gauge!(m::CLUSTER_IS_LEADER).set(f64::from(u8::from(cl.leader() == Some(me))));

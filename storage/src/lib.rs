@@ -21,8 +21,10 @@
 //! | `marks` | queue id u64 ++ offset u64 (16 bytes) | byte mark u64 |
 //!
 //! One queue's entries are one contiguous key range, so acknowledging (`set_acked`) is a
-//! single DeleteRange of `[(q, 0), (q, acked)]` plus the `acked` meta put, and `drop_queue`
-//! is a DeleteRange of the whole queue plus point deletes of its meta keys. Exclusive upper
+//! single DeleteRange of `[(q, 0), (q, acked)]` plus the `acked` meta put (and point deletes
+//! of the few byte marks at or below `acked`: a range tombstone per ack would pile up in the
+//! slowly filling `marks` memtable), and `drop_queue` is a DeleteRange of the whole queue plus
+//! point deletes of its meta keys. Exclusive upper
 //! bounds are "key ++ 0x00" (the immediate successor), valid even at `u64::MAX`.
 //! The length prefix of region keys keeps regions like `"a"` and `"ab"` disjoint.
 //!
@@ -94,4 +96,24 @@ pub trait Store: Send + Sync + 'static {
     /// Stops background work (flushes, compactions) and waits for it, so the process may exit
     /// even while a handle on the store is still alive. Call after the last write.
     fn quiesce(&self) {}
+    /// What the storage engine holds in memory, by kind (for metrics); empty when it does not
+    /// say.
+    fn memory(&self) -> StorageMemory {
+        StorageMemory::default()
+    }
+}
+
+/// Memory the storage engine reports it holds, in bytes, and its level-0 file count.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StorageMemory {
+    /// Write buffers (active and immutable memtables, all column families).
+    pub memtables_bytes: u64,
+    /// Table readers: index and filter blocks of every open table file.
+    pub table_readers_bytes: u64,
+    /// The block cache's content.
+    pub block_cache_bytes: u64,
+    /// Of the block cache, blocks pinned by iterators and readers.
+    pub block_cache_pinned_bytes: u64,
+    /// Level-0 table files of the queue entries (many means compaction is behind).
+    pub entries_l0_files: u64,
 }
