@@ -31,7 +31,7 @@
 //! TETHER_SOAK_CONNECTED_MAX (150), TETHER_SOAK_RATE (events/s, 2000), TETHER_SOAK_PUBLISHERS
 //! (2), TETHER_SOAK_BATCH (ops per publish request, 50), TETHER_SOAK_VALUE_BYTES (64),
 //! TETHER_SOAK_NODES (1), TETHER_SOAK_NODE_KILLS (0), TETHER_SOAK_SYNC (batch),
-//! TETHER_SOAK_SEED (random).
+//! TETHER_SOAK_CONFIG (a TOML file for every node, none), TETHER_SOAK_SEED (random).
 
 mod common;
 
@@ -866,7 +866,13 @@ async fn main() {
     let mut rng = Rng::new(seed);
 
     let dir = tempfile::tempdir().expect("tempdir");
-    let nodes = Nodes::start(dir.path(), n_nodes, &["--sync", &sync]);
+    // TETHER_SOAK_CONFIG: a TOML file every node starts with (`--config`), e.g. other limits.
+    let config = std::env::var("TETHER_SOAK_CONFIG").ok();
+    let mut server_args = vec!["--sync", sync.as_str()];
+    if let Some(c) = &config {
+        server_args.extend(["--config", c.as_str()]);
+    }
+    let nodes = Nodes::start(dir.path(), n_nodes, &server_args);
     let admins = nodes.admin_builders();
     // Durable client i starts at node i mod n (new queues are placed across the cluster); with
     // several nodes every queue has a copy, and a lost connection is noticed within seconds.
@@ -1097,8 +1103,28 @@ async fn main() {
         }
         if now >= next_progress {
             next_progress += PROGRESS_EVERY;
+            // What the storage engine says it holds, per node.
+            for (i, samples) in nodes.lock().unwrap().metrics("tether_storage_") {
+                let mb = |k: &str| {
+                    samples
+                        .iter()
+                        .find(|(n, _)| n.contains(k))
+                        .map_or(0.0, |s| s.1 / 1048576.0)
+                };
+                println!(
+                    "    n{}: storage memtables={:.0} MB table_readers={:.0} MB block_cache={:.0} MB l0_files={}",
+                    i + 1,
+                    mb("\"memtables\""),
+                    mb("\"table_readers\""),
+                    mb("\"block_cache\""),
+                    samples
+                        .iter()
+                        .find(|(n, _)| n.starts_with("tether_storage_l0_files"))
+                        .map_or(0.0, |s| s.1)
+                );
+            }
             println!(
-                "t={:>4.0}s connected={:>3} published={} delivered={} connects={} closes={} crashes={} rss={:.1} MB",
+                "t={:>4.0}s connected={:>3} published={} delivered={} connects={} closes={} crashes={} server rss={} MB, harness rss={:.1} MB",
                 t_start.elapsed().as_secs_f64(),
                 active.len(),
                 pubs.published.load(Ordering::Relaxed),
@@ -1106,6 +1132,14 @@ async fn main() {
                 stats.connects.load(Ordering::Relaxed),
                 stats.closes.load(Ordering::Relaxed),
                 stats.crashes.load(Ordering::Relaxed),
+                nodes
+                    .lock()
+                    .unwrap()
+                    .rss_kb()
+                    .iter()
+                    .map(|&k| format!("{:.0}", mb(k)))
+                    .collect::<Vec<_>>()
+                    .join("/"),
                 mb(rss_kb())
             );
         }

@@ -16,6 +16,8 @@ use super::rss_kb_of;
 pub struct ServerProcess {
     child: Child,
     pub addr: SocketAddr,
+    /// The Prometheus address, when started with `--metrics`.
+    pub metrics: Option<String>,
     pub ca: PathBuf,
     pub builder: ClientBuilder,
 }
@@ -25,7 +27,10 @@ impl ServerProcess {
     /// waits for its listening line.
     pub fn start(data: &Path, extra: &[&str]) -> ServerProcess {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tether"));
-        cmd.args(["server", "--metrics", "off"]);
+        cmd.arg("server");
+        if !extra.contains(&"--metrics") {
+            cmd.args(["--metrics", "off"]);
+        }
         if !extra.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }
@@ -49,6 +54,7 @@ impl ServerProcess {
         ServerProcess {
             child,
             addr,
+            metrics: v["metrics"].as_str().map(str::to_string),
             builder: ClientBuilder::new().server(addr).ca_file(&ca),
             ca,
         }
@@ -57,6 +63,32 @@ impl ServerProcess {
     /// The process's resident memory, in KiB.
     pub fn rss_kb(&self) -> u64 {
         rss_kb_of(&self.child.id().to_string())
+    }
+
+    /// The samples of the node's `/metrics` whose name starts with `prefix`, as
+    /// `(name{labels}, value)`; empty without metrics or when the node does not answer.
+    pub fn metrics(&self, prefix: &str) -> Vec<(String, f64)> {
+        use std::io::{Read, Write};
+        let Some(addr) = &self.metrics else {
+            return Vec::new();
+        };
+        let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+            return Vec::new();
+        };
+        let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(5)));
+        let _ = write!(
+            s,
+            "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        );
+        let mut text = String::new();
+        let _ = s.read_to_string(&mut text);
+        text.lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| {
+                let (name, value) = l.rsplit_once(' ')?;
+                Some((name.to_string(), value.parse().ok()?))
+            })
+            .collect()
     }
 
     /// SIGTERM and wait: the server's clean stop.
@@ -148,7 +180,12 @@ impl Nodes {
 
     fn spawn(&self, i: usize) -> ServerProcess {
         let listen = format!("127.0.0.1:{}", self.ports[i]);
-        let mut args: Vec<String> = vec!["--listen".into(), listen];
+        let mut args: Vec<String> = vec![
+            "--listen".into(),
+            listen,
+            "--metrics".into(),
+            "127.0.0.1:0".into(),
+        ];
         if self.len() > 1 {
             args.push("--node-id".into());
             args.push(format!("n{}", i + 1));
@@ -186,6 +223,16 @@ impl Nodes {
     pub fn restart(&mut self, i: usize) {
         assert!(self.procs[i].is_none(), "node {i} is running");
         self.procs[i] = Some(self.spawn(i));
+    }
+
+    /// Every running node's samples of `/metrics` starting with `prefix` (see
+    /// [`ServerProcess::metrics`]), by node index.
+    pub fn metrics(&self, prefix: &str) -> Vec<(usize, Vec<(String, f64)>)> {
+        self.procs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| Some((i, p.as_ref()?.metrics(prefix))))
+            .collect()
     }
 
     /// Admin client builders, one for each running node.

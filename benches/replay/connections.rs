@@ -29,6 +29,9 @@ pub struct Connections {
     pub rss_warm_kb: u64,
     /// With every client connected and idle.
     pub rss_idle_kb: u64,
+    /// After the stalled clients' backlogs were published (storage's write buffers grew), before
+    /// any of them said ready.
+    pub rss_published_kb: u64,
     /// With `stalled` clients' delivery streams full (each read one event and stalled).
     pub rss_stalled_kb: u64,
     /// After every client closed.
@@ -48,9 +51,9 @@ impl Connections {
         self.per_client(self.rss_warm_kb, self.rss_idle_kb)
     }
     /// Server bytes each stalled client adds (its delivery behind a full send window) over an
-    /// idle one.
+    /// idle one (measured from after the backlogs were published).
     pub fn stalled_bytes_per_client(&self) -> f64 {
-        self.rss_stalled_kb.saturating_sub(self.rss_idle_kb) as f64 * 1024.0
+        self.rss_stalled_kb.saturating_sub(self.rss_published_kb) as f64 * 1024.0
             / self.stalled.max(1) as f64
     }
     /// Bench-process bytes per connected client (client library side).
@@ -139,6 +142,8 @@ pub async fn run(
         publisher.publish(ops).await.expect("publish");
         next += n;
     }
+    settle().await;
+    let rss_published_kb = server.rss_kb();
     let mut streams = Vec::with_capacity(clients);
     for c in &held[..stalled] {
         c.ready_for_events().await.expect("ready");
@@ -167,6 +172,7 @@ pub async fn run(
         backlog,
         rss_warm_kb,
         rss_idle_kb,
+        rss_published_kb,
         rss_stalled_kb,
         rss_closed_kb,
         client_rss_before_kb,

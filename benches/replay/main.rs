@@ -32,7 +32,8 @@
 //!   TETHER_BENCH_CONN_STALLED of them (default 100) stalled with a backlog of
 //!   TETHER_BENCH_CONN_BACKLOG events of 1 KiB each (default 16,000): the server's resident
 //!   bytes per idle and per stalled connection, and the client side's per connection
-//!   (TETHER_BENCH_CONN_WINDOW_BYTES sets the node's per-connection windows, default its own).
+//!   (TETHER_BENCH_CONN_WINDOW_BYTES sets the node's per-connection windows, here and for the
+//!   headline replay, default the node's own).
 //!
 //! The plots (replay time against backlog size, live latency CDF) go to TETHER_BENCH_OUT
 //! (default `bench-out/`). A list setting of 0 skips its phase.
@@ -120,9 +121,16 @@ async fn main() {
             .unwrap_or(1)
     );
     let dir = tempfile::tempdir().unwrap();
-    let node = Node::start(ServerConfig::ephemeral(dir.path().join("node")))
-        .await
-        .unwrap();
+    let mut config = ServerConfig::ephemeral(dir.path().join("node"));
+    // The node's per-connection windows, when measuring their effect (default: the node's).
+    let window = std::env::var("TETHER_BENCH_CONN_WINDOW_BYTES")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(w) = window {
+        config.limits.connection_receive_window_bytes = w;
+        config.limits.connection_send_window_bytes = w;
+    }
+    let node = Node::start(config).await.unwrap();
     let builder = ClientBuilder::new()
         .server(node.addr())
         .ca_file(node.ca_file());
@@ -267,9 +275,6 @@ async fn main() {
     let conns = if conn_clients > 0 {
         let stalled = env_u64("TETHER_BENCH_CONN_STALLED", 100) as usize;
         let backlog = env_u64("TETHER_BENCH_CONN_BACKLOG", 16_000);
-        let window = std::env::var("TETHER_BENCH_CONN_WINDOW_BYTES")
-            .ok()
-            .and_then(|v| v.parse().ok());
         Some(connections::run(dir.path(), conn_clients, stalled, backlog, window).await)
     } else {
         None
@@ -565,9 +570,10 @@ async fn main() {
             std::env::var("TETHER_BENCH_CONN_WINDOW_BYTES").unwrap_or_else(|_| "default".into())
         );
         println!(
-            "server_rss_mb warm={:.1} idle={:.1} stalled={:.1} closed={:.1}",
+            "server_rss_mb warm={:.1} idle={:.1} published={:.1} stalled={:.1} closed={:.1}",
             c.rss_warm_kb as f64 / 1024.0,
             c.rss_idle_kb as f64 / 1024.0,
+            c.rss_published_kb as f64 / 1024.0,
             c.rss_stalled_kb as f64 / 1024.0,
             c.rss_closed_kb as f64 / 1024.0
         );

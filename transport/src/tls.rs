@@ -31,8 +31,10 @@ pub const SEND_WINDOW_BYTES: u64 = 16 * 1024 * 1024;
 /// streams together), in bytes. Far below [`CONNECTION_RECEIVE_WINDOW_BYTES`]: a node serves
 /// thousands of connections, a client one.
 pub const SERVER_RECEIVE_WINDOW_BYTES: u64 = 2 * 1024 * 1024;
-/// A node's default per-connection send window (written, not yet acknowledged), in bytes.
-pub const SERVER_SEND_WINDOW_BYTES: u64 = 4 * 1024 * 1024;
+/// A node's default per-connection send window (written, not yet acknowledged), in bytes. A
+/// client's delivery stream cannot take more than its stream window
+/// ([`STREAM_RECEIVE_WINDOW_BYTES`]) in flight anyway.
+pub const SERVER_SEND_WINDOW_BYTES: u64 = 2 * 1024 * 1024;
 /// Lowest per-connection window a node accepts in its configuration, in bytes (room for
 /// some frames in flight).
 pub const CONNECTION_WINDOW_BYTES_LOWEST: u64 = 64 * 1024;
