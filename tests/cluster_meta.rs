@@ -4,6 +4,8 @@
 
 mod common;
 
+use std::time::{Duration, Instant};
+
 use tether::cluster::meta::{MetaCommand, MetaResponse, raft_id};
 use tether::cluster::network::{PeerPool, PeerRequest, PeerResponse};
 use tether::config::ServerConfig;
@@ -264,5 +266,42 @@ async fn peers_get_through_when_clients_use_every_slot() {
     assert!(matches!(w.data, MetaResponse::Placed(_)), "{:?}", w.data);
     pool.close();
     drop(held);
+    c.shutdown().await;
+}
+
+/// How long a stopped node's UDP port may stay bound after `shutdown` returns (a connection
+/// left undrained held it for the QUIC idle timeout, 30 s).
+const PORT_FREED_WITHIN: Duration = Duration::from_secs(5);
+
+/// A follower stopped right after the election (its peers dialed it while it was starting)
+/// drains its connections and frees its UDP port at once, and comes back on the same port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_follower_frees_its_port_at_once() {
+    let mut c = TestCluster::start(3).await;
+    let leader = c.leader().await;
+    let follower = (leader + 1) % 3;
+    let addr = c.node(follower).addr();
+    let start = Instant::now();
+    c.nodes[follower].take().unwrap().shutdown().await;
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_millis(tether::server::ENDPOINT_DRAIN_TIMEOUT_MS),
+        "shutdown waited out its drain timeout ({took:?}): a connection did not drain"
+    );
+    let start = Instant::now();
+    loop {
+        match std::net::UdpSocket::bind(addr) {
+            Ok(_) => break,
+            Err(e) => assert!(
+                start.elapsed() < PORT_FREED_WITHIN,
+                "port {addr} still bound {:?} after shutdown: {e}",
+                start.elapsed()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let node = c.boot(follower).await;
+    c.nodes[follower] = Some(node);
+    c.leader().await;
     c.shutdown().await;
 }

@@ -26,6 +26,9 @@ use store::{Applied, LogStore, StateMachine};
 
 /// Raft heartbeat interval, in milliseconds.
 pub const HEARTBEAT_INTERVAL_MS: u64 = 150;
+// A heartbeat times out after one interval, so peers must answer well within it: the round
+// trip the peer connections assume before measuring one stays a fraction of it.
+const _: () = assert!(3 * tether_transport::tls::PEER_INITIAL_RTT_MS <= HEARTBEAT_INTERVAL_MS);
 /// Shortest election timeout, in milliseconds (a follower that hears no leader this long
 /// may start an election).
 pub const ELECTION_TIMEOUT_MIN_MS: u64 = 750;

@@ -24,6 +24,7 @@ use openraft::raft::{
 };
 use serde::{Deserialize, Serialize};
 use tether_transport::codec;
+use tokio::sync::watch;
 
 use super::meta::{MetaCommand, RaftId};
 use super::{PeerNode, Raft, TypeConfig};
@@ -31,8 +32,6 @@ use crate::protocol::PublishOp;
 
 /// Longest peer request or response body, in bytes (a snapshot chunk is at most 3 MiB).
 pub const PEER_MESSAGE_BYTES_MAX: usize = codec::FRAME_BYTES_MAX;
-/// How long to wait for a peer connection handshake, in milliseconds.
-pub const PEER_CONNECT_TIMEOUT_MS: u64 = 2_000;
 /// Timeout of a forwarded metadata write, in milliseconds.
 pub const FORWARD_TIMEOUT_MS: u64 = 5_000;
 /// Concurrent RPC streams a peer may open on one connection.
@@ -173,60 +172,112 @@ pub enum PeerError {
 }
 
 /// Outgoing peer connections, one per address, shared by every RPC client of a node.
+///
+/// One handshake per peer runs in a task of its own, and every call waits for it within its
+/// own deadline. openraft's RPCs time out after a heartbeat interval, no later than quinn
+/// sends a lost first Initial again (one PTO): a handshake given up with its RPC would never
+/// reach a peer that is down or starting, would drain here (holding the endpoint, so a
+/// shutdown and the UDP port), and its CONNECTION_CLOSE could reach a peer come up meanwhile
+/// as a first packet (see `server::conn::accept_loop`). A handshake nobody answers ends
+/// silently at the peer idle timeout
+/// ([`PEER_IDLE_TIMEOUT_MS`](tether_transport::tls::PEER_IDLE_TIMEOUT_MS)): an idle timeout
+/// sends nothing and leaves nothing to drain.
 pub struct PeerPool {
+    state: Arc<PoolState>,
+    client_config: quinn::ClientConfig,
+}
+
+/// What a [`PeerPool`] shares with its handshake tasks.
+struct PoolState {
     /// The node's own endpoint (one UDP socket for clients and peers); taken out at close so
     /// RPC clients that outlive the node do not keep the socket bound.
     endpoint: Mutex<Option<quinn::Endpoint>>,
-    client_config: quinn::ClientConfig,
-    conns: Mutex<HashMap<SocketAddr, quinn::Connection>>,
+    conns: Mutex<HashMap<SocketAddr, PeerConn>>,
+}
+
+/// The outcome of a handshake, once known: the connection, or why there is none.
+type Handshake = Option<Result<quinn::Connection, String>>;
+
+/// A peer's entry in the pool.
+enum PeerConn {
+    /// An established connection (it may have closed since; the next call replaces it).
+    Up(quinn::Connection),
+    /// A handshake in flight, whose outcome every waiting call receives.
+    Connecting(watch::Receiver<Handshake>),
 }
 
 impl PeerPool {
     pub fn new(endpoint: quinn::Endpoint, client_config: quinn::ClientConfig) -> Self {
         PeerPool {
-            endpoint: Mutex::new(Some(endpoint)),
+            state: Arc::new(PoolState {
+                endpoint: Mutex::new(Some(endpoint)),
+                conns: Mutex::new(HashMap::new()),
+            }),
             client_config,
-            conns: Mutex::new(HashMap::new()),
         }
     }
 
+    /// The connection to `addr`: the established one, or the outcome of the handshake in
+    /// flight (started now if there is none).
     async fn connection(&self, addr: SocketAddr) -> Result<quinn::Connection, PeerError> {
-        if let Some(c) = self.conns.lock().expect("pool lock").get(&addr)
-            && c.close_reason().is_none()
-        {
-            return Ok(c.clone());
-        }
         let unreachable = |reason: String| PeerError::Unreachable {
             addr: addr.to_string(),
             reason,
         };
+        let mut handshake = {
+            let mut conns = self.state.conns.lock().expect("pool lock");
+            match conns.get(&addr) {
+                Some(PeerConn::Up(c)) if c.close_reason().is_none() => return Ok(c.clone()),
+                // A closed channel: the handshake's task is gone (the runtime is stopping).
+                Some(PeerConn::Connecting(rx)) if rx.has_changed().is_ok() => rx.clone(),
+                _ => {
+                    let rx = self.start_handshake(addr).map_err(unreachable)?;
+                    conns.insert(addr, PeerConn::Connecting(rx.clone()));
+                    rx
+                }
+            }
+        };
+        let outcome = handshake
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| unreachable("this node is stopping".into()))?
+            .clone();
+        outcome.expect("waited for an outcome").map_err(unreachable)
+    }
+
+    /// Starts a handshake with `addr` in a task of its own; the pool's entry for `addr` becomes
+    /// the connection (or goes, on failure) before the outcome is announced.
+    fn start_handshake(&self, addr: SocketAddr) -> Result<watch::Receiver<Handshake>, String> {
         let endpoint = self
+            .state
             .endpoint
             .lock()
             .expect("pool lock")
             .clone()
-            .ok_or_else(|| unreachable("this node is stopping".into()))?;
+            .ok_or_else(|| "this node is stopping".to_string())?;
         let connecting = endpoint
             .connect_with(
                 self.client_config.clone(),
                 addr,
                 tether_transport::SERVER_NAME,
             )
-            .map_err(|e| unreachable(e.to_string()))?;
-        let conn = tokio::time::timeout(Duration::from_millis(PEER_CONNECT_TIMEOUT_MS), connecting)
-            .await
-            .map_err(|_| unreachable("handshake timed out".into()))?
-            .map_err(|e| unreachable(e.to_string()))?;
-        if self.endpoint.lock().expect("pool lock").is_none() {
-            // Closed while connecting: do not keep the connection (it holds the socket).
-            conn.close(0u32.into(), b"node stopping");
-            return Err(unreachable("this node is stopping".into()));
-        }
-        self.conns
-            .lock()
-            .expect("pool lock")
-            .insert(addr, conn.clone());
-        Ok(conn)
+            .map_err(|e| e.to_string())?;
+        drop(endpoint);
+        let (tx, rx) = watch::channel(None);
+        let state = Arc::downgrade(&self.state);
+        tokio::spawn(async move {
+            let outcome = connecting.await.map_err(|e| e.to_string());
+            let outcome = match (state.upgrade(), outcome) {
+                (Some(state), outcome) => state.handshake_done(addr, outcome),
+                (None, Ok(conn)) => {
+                    conn.close(0u32.into(), b"node stopping");
+                    Err("this node is stopping".into())
+                }
+                (None, Err(e)) => Err(e),
+            };
+            tx.send_replace(Some(outcome));
+        });
+        Ok(rx)
     }
 
     /// Sends `request` to node `to` at `addr` and waits up to `timeout` for its response.
@@ -250,19 +301,16 @@ impl PeerPool {
             addr: addr.to_string(),
             reason,
         };
+        // The connection the exchange used, if it got one.
+        let used = Mutex::new(None);
         let exchange = async {
             let conn = self.connection(sock).await?;
-            let (mut send, mut recv) = match conn.open_bi().await {
-                Ok(s) => s,
-                Err(e) => {
-                    // The cached connection died: forget it so the next call reconnects.
-                    self.conns.lock().expect("pool lock").remove(&sock);
-                    return Err(PeerError::Unreachable {
-                        addr: addr.to_string(),
-                        reason: e.to_string(),
-                    });
-                }
-            };
+            *used.lock().expect("used lock") = Some(conn.clone());
+            let (mut send, mut recv) =
+                conn.open_bi().await.map_err(|e| PeerError::Unreachable {
+                    addr: addr.to_string(),
+                    reason: e.to_string(),
+                })?;
             send.write_all(&body)
                 .await
                 .map_err(|e| network(e.to_string()))?;
@@ -279,22 +327,64 @@ impl PeerPool {
                 addr: addr.to_string(),
             })
             .and_then(|r| r);
-        if result.is_err() {
+        if result.is_err()
+            && let Some(conn) = used.lock().expect("used lock").take()
+        {
             // The peer may have died (a killed process never closes its connections, which
             // then linger until their idle timeout): reconnect on the next call.
-            if let Some(c) = self.conns.lock().expect("pool lock").remove(&sock) {
-                c.close(0u32.into(), b"rpc failed");
-            }
+            self.state.discard(sock, &conn);
         }
         result
     }
 
     /// Closes every outgoing connection.
     pub fn close(&self) {
-        self.endpoint.lock().expect("pool lock").take();
-        for (_, c) in self.conns.lock().expect("pool lock").drain() {
-            c.close(0u32.into(), b"node stopping");
+        self.state.endpoint.lock().expect("pool lock").take();
+        for (_, c) in self.state.conns.lock().expect("pool lock").drain() {
+            if let PeerConn::Up(c) = c {
+                c.close(0u32.into(), b"node stopping");
+            }
         }
+    }
+}
+
+impl PoolState {
+    /// Records the outcome of the handshake with `addr`.
+    fn handshake_done(
+        &self,
+        addr: SocketAddr,
+        outcome: Result<quinn::Connection, String>,
+    ) -> Result<quinn::Connection, String> {
+        let stopping = self.endpoint.lock().expect("pool lock").is_none();
+        let mut conns = self.conns.lock().expect("pool lock");
+        match outcome {
+            Ok(conn) if stopping => {
+                // Closed while connecting: do not keep the connection (it holds the socket).
+                conn.close(0u32.into(), b"node stopping");
+                conns.remove(&addr);
+                Err("this node is stopping".into())
+            }
+            Ok(conn) => {
+                conns.insert(addr, PeerConn::Up(conn.clone()));
+                Ok(conn)
+            }
+            Err(e) => {
+                conns.remove(&addr);
+                Err(e)
+            }
+        }
+    }
+
+    /// Forgets `conn` (the connection to `addr` an RPC failed on) and closes it, so the next
+    /// call reconnects; a handshake already in flight for `addr` is left alone.
+    fn discard(&self, addr: SocketAddr, conn: &quinn::Connection) {
+        let mut conns = self.conns.lock().expect("pool lock");
+        if let Some(PeerConn::Up(c)) = conns.get(&addr)
+            && c.stable_id() == conn.stable_id()
+        {
+            conns.remove(&addr);
+        }
+        conn.close(0u32.into(), b"rpc failed");
     }
 }
 

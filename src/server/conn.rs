@@ -35,6 +35,19 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) 
         0
     };
     while let Some(incoming) = endpoint.accept().await {
+        // An Initial from an address not yet validated gets a stateless Retry (one round
+        // trip, nothing kept here); the client sends it again with the token. Accepted
+        // instead, an Initial whose only frame is a CONNECTION_CLOSE (a peer or client gave
+        // up a handshake whose first packet never arrived, e.g. while this node was starting)
+        // becomes a connection that quinn leaves draining with no close timer: nothing can
+        // close it, and it holds the endpoint, so the node's UDP port after shutdown, for the
+        // whole idle timeout.
+        if !incoming.remote_address_validated() {
+            if let Err(e) = incoming.retry() {
+                e.into_incoming().refuse();
+            }
+            continue;
+        }
         if shared.connections.load(Ordering::Relaxed) >= shared.limits.connections_max + headroom {
             incoming.refuse();
             continue;

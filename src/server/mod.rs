@@ -976,7 +976,11 @@ impl Node {
         for t in &self.tasks {
             t.abort();
         }
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        let _ = tokio::time::timeout(
+            Duration::from_millis(ENDPOINT_DRAIN_TIMEOUT_MS),
+            self.endpoint.wait_idle(),
+        )
+        .await;
         // Everything submitted so far is committed once this empty request is.
         let _ = self.shared.writer.submit(Batch::new(), None).await;
         let store = self.shared.store.clone();
@@ -1021,6 +1025,10 @@ pub const RAFT_DIR: &str = "raft";
 
 /// How long shutdown waits for sessions and tasks to let go of the node, in seconds.
 pub const SHUTDOWN_DRAIN_SECS: u64 = 5;
+
+/// How long shutdown waits for the endpoint's closed connections to drain (so peers and
+/// clients learn of the close and the UDP socket is released), in milliseconds.
+pub const ENDPOINT_DRAIN_TIMEOUT_MS: u64 = 2_000;
 
 async fn tick_loop(shared: Arc<Shared>) {
     let mut interval = tokio::time::interval(Duration::from_millis(EXPIRY_TICK_MS));
