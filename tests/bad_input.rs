@@ -1254,3 +1254,140 @@ async fn huge_unknown_message_name() {
     }
     w.finish(&n).await;
 }
+
+/// Bad input on the peer protocol, from a connection holding a valid cluster certificate (a
+/// buggy or compromised member): bytes that are no envelope, an envelope for another node, a
+/// replication message whose entries do not match its header, one with undecodable queue info.
+/// Each gets an error answer on its own stream (the connection stays usable for the next); the
+/// node keeps serving: a durable client placed on it receives an event published afterwards,
+/// and no copy was created by the bad messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_peer_messages_get_error_answers_and_hurt_nothing() {
+    use tether::cluster::network::{
+        PeerPool, PeerRequest, PeerResponse, ReplicateHeader, ReplicateMsg, ShippedEntry,
+    };
+    use tether::replication::AppendHeader;
+    let c = common::cluster::TestCluster::start(1).await;
+    c.leader().await;
+    let node = c.node(0);
+    let me = tether::cluster::meta::raft_id("n1");
+    let tls_dir = c.dirs[0].path().join("tls");
+    // The node's own certificate: issued by the cluster CA, so the connection is a peer's.
+    let files = tls::TlsFiles {
+        ca: tls_dir.join(tls::CA_CERT_FILE),
+        cert: tls_dir.join(tls::SERVER_CERT_FILE),
+        key: tls_dir.join(tls::SERVER_KEY_FILE),
+    };
+    let cfg = tls::peer_client_config(&files).unwrap();
+    let addr = node.addr();
+    let ep = endpoint::client_endpoint(cfg.clone(), addr).unwrap();
+    let conn = ep.connect(addr, tls::SERVER_NAME).unwrap().await.unwrap();
+    let answer = |conn: quinn::Connection, bytes: Vec<u8>| async move {
+        let (mut s, mut r) = conn
+            .open_bi()
+            .await
+            .expect("a stream on the peer connection");
+        s.write_all(&bytes).await.unwrap();
+        s.finish().unwrap();
+        let reply = timeout(STEP, r.read_to_end(1 << 20))
+            .await
+            .expect("an answer")
+            .expect("an answer");
+        codec::decode_body::<PeerResponse>(&reply).expect("a peer response")
+    };
+    for garbage in [
+        b"not cbor at all".to_vec(),
+        vec![0xff; 64],
+        codec::encode_body(&"a string, not an envelope").unwrap(),
+    ] {
+        match answer(conn.clone(), garbage).await {
+            PeerResponse::BadRequest(why) => assert!(!why.is_empty()),
+            _ => panic!("garbage was not refused as a bad request"),
+        }
+    }
+    let pool = PeerPool::new(ep.clone(), cfg);
+    let target = addr.to_string();
+    let wrong = pool
+        .call(me ^ 1, &target, PeerRequest::Ping, STEP)
+        .await
+        .unwrap();
+    assert!(
+        matches!(wrong, PeerResponse::WrongNode { actual } if actual == me),
+        "a request for another node"
+    );
+    let append = |first, last, entries: usize, info: Vec<u8>| {
+        PeerRequest::Replicate(ReplicateMsg {
+            from: me ^ 2,
+            durable_id: "victim".into(),
+            header: ReplicateHeader::Append(AppendHeader {
+                epoch: 5,
+                batch: 1,
+                first,
+                last,
+                prev_epoch: None,
+                entries_epoch: 5,
+                log_end: last,
+                acked: 0,
+            }),
+            info,
+            entries: (0..entries)
+                .map(|_| ShippedEntry {
+                    flags: 0,
+                    body: b"x".to_vec(),
+                })
+                .collect(),
+            more: false,
+        })
+    };
+    match pool
+        .call(me, &target, append(0, 5, 3, Vec::new()), STEP)
+        .await
+        .unwrap()
+    {
+        PeerResponse::BadRequest(why) => assert!(why.contains("3 entries"), "{why}"),
+        _ => panic!("an append whose entries do not match its header was not refused"),
+    }
+    match pool
+        .call(me, &target, append(0, 2, 2, b"\xff\xfe".to_vec()), STEP)
+        .await
+        .unwrap()
+    {
+        PeerResponse::BadRequest(why) => assert!(why.contains("queue info"), "{why}"),
+        _ => panic!("undecodable queue info was not refused"),
+    }
+    pool.close();
+    conn.close(0u32.into(), b"done");
+    // The node still serves clients, and holds no copy of "victim".
+    let ca = files.ca.clone();
+    let d = tether::client::ClientBuilder::new()
+        .server(addr)
+        .ca_file(&ca)
+        .durable("after", 600)
+        .connect()
+        .await
+        .unwrap();
+    d.region(REGION)
+        .register(Interest::all_keys())
+        .await
+        .unwrap();
+    d.ready_for_events().await.unwrap();
+    let mut ev = d.events().unwrap();
+    until_live(&mut ev, REGION).await;
+    let p = tether::client::ClientBuilder::new()
+        .server(addr)
+        .ca_file(&ca)
+        .connect()
+        .await
+        .unwrap();
+    p.region(REGION).put("k", b"v".to_vec()).await.unwrap();
+    assert_eq!(keys(&take_events(&mut ev, 1).await), ["k"]);
+    let qs = p.queues().await.unwrap();
+    assert!(
+        qs.iter().all(|q| q.durable_id.as_deref() != Some("victim")),
+        "a bad message created a copy: {qs:?}"
+    );
+    drop(ev);
+    d.close(true).await.unwrap();
+    p.close(false).await.unwrap();
+    c.shutdown().await;
+}
