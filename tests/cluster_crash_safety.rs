@@ -34,107 +34,22 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tether::client::{
-    Client, ClientBuilder, ClientEvent, DedupState, Event, EventStream, Interest,
-};
-use tether::protocol::{PublishAck, PublishOp, QueueReport, QueueStatus};
+use tether::client::{Client, ClientBuilder, ClientEvent, DedupState, Event, EventStream};
+use tether::protocol::{PublishAck, QueueReport, QueueStatus};
 use tokio::sync::watch;
 
 use common::cluster::ProcCluster;
+use common::crash::{
+    PUBLISHERS, Rng, check, env_u64, key_of, next_publish, or_stop, parse_value, subs, value_of,
+};
 
 const DEFAULT_SEED: u64 = 0x00c1_05e7_2026_1201;
 const NODES: usize = 3;
 const REGION: &str = "R";
-const PUBLISHERS: u64 = 2;
-/// Keys per publisher (values are overwritten; every value is unique).
-const KEYS_PER_PUBLISHER: u64 = 30;
 /// Upper bound for the cluster to settle (a failover, a restart, a reconnect).
 const SETTLE: Duration = Duration::from_secs(60);
 /// Connection failure timeout of every client: a killed node is noticed within this.
 const FAILURE_TIMEOUT: Duration = Duration::from_secs(3);
-
-fn env_u64(name: &str) -> Option<u64> {
-    let v = std::env::var(name).ok()?;
-    let v = v.trim();
-    match v.strip_prefix("0x") {
-        Some(hex) => u64::from_str_radix(hex, 16).ok(),
-        None => v.parse().ok(),
-    }
-}
-
-/// xorshift64*.
-#[derive(Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.max(1))
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn between(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.below(hi - lo + 1)
-    }
-}
-
-fn key_of(publisher: u64, n: u64) -> String {
-    let j = n % KEYS_PER_PUBLISHER;
-    format!("k{}-p{publisher}-{j}", j % 10)
-}
-
-fn value_of(publisher: u64, n: u64) -> String {
-    format!("p{publisher}:{n}")
-}
-
-/// The (publisher, number) a value names.
-fn parse_value(v: &str) -> Option<(u64, u64)> {
-    let (p, n) = v.strip_prefix('p')?.split_once(':')?;
-    Some((p.parse().ok()?, n.parse().ok()?))
-}
-
-/// One durable subscriber: its id, durable interest, and the node it is first placed on.
-struct SubSpec {
-    id: &'static str,
-    interest: fn() -> Interest,
-    matches: fn(&str) -> bool,
-    home: usize,
-}
-
-fn subs() -> Vec<SubSpec> {
-    vec![
-        SubSpec {
-            id: "all",
-            interest: Interest::all_keys,
-            matches: |_| true,
-            home: 0,
-        },
-        SubSpec {
-            id: "regex",
-            interest: || Interest::regex("k[0-4]-.*"),
-            matches: |k| matches!(k.as_bytes()[1], b'0'..=b'4'),
-            home: 1,
-        },
-        SubSpec {
-            id: "keys",
-            interest: || {
-                Interest::keys((0..PUBLISHERS).flat_map(|p| {
-                    (0..KEYS_PER_PUBLISHER)
-                        .filter(|j| j % 10 == 7)
-                        .map(move |j| key_of(p, j))
-                }))
-            },
-            matches: |k| k.as_bytes()[1] == b'7',
-            home: 2,
-        },
-    ]
-}
 
 #[derive(Default)]
 struct PubModel {
@@ -200,14 +115,6 @@ impl World {
             .ca_file(&self.ca)
             .failure_timeout(FAILURE_TIMEOUT)
     }
-}
-
-macro_rules! check {
-    ($world:expr, $cond:expr, $($fmt:tt)*) => {
-        if !$cond {
-            $world.fail(format!($($fmt)*));
-        }
-    };
 }
 
 /// Records one received event for subscriber `i`; checks duplicates and provenance.
@@ -278,17 +185,6 @@ fn record_event(world: &World, i: usize, ev: &Event, last_offset: &mut u64) {
     m.values.insert(value);
 }
 
-/// Runs `f` unless the round is stopped first.
-async fn or_stop<F: std::future::Future>(
-    stop: &mut watch::Receiver<bool>,
-    f: F,
-) -> Option<F::Output> {
-    tokio::select! {
-        out = f => Some(out),
-        _ = stop.wait_for(|s| *s) => None,
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Publishers
 // ---------------------------------------------------------------------------------------------
@@ -321,22 +217,8 @@ async fn publisher(world: Arc<World>, p: u64, mut rng: Rng, mut stop: watch::Rec
             continue;
         };
         loop {
-            let ops_n = 1 + rng.below(3);
-            let mut ops = Vec::new();
-            let mut ns = Vec::new();
-            {
-                let mut m = world.pubs.lock().unwrap();
-                for _ in 0..ops_n {
-                    let n = m.next[p as usize];
-                    m.next[p as usize] += 1;
-                    ops.push(PublishOp::Put {
-                        region: REGION.into(),
-                        key: key_of(p, n),
-                        value: value_of(p, n).into_bytes(),
-                    });
-                    ns.push(n);
-                }
-            }
+            let (ops, ns) = next_publish(&mut world.pubs.lock().unwrap().next, p, &mut rng, REGION);
+            let ops_n = ns.len() as u64;
             let res = or_stop(&mut stop, client.publish(ops)).await;
             let failed = {
                 let mut m = world.pubs.lock().unwrap();

@@ -32,94 +32,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::crash::{
+    PUBLISHERS, Rng, check, env_u64, key_of, next_publish, or_stop, subs, value_of,
+};
 use common::{ServerProc, WAIT};
-use tether::client::{Client, ClientEvent, Interest};
-use tether::protocol::{PublishOp, QueueReport, QueueStatus};
+use tether::client::{Client, ClientEvent};
+use tether::protocol::{QueueReport, QueueStatus};
 use tokio::sync::watch;
 
 const DEFAULT_SEED: u64 = 0x00c0_ffee_2026_0002;
 const REGION: &str = "R";
-const PUBLISHERS: u64 = 2;
-/// Keys per publisher (values are overwritten, so `get` checks the latest one).
-const KEYS_PER_PUBLISHER: u64 = 30;
-
-fn env_u64(name: &str) -> Option<u64> {
-    let v = std::env::var(name).ok()?;
-    let v = v.trim();
-    match v.strip_prefix("0x") {
-        Some(hex) => u64::from_str_radix(hex, 16).ok(),
-        None => v.parse().ok(),
-    }
-}
-
-/// xorshift64*: seeded, no extra dependencies.
-#[derive(Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.max(1))
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The server process
-// ---------------------------------------------------------------------------------------------
 
 // ---------------------------------------------------------------------------------------------
 // The model: what was published and acknowledged, what each subscriber received
 // ---------------------------------------------------------------------------------------------
-
-fn key_of(publisher: u64, n: u64) -> String {
-    let j = n % KEYS_PER_PUBLISHER;
-    format!("k{}-p{publisher}-{j}", j % 10)
-}
-
-fn value_of(publisher: u64, n: u64) -> String {
-    format!("p{publisher}:{n}")
-}
-
-/// One durable subscriber: its id and durable interest.
-struct SubSpec {
-    id: &'static str,
-    interest: fn() -> Interest,
-    matches: fn(&str) -> bool,
-}
-
-fn subs() -> Vec<SubSpec> {
-    vec![
-        SubSpec {
-            id: "all",
-            interest: Interest::all_keys,
-            matches: |_| true,
-        },
-        SubSpec {
-            id: "regex",
-            interest: || Interest::regex("k[0-4]-.*"),
-            matches: |k| matches!(k.as_bytes()[1], b'0'..=b'4'),
-        },
-        SubSpec {
-            id: "keys",
-            interest: || {
-                Interest::keys((0..PUBLISHERS).flat_map(|p| {
-                    (0..KEYS_PER_PUBLISHER)
-                        .filter(|j| j % 10 == 7)
-                        .map(move |j| key_of(p, j))
-                }))
-            },
-            matches: |k| k.as_bytes()[1] == b'7',
-        },
-    ]
-}
 
 #[derive(Default)]
 struct PubModel {
@@ -158,14 +84,6 @@ impl World {
         eprintln!("crash_safety FAILURE (sync {}): {msg}", self.sync);
         self.failures.lock().unwrap().push(msg);
     }
-}
-
-macro_rules! check {
-    ($world:expr, $cond:expr, $($fmt:tt)*) => {
-        if !$cond {
-            $world.fail(format!($($fmt)*));
-        }
-    };
 }
 
 /// Records one received event for subscriber `i`; checks duplicates and provenance.
@@ -430,17 +348,6 @@ async fn consume(
     client.crash();
 }
 
-/// Runs `f` unless the round is stopped (the server was killed) first.
-async fn or_stop<F: std::future::Future>(
-    stop: &mut watch::Receiver<bool>,
-    f: F,
-) -> Option<F::Output> {
-    tokio::select! {
-        out = f => Some(out),
-        _ = stop.wait_for(|s| *s) => None,
-    }
-}
-
 /// Publishes numbered values until the connection fails (the kill).
 async fn publish_loop(
     world: Arc<World>,
@@ -450,22 +357,8 @@ async fn publish_loop(
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
-        let ops_n = 1 + rng.below(3);
-        let mut ops = Vec::new();
-        let mut ns = Vec::new();
-        {
-            let mut m = world.pubs.lock().unwrap();
-            for _ in 0..ops_n {
-                let n = m.next[p as usize];
-                m.next[p as usize] += 1;
-                ops.push(PublishOp::Put {
-                    region: REGION.into(),
-                    key: key_of(p, n),
-                    value: value_of(p, n).into_bytes(),
-                });
-                ns.push(n);
-            }
-        }
+        let (ops, ns) = next_publish(&mut world.pubs.lock().unwrap().next, p, &mut rng, REGION);
+        let ops_n = ns.len() as u64;
         let res = or_stop(&mut stop, client.publish(ops)).await;
         let go_on = {
             let mut m = world.pubs.lock().unwrap();

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 pub mod cluster;
+pub mod crash;
 
 use tether::auth::AuthConfig;
 use tether::client::{Client, ClientBuilder, ClientEvent, Event, EventStream};
