@@ -62,6 +62,8 @@ const STEP: Duration = Duration::from_secs(20);
 const CLIENT_FAILURE_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long a killed node stays down before it starts again.
 const NODE_DOWN: Duration = Duration::from_secs(5);
+/// Upper bound for a cluster's forwarding to drain before the final phase.
+const FORWARDING_DRAIN: Duration = Duration::from_secs(300);
 /// Upper bound for a final drain to the live marker.
 const FINAL_DRAIN: Duration = Duration::from_secs(120);
 /// Upper bound for sessions to wind down once the soak phase is over.
@@ -1183,6 +1185,32 @@ async fn main() {
     for r in restarts {
         let _ = r.await;
     }
+    // A cluster forwards publishes between nodes asynchronously (a restarted node sends its
+    // publish log's backlog): the final phase starts once every node's forwarding lag is 0, so
+    // that its exact checks see every queue complete.
+    let forwarded_secs = if n_nodes > 1 {
+        let t = Instant::now();
+        loop {
+            let lags: Vec<f64> = nodes
+                .lock()
+                .unwrap()
+                .metrics("tether_forward_lag_entries")
+                .into_iter()
+                .flat_map(|(_, samples)| samples.into_iter().map(|s| s.1))
+                .collect();
+            if !lags.is_empty() && lags.iter().all(|&l| l == 0.0) {
+                break;
+            }
+            if t.elapsed() > FORWARDING_DRAIN {
+                eprintln!("forwarding did not drain in {FORWARDING_DRAIN:?}: lags {lags:?}");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        t.elapsed().as_secs_f64()
+    } else {
+        0.0
+    };
     let soak_kb = rss_kb();
     let soak_server_kb = nodes.lock().unwrap().rss_kb();
     let queues = primary_queues(&admins).await;
@@ -1278,6 +1306,7 @@ async fn main() {
     println!("== figures");
     println!("soak_secs={soak_secs:.1}");
     println!("final_phase_secs={final_secs:.1}");
+    println!("forwarding_drain_secs={forwarded_secs:.1}");
     println!("events_published={published}");
     println!("publish_events_per_s={publish_rate:.0}");
     println!("publish_requests={}", g(&pubs.requests));

@@ -235,6 +235,11 @@ impl Forwarding {
             .unwrap_or(0)
     }
 
+    /// The names of the peers this node forwards to.
+    pub(crate) fn peer_names(&self) -> impl Iterator<Item = &str> {
+        self.peers.iter().map(|(name, _)| name.as_str())
+    }
+
     /// Publish-log entries waiting for `peer`.
     pub(crate) fn lag(&self, peer: &str) -> u64 {
         self.committed.borrow().saturating_sub(self.sent(peer))

@@ -1058,6 +1058,10 @@ async fn tick_loop(shared: Arc<Shared>) {
         metrics::gauge!(m::PENDING_BYTES).set(c.pending_bytes_total as f64);
         if let Some(f) = &shared.forwarding {
             metrics::gauge!(m::PUBLISH_LOG_BYTES).set(f.pending_bytes() as f64);
+            // Also between forwarding rounds: new publishes raise the lag before they go out.
+            for peer in f.peer_names() {
+                metrics::gauge!(m::FORWARD_LAG, "peer" => peer.to_string()).set(f.lag(peer) as f64);
+            }
         }
         metrics::gauge!(m::OLDEST_UNACKED_AGE).set(c.oldest_unacked_age_ms as f64 / 1e3);
         metrics::gauge!(m::CONNECTIONS).set(shared.connections.load(Ordering::Relaxed) as f64);
