@@ -1337,6 +1337,7 @@ async fn bad_peer_messages_get_error_answers_and_hurt_nothing() {
                 })
                 .collect(),
             more: false,
+            through: Default::default(),
         })
     };
     match pool

@@ -14,7 +14,7 @@ use std::time::Duration;
 use tether::client::{
     Client, ClientBuilder, ClientEvent, DedupState, Event, EventStream, Interest,
 };
-use tether::protocol::{PublishOp, QueueReport, QueueStatus};
+use tether::protocol::{PublishAck, PublishOp, QueueReport, QueueStatus};
 
 use common::cluster::ProcCluster;
 
@@ -117,6 +117,23 @@ async fn durable_on_n1(p: &ProcCluster, id: &str) -> Client {
     assert_eq!(c.node_id(), "n1");
     c.region("R").register(Interest::all_keys()).await.unwrap();
     c
+}
+
+/// Durable client "d" connects again with `dedup` after losing its primary (client-managed
+/// failover: the library goes to the queue's copies first), through node `via` otherwise.
+async fn fail_over(p: &ProcCluster, via: usize, dedup: &DedupState) -> Client {
+    wait_for("the client's failover", || async {
+        p.builder(&[via])
+            .durable("d", 600)
+            .failure_timeout(Duration::from_secs(2))
+            .ack_interval(Duration::from_millis(20))
+            .dedup_state(dedup.clone())
+            .connect()
+            .await
+            .map_err(|e| eprintln!("failover attempt: {e}"))
+            .ok()
+    })
+    .await
 }
 
 /// The node (index) holding the copy of `id`, from the primary's report once it is in sync.
@@ -772,18 +789,7 @@ async fn client_promotes_a_copy_when_its_primary_dies() {
             None => {
                 reconnects += 1;
                 assert!(reconnects < 20, "too many reconnects");
-                let c = wait_for("the client's failover", || async {
-                    p.builder(&[third])
-                        .durable("d", 600)
-                        .failure_timeout(Duration::from_secs(2))
-                        .ack_interval(Duration::from_millis(20))
-                        .dedup_state(dedup.clone())
-                        .connect()
-                        .await
-                        .map_err(|e| eprintln!("failover attempt: {e}"))
-                        .ok()
-                })
-                .await;
+                let c = fail_over(&p, third, &dedup).await;
                 assert_eq!(c.queue_status(), QueueStatus::Resumed, "the queue survived");
                 assert_eq!(
                     c.node_id(),
@@ -837,6 +843,81 @@ async fn client_promotes_a_copy_when_its_primary_dies() {
     .await;
     assert_eq!(r.copies[0].node, format!("n{}", third + 1));
     client.take().unwrap().close(true).await.ok();
+}
+
+/// The publishes a frozen primary never shipped are appended by a promotion however late it
+/// comes, also after the copy's node restarted: that node keeps them, durably, until the copy
+/// holds them (its watermark), not for a fixed time. The primary is stopped (SIGSTOP) with the
+/// client online; events are published through the third node, then again after longer than
+/// the 30 s an earlier version kept them for; the copy's node is killed (-9) and restarted;
+/// only then does the client fail over to the copy (the failure detector is off).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_promotion_appends_what_the_frozen_primary_never_shipped() {
+    const HALF: u32 = 200;
+    /// Longer than the old fixed window (`RECENT_FORWARDS_MS`, 30 s).
+    const LATE: Duration = Duration::from_secs(32);
+    let mut p = ProcCluster::start_with_config(3, "[cluster]\nnode-failure-ms = 3600000\n");
+    let d = durable_on_n1(&p, "d").await;
+    d.ready_for_events().await.unwrap();
+    let servers = d.queue_servers().to_vec();
+    let secondary = p.index(&servers[1].node_id);
+    let third = (1..3).find(|&i| i != secondary).unwrap();
+    let dedup = d.dedup_state();
+    let mut ev = d.events().unwrap();
+    let pid = p.get(0).child.id().to_string();
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .expect("kill runs")
+            .success();
+        assert!(ok, "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    let progress = Arc::new(AtomicU32::new(0));
+    assert_eq!(
+        publish(p.get(third).builder(), 0, HALF, progress.clone()).await,
+        HALF
+    );
+    tokio::time::sleep(LATE).await;
+    // Acknowledged once every live member applied them (the frozen one is not waited for): the
+    // copy's node then has all of them, and restarts.
+    let replicated = p.get(third).builder().publish_ack(PublishAck::Replicated);
+    assert_eq!(
+        publish(replicated, HALF, 2 * HALF, progress.clone()).await,
+        2 * HALF
+    );
+    p.kill9(secondary);
+    p.restart(secondary);
+    // The client's connection to the frozen primary times out; it fails over to the copy.
+    loop {
+        match tokio::time::timeout(FAILOVER_WAIT, ev.next()).await {
+            Ok(Some(ClientEvent::Event(e))) => panic!("an event from the frozen primary: {e:?}"),
+            Ok(Some(_)) => {}
+            Ok(None) => break,
+            Err(_) => panic!("the connection to the frozen primary did not end"),
+        }
+    }
+    drop(ev);
+    drop(d);
+    let c = fail_over(&p, third, &dedup).await;
+    assert_eq!(
+        c.node_id(),
+        format!("n{}", secondary + 1),
+        "served by the copy"
+    );
+    assert_eq!(c.queue_status(), QueueStatus::Resumed);
+    assert_eq!(c.pending(), Some(u64::from(2 * HALF)), "every event waits");
+    c.ready_for_events().await.unwrap();
+    let mut ev = c.events().unwrap();
+    let got = receive(&mut ev, (2 * HALF) as usize).await;
+    let mut values: Vec<u32> = got.iter().map(value).collect();
+    values.sort_unstable();
+    assert_eq!(values, (0..2 * HALF).collect::<Vec<_>>(), "each event once");
+    ev.commit();
+    drop(ev);
+    signal("-CONT");
+    c.close(true).await.ok();
 }
 
 /// An acknowledged registration survives a failover: when `register` returns, the copy already

@@ -656,6 +656,7 @@ mod findings {
                 prior_runs: Vec::new(),
                 promoted_at: 0,
                 copy: None,
+                copy_through: Default::default(),
             })
             .unwrap()
         };

@@ -152,6 +152,9 @@ pub struct Cluster {
     applied: Arc<RwLock<Applied>>,
     pool: Arc<PeerPool>,
     members: Members,
+    /// When each peer last answered an RPC of this node (any kind): a node too busy to answer
+    /// pings in time but answering replication is alive.
+    answered: std::sync::Mutex<std::collections::HashMap<RaftId, Instant>>,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -229,6 +232,7 @@ impl Cluster {
             applied,
             pool,
             members,
+            answered: Default::default(),
         }))
     }
 
@@ -353,7 +357,23 @@ impl Cluster {
             .get(&to)
             .map(|n| n.addr.clone())
             .unwrap_or_default();
-        self.pool.call(to, &addr, request, timeout).await
+        let r = self.pool.call(to, &addr, request, timeout).await;
+        if r.is_ok() {
+            self.answered
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(to, Instant::now());
+        }
+        r
+    }
+
+    /// When peer `to` last answered an RPC of this node (None: never since start).
+    pub fn last_answer(&self, to: RaftId) -> Option<Instant> {
+        self.answered
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&to)
+            .copied()
     }
 
     /// Stops consensus and closes peer connections.

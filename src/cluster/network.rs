@@ -77,6 +77,11 @@ pub struct ReplicateMsg {
     /// More entries of this snapshot follow in the next message.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub more: bool,
+    /// The sender's replicated watermark (per origin node, a publish-log offset): every copy
+    /// of the sender's queues holds the publishes of that origin up to there (see
+    /// `server/watermark.rs`). Empty: no claim.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub through: std::collections::BTreeMap<String, u64>,
 }
 
 /// A queue entry as stored: flags and body.

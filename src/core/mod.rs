@@ -92,6 +92,10 @@ pub struct QueueInfo {
     /// queue of this node's core; it becomes one when this node is promoted to primary.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub copy: Option<ReplicaState>,
+    /// Set on a copy: its replicated watermark as last stored (per origin node, the
+    /// publish-log offset through which it holds every matching publish).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub copy_through: BTreeMap<String, u64>,
 }
 
 /// Where a queue's client is.
@@ -134,6 +138,9 @@ pub struct Queue {
     /// the queue holds, so a forwarded event the failed primary had already appended (and
     /// shipped) is not appended twice. None elsewhere.
     pub seen: Option<Box<SeenEvents>>,
+    /// On a queue promoted here: per origin node, the publish-log offset through which the
+    /// copy was known to hold every matching publish (its replicated watermark). None elsewhere.
+    pub held_through: Option<Box<BTreeMap<String, u64>>>,
 }
 
 /// Per publisher (origin node, then session), the highest event sequence held.
@@ -142,7 +149,7 @@ pub type SeenEvents = HashMap<String, HashMap<u64, u64>>;
 /// A publish as applied here (forwarded by a peer, or this node's own): kept for a while on a
 /// node holding copies,
 /// so a promotion can append what the failed primary had not shipped yet.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RecentForward {
     pub origin: EventOrigin,
     /// Each operation with the event kind it produced when it was applied here.
@@ -194,13 +201,18 @@ impl Queue {
         self.bytes.pending()
     }
 
-    /// Whether this (promoted) queue already holds event `seq` of publisher `(node, session)`.
-    fn holds(&self, node: &str, session: u64, seq: u64) -> bool {
-        self.seen.as_ref().is_some_and(|seen| {
-            seen.get(node)
-                .and_then(|s| s.get(&session))
-                .is_some_and(|&max| max >= seq)
-        })
+    /// Whether this (promoted) queue already holds event `seq` of publisher `(node, session)`,
+    /// published at offset `offset` of the origin's publish log.
+    fn holds(&self, node: &str, session: u64, seq: u64, offset: u64) -> bool {
+        self.held_through
+            .as_ref()
+            .and_then(|t| t.get(node))
+            .is_some_and(|&x| x >= offset)
+            || self.seen.as_ref().is_some_and(|seen| {
+                seen.get(node)
+                    .and_then(|s| s.get(&session))
+                    .is_some_and(|&max| max >= seq)
+            })
     }
 
     /// Appends the encoded event `body` (with id `id`) at the next offset; returns the offset.
@@ -255,6 +267,7 @@ impl Queue {
             prior_runs: self.prior_runs.clone(),
             promoted_at: self.promoted_at,
             copy: None,
+            copy_through: BTreeMap::new(),
         }
     }
 
@@ -361,6 +374,8 @@ pub struct EventOrigin {
     pub node: String,
     pub session: u64,
     pub first_seq: u64,
+    /// Offset of the publish in the origin node's publish log.
+    pub offset: u64,
 }
 
 /// Records event `id` in a per-publisher high-water map (see [`Queue::seen`]).
@@ -610,6 +625,7 @@ impl NodeCore {
             promoted_at: info.promoted_at,
             bytes,
             seen: None,
+            held_through: None,
         };
         for (region, sel, reg) in info.interests {
             self.index.insert(&region, &sel, id, reg.receive_values);
@@ -650,6 +666,7 @@ impl NodeCore {
         }
         info.prior_runs = copy.log.epochs().to_vec();
         info.promoted_at = copy.log.end();
+        info.copy_through.clear(); // Passed to `reapply_forwarded` by the driver.
         info.away_since_ms = Some(info.away_since_ms.unwrap_or(now_ms));
         let meta = QueueMeta {
             acked: copy.acked,
@@ -680,9 +697,12 @@ impl NodeCore {
         qid: QueueId,
         now_ms: u64,
         seen: SeenEvents,
+        held_through: BTreeMap<String, u64>,
         forwards: &[RecentForward],
     ) -> Option<(Batch, Offset)> {
-        self.queues.get_mut(&qid)?.seen = Some(Box::new(seen));
+        let q = self.queues.get_mut(&qid)?;
+        q.seen = Some(Box::new(seen));
+        q.held_through = Some(Box::new(held_through));
         let interval = bytes::mark_interval_bytes(self.limits.queue_bytes_max);
         let mut batch = Batch::new();
         let mut scratch = BTreeMap::new();
@@ -696,7 +716,7 @@ impl NodeCore {
                     continue;
                 };
                 let q = self.queues.get_mut(&qid)?;
-                if q.holds(&f.origin.node, f.origin.session, seq) {
+                if q.holds(&f.origin.node, f.origin.session, seq, f.origin.offset) {
                     continue;
                 }
                 let id = EventId {
@@ -988,6 +1008,7 @@ impl NodeCore {
             promoted_at: 0,
             bytes: QueueBytes::default(),
             seen: None,
+            held_through: None,
         };
         q.persist_info(batch);
         self.queues.insert(id, Box::new(q));
@@ -1190,10 +1211,9 @@ impl NodeCore {
             self.index.matches(region, key, &mut scratch);
             for (&q, &values) in scratch.iter() {
                 if let Some(o) = origin
-                    && self
-                        .queues
-                        .get(&q)
-                        .is_some_and(|q| q.holds(&o.node, o.session, o.first_seq + i as u64))
+                    && self.queues.get(&q).is_some_and(|q| {
+                        q.holds(&o.node, o.session, o.first_seq + i as u64, o.offset)
+                    })
                 {
                     continue; // Appended by a failed primary before this node took over.
                 }

@@ -57,12 +57,14 @@ pub(crate) struct Copies {
 
 impl Copies {
     /// Rebuilds the copies found in storage at start; `entry_bytes(queue, from, to)` reads the
-    /// bytes of stored entries (see [`QueueBytes::recover`]).
+    /// bytes of stored entries (see [`QueueBytes::recover`]). Also returns each copy's stored
+    /// replicated watermark.
     pub(crate) fn recover(
         stored: Vec<(QueueId, QueueMeta, QueueInfo)>,
         mut entry_bytes: impl FnMut(QueueId, u64, u64) -> Result<u64, String>,
-    ) -> Result<Self, String> {
+    ) -> Result<(Self, Vec<(String, super::watermark::Through)>), String> {
         let mut map = HashMap::new();
+        let mut through = Vec::new();
         for (qid, meta, mut info) in stored {
             let bytes =
                 QueueBytes::recover(meta.acked, meta.end, &meta.byte_marks, &mut |from, to| {
@@ -75,6 +77,7 @@ impl Copies {
                 .durable_id
                 .clone()
                 .ok_or_else(|| format!("copy queue {qid} has no durable id"))?;
+            through.push((id.clone(), std::mem::take(&mut info.copy_through)));
             let copy = Copy {
                 qid,
                 replica,
@@ -86,10 +89,11 @@ impl Copies {
             };
             map.insert(id, Arc::new(tokio::sync::Mutex::new(copy)));
         }
-        Ok(Copies {
+        let copies = Copies {
             count: AtomicUsize::new(map.len()),
             map: Mutex::new(map),
-        })
+        };
+        Ok((copies, through))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, CopyCell>> {
@@ -150,10 +154,11 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     if msg.more && !matches!(msg.header, ReplicateHeader::Snapshot(_)) {
         return PeerResponse::BadRequest("only a snapshot comes in several messages".into());
     }
-    let info: QueueInfo = match decode_body(&msg.info) {
+    let mut info: QueueInfo = match decode_body(&msg.info) {
         Ok(i) => i,
         Err(e) => return PeerResponse::BadRequest(format!("queue info: {e}")),
     };
+    info.copy_through.clear(); // A copy's own (stored below), never the primary's.
     if info.durable_id.as_deref() != Some(msg.durable_id.as_str()) || info.copy.is_some() {
         return PeerResponse::BadRequest("queue info does not match the queue".into());
     }
@@ -221,6 +226,16 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     if writes.is_empty() && info_changed {
         writes.push(copy.replica.checkpoint());
     }
+    let msg_epoch = epoch;
+    // The primary's watermark speaks of what this copy acknowledged in its epoch earlier.
+    let note_through = |copy: &Copy| {
+        if msg_epoch >= copy.replica.epoch() {
+            shared
+                .recent_forwards()
+                .copy_through(&msg.durable_id, &msg.through);
+        }
+    };
+    note_through(&copy);
     let Some(last) = writes.last() else {
         return PeerResponse::Replicated(reply);
     };
@@ -240,6 +255,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     }
     let mut stored = copy.info.clone();
     stored.copy = Some(last.state.clone());
+    stored.copy_through = shared.recent_forwards().through_of(&msg.durable_id);
     let epoch = last.state.epoch;
     let last_id = last.id;
     batch.put_queue_info(

@@ -21,13 +21,15 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use tether_storage::{Batch, Entry, QueueId, Store};
 use tether_transport::ErrorCode;
 
+use super::watermark::Through;
 use super::{Shared, now_ms};
 use crate::cluster::Cluster;
 use crate::cluster::meta::{MetaCommand, MetaResponse, Placement, RaftId};
 use crate::cluster::network::{PeerRequest, PeerResponse};
-use crate::config::{NODE_FAILURE_MS_DEFAULT, NODE_FAILURE_MS_MIN};
+use crate::config::NODE_FAILURE_MS_MIN;
 use crate::core::RecentForward;
 use crate::metrics as m;
 use crate::protocol::{EventId, EventRecord, WireError};
@@ -46,65 +48,199 @@ pub const MEMBER_LIVE_MS: u64 = 1_500;
 const _: () = assert!(PING_INTERVAL_MS < MEMBER_LIVE_MS && PING_TIMEOUT_MS < MEMBER_LIVE_MS);
 const _: () = assert!(PING_TIMEOUT_MS < NODE_FAILURE_MS_MIN);
 
-/// Longest time a forwarded publish is kept for promotions, in milliseconds. A failover
-/// recovers the events its failed primary had not shipped if they were forwarded here within
-/// this time (failure detection takes `node-failure-ms`: the buffer keeps at least four times
-/// that).
-pub const RECENT_FORWARDS_MS: u64 = 30_000;
-/// Most operations kept for promotions (older ones go first).
+/// Most publish operations kept for promotions. Beyond it the oldest go first, counted in
+/// `tether_failover_recent_publish_ops_dropped_total`: a copy whose primary is that far behind
+/// may then miss them in a failover. At two thousand operations a second, over four minutes of
+/// replication lag.
 pub const RECENT_FORWARD_OPS_MAX: usize = 500_000;
 
-const _: () = assert!(NODE_FAILURE_MS_DEFAULT * 4 < RECENT_FORWARDS_MS);
+/// Queue id of the recent-publish log in the node's store (see [`RecentForwards`]; never
+/// allocated to a subscription queue, those count up from 1).
+pub const RECENT_LOG_QUEUE: QueueId = u64::MAX - 1;
+/// Info blob that marks the recent-publish log's metadata.
+pub const RECENT_LOG_INFO: &[u8] = b"tether-recent-publishes";
 
 /// Publishes applied on this node lately (forwarded by peers or made here), oldest first, with
-/// the event kinds they produced.
+/// the event kinds they produced, kept while a copy held here may lack them: the copy's primary
+/// may fail before it ships them, and a promotion of the copy appends them then.
+///
+/// A publish is forgotten once every copy held here is known to hold it: each copy's
+/// replicated watermark (per origin node, the publish-log offset its primary applied and
+/// replicated to every copy, see `watermark.rs`) has passed the publish's origin offset.
+///
+/// Kept durably: each publish is also an entry of a reserved queue of the store
+/// ([`RECENT_LOG_QUEUE`]), written in the batch that applies it and trimmed (acked) as it is
+/// forgotten, so a restart of this node loses none of them (the peers do not send again
+/// what this node applied before it stopped).
+#[derive(Default)]
 pub(crate) struct RecentForwards {
-    entries: std::collections::VecDeque<(Instant, RecentForward)>,
+    /// (offset in the recent-publish log, publish).
+    entries: std::collections::VecDeque<(u64, RecentForward)>,
     ops: usize,
-    keep: Duration,
+    /// Per copy (durable id): its latest replicated watermark.
+    copies: HashMap<String, Through>,
+    /// Last offset assigned in the recent-publish log, and the last one trimmed.
+    log_end: u64,
+    log_acked: u64,
 }
 
 impl RecentForwards {
-    /// Keeps publishes for [`RECENT_FORWARDS_MS`] or four failure-detection times, whichever is
-    /// longer.
-    pub(crate) fn new(node_failure_ms: u64) -> Self {
-        RecentForwards {
-            entries: Default::default(),
-            ops: 0,
-            keep: Duration::from_millis(RECENT_FORWARDS_MS.max(node_failure_ms.saturating_mul(4))),
+    /// Loads the recent-publish log (creating its metadata on first start).
+    pub(crate) fn recover(store: &dyn Store) -> Result<Self, String> {
+        let mut r = RecentForwards::default();
+        match store
+            .queue_meta(RECENT_LOG_QUEUE)
+            .map_err(|e| e.to_string())?
+        {
+            None => {
+                let mut b = Batch::new();
+                b.put_queue_info(RECENT_LOG_QUEUE, 0, RECENT_LOG_INFO.to_vec());
+                store.write(&b, true).map_err(|e| e.to_string())?;
+            }
+            Some(meta) => {
+                r.log_end = meta.end;
+                r.log_acked = meta.acked;
+                let mut bad = None;
+                store
+                    .read_entries(
+                        RECENT_LOG_QUEUE,
+                        meta.acked + 1,
+                        meta.end,
+                        usize::MAX,
+                        &mut |offset, _, body| match tether_transport::codec::decode_body::<
+                            RecentForward,
+                        >(body)
+                        {
+                            Ok(f) => {
+                                r.ops += f.ops.len();
+                                r.entries.push_back((offset, f));
+                            }
+                            Err(e) => bad = Some(format!("recent publish {offset}: {e}")),
+                        },
+                    )
+                    .map_err(|e| e.to_string())?;
+                if let Some(e) = bad {
+                    return Err(e);
+                }
+            }
         }
+        Ok(r)
     }
 
-    /// Keeps a publish whose first event is `first` (the others follow in sequence).
+    /// Keeps a publish whose first event is `first` (the others follow in sequence), at offset
+    /// `offset` of its origin's publish log; its log entry goes into `batch` (the batch that
+    /// applies the publish).
     pub(crate) fn record(
         &mut self,
+        batch: &mut Batch,
         first: &EventId,
+        offset: u64,
         ops: &[crate::protocol::PublishOp],
         kinds: &[crate::protocol::EventOp],
     ) {
-        let now = Instant::now();
         let f = RecentForward {
             origin: crate::core::EventOrigin {
                 node: first.node.clone(),
                 session: first.session,
                 first_seq: first.seq,
+                offset,
             },
             ops: ops.iter().cloned().zip(kinds.iter().copied()).collect(),
         };
+        let body = tether_transport::codec::encode_body(&f).expect("a publish always encodes");
+        self.log_end += 1;
+        batch.append(RECENT_LOG_QUEUE, self.log_end, Entry::new(0, body));
         self.ops += f.ops.len();
-        self.entries.push_back((now, f));
-        let keep = self.keep;
-        while let Some((t, f)) = self.entries.front() {
-            if self.ops <= RECENT_FORWARD_OPS_MAX && now.duration_since(*t) < keep {
+        self.entries.push_back((self.log_end, f));
+        let mut dropped = 0;
+        while self.ops > RECENT_FORWARD_OPS_MAX {
+            let Some((at, f)) = self.entries.pop_front() else {
                 break;
-            }
+            };
             self.ops -= f.ops.len();
-            self.entries.pop_front();
+            self.log_acked = at;
+            dropped += f.ops.len();
+        }
+        if dropped > 0 {
+            batch.set_acked(RECENT_LOG_QUEUE, self.log_acked);
+            metrics::counter!(m::RECENT_PUBLISH_OPS_DROPPED).increment(dropped as u64);
+            tracing::warn!(
+                dropped,
+                "recent publishes forgotten before every copy here held them: copies lag"
+            );
         }
     }
 
-    fn snapshot(&self) -> Vec<RecentForward> {
-        self.entries.iter().map(|(_, f)| f.clone()).collect()
+    /// Copy `id` received replicated watermark `through` from its primary.
+    pub(crate) fn copy_through(&mut self, id: &str, through: &Through) {
+        if through.is_empty() {
+            return;
+        }
+        match self.copies.get_mut(id) {
+            Some(t) => super::watermark::merge(t, through),
+            None => {
+                self.copies.insert(id.to_string(), through.clone());
+            }
+        }
+    }
+
+    /// Copy `id`'s replicated watermark (empty if none received).
+    pub(crate) fn through_of(&self, id: &str) -> Through {
+        self.copies.get(id).cloned().unwrap_or_default()
+    }
+
+    /// Copy `id` is no longer held here (promoted or dropped).
+    pub(crate) fn copy_gone(&mut self, id: &str) {
+        self.copies.remove(id);
+    }
+
+    /// Forgets the oldest publishes every copy in `held` (the copies held here) holds; the
+    /// batch that trims them from the log, if any.
+    pub(crate) fn trim(&mut self, held: &[String]) -> Option<Batch> {
+        self.copies.retain(|id, _| held.contains(id));
+        let covered = |f: &RecentForward| {
+            held.iter().all(|id| {
+                self.copies
+                    .get(id)
+                    .and_then(|t| t.get(&f.origin.node))
+                    .is_some_and(|&x| x >= f.origin.offset)
+            })
+        };
+        let mut n = 0;
+        while n < self.entries.len() && covered(&self.entries[n].1) {
+            n += 1;
+        }
+        for (at, f) in self.entries.drain(..n) {
+            self.ops -= f.ops.len();
+            self.log_acked = at;
+        }
+        metrics::gauge!(m::RECENT_PUBLISH_OPS).set(self.ops as f64);
+        if n == 0 {
+            return None;
+        }
+        let mut b = Batch::new();
+        b.set_acked(RECENT_LOG_QUEUE, self.log_acked);
+        Some(b)
+    }
+
+    /// The publishes copy `id` may lack (those its watermark has not passed).
+    fn snapshot_for(&self, id: &str) -> Vec<RecentForward> {
+        let through = self.copies.get(id);
+        self.entries
+            .iter()
+            .map(|(_, f)| f)
+            .filter(|f| {
+                through
+                    .and_then(|t| t.get(&f.origin.node))
+                    .is_none_or(|&x| x < f.origin.offset)
+            })
+            .cloned()
+            .collect()
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.entries.len()
     }
 }
 
@@ -129,10 +265,9 @@ impl Liveness {
     }
 
     fn seen(&self, node: RaftId, at: Instant) {
-        self.last_seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(node, at);
+        let mut seen = self.last_seen.lock().unwrap_or_else(|p| p.into_inner());
+        let t = seen.entry(node).or_insert(at);
+        *t = (*t).max(at);
     }
 }
 
@@ -182,6 +317,13 @@ pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
             if ok {
                 shared.liveness.seen(n, now);
                 reported.remove(&n);
+            }
+        }
+        // Any answer counts (replication, forwarding): a member too busy to answer a ping in
+        // time is not declared failed while it answers those.
+        for &n in &others {
+            if let Some(t) = cluster.last_answer(n) {
+                shared.liveness.seen(n, t);
             }
         }
         if cluster.leader() != Some(me) {
@@ -313,6 +455,7 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
                 if shared.apply(|_| Ok(((), batch))).await.is_ok() {
                     copy.gone = true;
                     shared.copies.remove(&id);
+                    shared.recent_forwards().copy_gone(&id);
                     tracing::info!(durable_id = %id, "dropped a copy this node no longer holds");
                 }
             }
@@ -544,6 +687,8 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
     let state = copy.replica.state().clone();
     let mut info = copy.info.clone();
     info.copy = Some(state);
+    let mut held_through = std::mem::take(&mut info.copy_through);
+    super::watermark::merge(&mut held_through, &shared.recent_forwards().through_of(id));
     let qid = copy.qid;
     let bytes = copy.bytes.clone();
     let epoch = p.epoch;
@@ -566,13 +711,9 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
             let mut batch = core
                 .adopt_copy(qid, info, bytes, epoch, now)
                 .map_err(super::internal)?;
-            let recent = shared
-                .recent
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .snapshot();
+            let recent = shared.recent_forwards().snapshot_for(id);
             let (more, end) = core
-                .reapply_forwarded(qid, now, held, &recent)
+                .reapply_forwarded(qid, now, held, held_through.clone(), &recent)
                 .ok_or_else(|| super::internal("promoted queue vanished"))?;
             batch.extend(more);
             Ok((end, batch))
@@ -590,6 +731,7 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
     let replica = std::mem::take(&mut copy.replica);
     copy.gone = true;
     shared.copies.remove(id);
+    shared.recent_forwards().copy_gone(id);
     let shipper = replica.promote(epoch, ShipperConfig::default());
     let deliver_after = Instant::now() + Duration::from_millis(super::shipping::LEASE_MS);
     shared.core().set_deliver_cap(qid, Some(0));
@@ -635,5 +777,63 @@ fn held_ids(
     match bad {
         Some(e) => Err(e),
         None => Ok(ids),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{EventOp, PublishOp};
+
+    fn record(r: &mut RecentForwards, origin: &str, offset: u64) {
+        let id = EventId {
+            node: origin.into(),
+            session: 1,
+            seq: offset * 10,
+        };
+        let op = PublishOp::Destroy {
+            region: "R".into(),
+            key: "k".into(),
+        };
+        r.record(&mut Batch::new(), &id, offset, &[op], &[EventOp::Destroy]);
+    }
+
+    fn through(v: &[(&str, u64)]) -> Through {
+        v.iter().map(|&(o, x)| (o.to_string(), x)).collect()
+    }
+
+    #[test]
+    fn a_publish_is_kept_until_every_copy_holds_it_however_long_that_takes() {
+        let mut r = RecentForwards::default();
+        record(&mut r, "a", 1);
+        record(&mut r, "b", 1);
+        record(&mut r, "a", 2);
+        let held = vec!["q1".to_string(), "q2".to_string()];
+        r.trim(&held);
+        assert_eq!(r.len(), 3, "no copy has a watermark yet");
+        r.copy_through("q1", &through(&[("a", 2), ("b", 1)]));
+        r.trim(&held);
+        assert_eq!(r.len(), 3, "q2 holds nothing yet");
+        assert_eq!(r.snapshot_for("q1").len(), 0);
+        assert_eq!(r.snapshot_for("q2").len(), 3);
+        r.copy_through("q2", &through(&[("a", 1)]));
+        r.trim(&held);
+        assert_eq!(r.len(), 2, "the first one is held by both");
+        // Watermarks never go back.
+        r.copy_through("q2", &through(&[("a", 0), ("b", 1)]));
+        r.trim(&held);
+        assert_eq!(r.len(), 1);
+        assert_eq!(r.snapshot_for("q2")[0].origin.offset, 2);
+        // A copy no longer held does not hold anything back.
+        r.trim(&["q1".to_string()]);
+        assert_eq!(r.len(), 0);
+    }
+
+    #[test]
+    fn without_copies_nothing_is_kept() {
+        let mut r = RecentForwards::default();
+        record(&mut r, "a", 1);
+        r.trim(&[]);
+        assert_eq!(r.len(), 0);
     }
 }

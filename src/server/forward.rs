@@ -440,6 +440,7 @@ impl PublishSink for PeerInbox {
                         node: origin.clone(),
                         session: publish.session,
                         first_seq: publish.first_seq,
+                        offset,
                     },
                 };
                 match s.publish_receipt(session, &publish.ops, Some(&from)).await {

@@ -18,6 +18,7 @@ mod forward;
 mod placement;
 mod revocation;
 mod shipping;
+mod watermark;
 mod writer;
 
 use std::collections::HashMap;
@@ -122,6 +123,9 @@ pub(crate) struct Shared {
     /// Publishes applied here lately (forwarded and own), kept while this node holds copies (see
     /// `failover.rs`: a promotion appends those the failed primary had not shipped).
     pub(crate) recent: Mutex<failover::RecentForwards>,
+    /// Per origin node (this one included): the highest publish-log offset whose publish is
+    /// committed here, queue entries visible (read by watermark checkpoints, `watermark.rs`).
+    applied_through: Mutex<watermark::Through>,
     /// A member silent this long is declared failed (`node-failure-ms`).
     pub(crate) node_failure: Duration,
     /// Set once this node's metadata holds everything committed before it started (clustered
@@ -132,6 +136,18 @@ pub(crate) struct Shared {
 impl Shared {
     fn core(&self) -> MutexGuard<'_, NodeCore> {
         self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn recent_forwards(&self) -> MutexGuard<'_, failover::RecentForwards> {
+        self.recent.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A snapshot of what this node applied, per origin (see `applied_through`).
+    pub(crate) fn applied_through(&self) -> watermark::Through {
+        self.applied_through
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn wake(&self, session: SessionId) {
@@ -256,13 +272,19 @@ impl Shared {
                 (None, Some(f)) => f.log_publish(&mut batch, plan.first_id.as_ref(), ops),
                 (None, None) => None,
             };
-            // While copies are held here, keep the publish (forwarded or this node's own) for a
-            // promotion: the failed primary may not have shipped it yet.
-            if let (Some(id), true) = (&plan.first_id, self.copies.held()) {
-                self.recent
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .record(id, ops, &plan.event_ops);
+            // Origin node and publish-log offset of the publish (forwarded or this node's own).
+            let origin_offset = match (origin, logged) {
+                (Some(o), _) => Some((o.node.to_string(), o.offset)),
+                (None, Some(offset)) => plan.first_id.as_ref().map(|id| (id.node.clone(), offset)),
+                (None, None) => None,
+            };
+            // While copies are held here, keep the publish for a promotion: the failed primary
+            // may not have shipped it yet.
+            if let (Some(id), Some((_, offset)), true) =
+                (&plan.first_id, &origin_offset, self.copies.held())
+            {
+                self.recent_forwards()
+                    .record(&mut batch, id, *offset, ops, &plan.event_ops);
             }
             let shared = self.clone();
             let (seq, appended) = (plan.seq, plan.appended);
@@ -280,6 +302,15 @@ impl Shared {
                         .filter_map(|(q, _)| core.attached_session(*q))
                         .collect()
                 };
+                // After the entries became visible (a watermark checkpoint reads this first).
+                if let Some((node, offset)) = origin_offset {
+                    let mut t = shared
+                        .applied_through
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner());
+                    let e = t.entry(node).or_insert(0);
+                    *e = (*e).max(offset);
+                }
                 for s in wake {
                     shared.wake(s);
                 }
@@ -742,12 +773,23 @@ impl Node {
         };
         let server_config = tls_setup.server_config(&crls)?;
         let mut queues = store.queues()?;
-        queues.retain(|(q, _)| *q != forward::PUBLISH_LOG_QUEUE);
+        queues
+            .retain(|(q, _)| *q != forward::PUBLISH_LOG_QUEUE && *q != failover::RECENT_LOG_QUEUE);
         let (queues, copies) = NodeCore::split_copies(queues).map_err(NodeError::Recovery)?;
         let entry_bytes = |q, from, to| {
             crate::core::bytes::stored_entry_bytes(&*store, q, from, to).map_err(|e| e.to_string())
         };
-        let copies = copies::Copies::recover(copies, entry_bytes).map_err(NodeError::Recovery)?;
+        let (copies, copies_through) =
+            copies::Copies::recover(copies, entry_bytes).map_err(NodeError::Recovery)?;
+        // Only a clustered node holds copies (and so keeps recent publishes).
+        let mut recent = if clustered {
+            failover::RecentForwards::recover(&*store).map_err(NodeError::Recovery)?
+        } else {
+            failover::RecentForwards::default()
+        };
+        for (id, through) in &copies_through {
+            recent.copy_through(id, through);
+        }
         let recovered = queues.len();
         let st = store.clone();
         let (core, batch) = NodeCore::recover(
@@ -810,7 +852,8 @@ impl Node {
             copies,
             shipping: shipping::Shipping::default(),
             liveness: failover::Liveness::default(),
-            recent: Mutex::new(failover::RecentForwards::new(config.node_failure_ms)),
+            recent: Mutex::new(recent),
+            applied_through: Mutex::new(Default::default()),
             node_failure: Duration::from_millis(config.node_failure_ms),
             meta_caught_up: watch::channel(false).0,
         });
@@ -869,6 +912,9 @@ impl Node {
                 Arc::downgrade(&shared),
                 cluster.clone(),
             )));
+            tasks.push(tokio::spawn(shipping::watermark_loop(Arc::downgrade(
+                &shared,
+            ))));
             let _ = shared.cluster.set(cluster);
         }
         tasks.push(tokio::spawn(conn::accept_loop(

@@ -21,6 +21,7 @@ use tether_transport::codec::encode_body;
 use tokio::sync::{Notify, mpsc};
 
 use super::Shared;
+use super::watermark::Watermark;
 use crate::cluster::Cluster;
 use crate::cluster::meta::RaftId;
 use crate::cluster::network::{
@@ -57,6 +58,8 @@ fn mono_ms() -> u64 {
 
 /// One queue's shipping state.
 pub(crate) struct ShipQueue {
+    /// The watermark checkpoint number when shipping started (see [`Watermark::for_queue`]).
+    watermark_start: u64,
     pub(crate) durable_id: String,
     pub(crate) qid: QueueId,
     shipper: Mutex<Shipper>,
@@ -144,6 +147,8 @@ impl ShipQueue {
 pub(crate) struct Shipping {
     by_id: Mutex<HashMap<String, Arc<ShipQueue>>>,
     by_qid: Mutex<HashMap<QueueId, Arc<ShipQueue>>>,
+    /// How far every copy of the shipped queues holds what this node applied.
+    watermark: Mutex<Watermark>,
 }
 
 impl Shipping {
@@ -153,6 +158,29 @@ impl Shipping {
 
     fn qids(&self) -> std::sync::MutexGuard<'_, HashMap<QueueId, Arc<ShipQueue>>> {
         self.by_qid.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn watermark(&self) -> std::sync::MutexGuard<'_, Watermark> {
+        self.watermark.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes a watermark checkpoint (what this node applied, then each shipped queue's end)
+    /// and moves the replicated watermark past the checkpoints every copy now holds.
+    pub(crate) fn checkpoint(&self, shared: &Shared) {
+        let applied = shared.applied_through();
+        let queues = self.all();
+        let ends: Vec<(QueueId, u64)> = {
+            let core = shared.core();
+            queues
+                .iter()
+                .filter_map(|sq| core.queue(sq.qid).map(|q| (sq.qid, q.visible_end)))
+                .collect()
+        };
+        let mut w = self.watermark();
+        w.checkpoint(applied, ends);
+        let qids = self.qids();
+        w.advance(|q| qids.get(&q).map(|sq| *sq.replicated.borrow()));
+        metrics::gauge!(m::WATERMARK_CHECKPOINTS).set(w.pending() as f64);
     }
 
     pub(crate) fn get(&self, id: &str) -> Option<Arc<ShipQueue>> {
@@ -268,6 +296,7 @@ impl Shipping {
         };
         shipper.set_secondaries(secondaries, mono_ms());
         let sq = Arc::new(ShipQueue {
+            watermark_start: self.watermark().shipping_started(),
             durable_id: id.to_string(),
             qid,
             shipper: Mutex::new(shipper),
@@ -286,6 +315,29 @@ impl Shipping {
         }
         self.qids().insert(qid, sq.clone());
         tokio::spawn(ship_loop(Arc::downgrade(shared), cluster, sq));
+    }
+}
+
+/// Interval of replicated-watermark checkpoints (and of forgetting recent publishes every
+/// copy here holds), in milliseconds.
+pub const WATERMARK_CHECKPOINT_MS: u64 = 200;
+
+/// Takes watermark checkpoints and trims the recent publishes (clustered nodes), until the node
+/// stops.
+pub(crate) async fn watermark_loop(weak: Weak<Shared>) {
+    let mut interval = tokio::time::interval(Duration::from_millis(WATERMARK_CHECKPOINT_MS));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let Some(shared) = weak.upgrade() else {
+            return;
+        };
+        shared.shipping.checkpoint(&shared);
+        let held = shared.copies.ids();
+        let trimmed = shared.recent_forwards().trim(&held);
+        if let Some(b) = trimmed {
+            let _ = shared.writer.submit(b, None).await;
+        }
     }
 }
 
@@ -432,10 +484,13 @@ fn send(
                 }
             };
             if entries.len() as u64 != h.log.len() {
+                // Over the size limit, or entries of the log not (or no longer) in storage.
                 tracing::warn!(
                     durable_id = %sq.durable_id,
+                    start = h.log.start(),
                     entries = h.log.len(),
-                    "queue too large for a snapshot; the new secondary waits"
+                    read = entries.len(),
+                    "cannot read the queue for a snapshot; the new secondary waits"
                 );
                 sq.shipper().on_peer_lost(t.to);
                 return;
@@ -458,6 +513,7 @@ fn send(
             (ReplicateHeader::Snapshot(h), last, chunks)
         }
     };
+    let through = shared.shipping.watermark().for_queue(sq.watermark_start);
     let message = |entries: Vec<ShippedEntry>, more: bool| ReplicateMsg {
         from: cluster.id(),
         durable_id: sq.durable_id.clone(),
@@ -465,6 +521,7 @@ fn send(
         info: info.to_vec(),
         entries,
         more,
+        through: through.clone(),
     };
     let mut msgs: Vec<ReplicateMsg> = chunks.into_iter().map(|c| message(c, true)).collect();
     msgs.push(message(entries, false));
