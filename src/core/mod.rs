@@ -666,7 +666,6 @@ impl NodeCore {
         }
         info.prior_runs = copy.log.epochs().to_vec();
         info.promoted_at = copy.log.end();
-        info.copy_through.clear(); // Passed to `reapply_forwarded` by the driver.
         info.away_since_ms = Some(info.away_since_ms.unwrap_or(now_ms));
         let meta = QueueMeta {
             acked: copy.acked,

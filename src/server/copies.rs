@@ -226,16 +226,12 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     if writes.is_empty() && info_changed {
         writes.push(copy.replica.checkpoint());
     }
-    let msg_epoch = epoch;
     // The primary's watermark speaks of what this copy acknowledged in its epoch earlier.
-    let note_through = |copy: &Copy| {
-        if msg_epoch >= copy.replica.epoch() {
-            shared
-                .recent_forwards()
-                .copy_through(&msg.durable_id, &msg.through);
-        }
-    };
-    note_through(&copy);
+    if epoch >= copy.replica.epoch() {
+        shared
+            .recent_forwards()
+            .copy_through(&msg.durable_id, &msg.through);
+    }
     let Some(last) = writes.last() else {
         return PeerResponse::Replicated(reply);
     };

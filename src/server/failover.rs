@@ -197,7 +197,8 @@ impl RecentForwards {
     /// Forgets the oldest publishes every copy in `held` (the copies held here) holds; the
     /// batch that trims them from the log, if any.
     pub(crate) fn trim(&mut self, held: &[String]) -> Option<Batch> {
-        self.copies.retain(|id, _| held.contains(id));
+        let held_set: HashSet<&str> = held.iter().map(String::as_str).collect();
+        self.copies.retain(|id, _| held_set.contains(id.as_str()));
         let covered = |f: &RecentForward| {
             held.iter().all(|id| {
                 self.copies
@@ -687,8 +688,8 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
     let state = copy.replica.state().clone();
     let mut info = copy.info.clone();
     info.copy = Some(state);
-    let mut held_through = std::mem::take(&mut info.copy_through);
-    super::watermark::merge(&mut held_through, &shared.recent_forwards().through_of(id));
+    // The copy's watermark (the stored one is loaded into `recent` at start).
+    let held_through = shared.recent_forwards().through_of(id);
     let qid = copy.qid;
     let bytes = copy.bytes.clone();
     let epoch = p.epoch;
@@ -713,7 +714,7 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
                 .map_err(super::internal)?;
             let recent = shared.recent_forwards().snapshot_for(id);
             let (more, end) = core
-                .reapply_forwarded(qid, now, held, held_through.clone(), &recent)
+                .reapply_forwarded(qid, now, held, held_through, &recent)
                 .ok_or_else(|| super::internal("promoted queue vanished"))?;
             batch.extend(more);
             Ok((end, batch))
