@@ -44,7 +44,6 @@ pub const CLIENT_FAILOVERS: &str = "tether_client_failovers_total";
 pub const QUEUE_COPIES: &str = "tether_queue_copies";
 pub const RECENT_PUBLISH_OPS: &str = "tether_failover_recent_publish_ops";
 pub const RECENT_PUBLISH_OPS_DROPPED: &str = "tether_failover_recent_publish_ops_dropped_total";
-pub const WATERMARK_CHECKPOINTS: &str = "tether_replication_watermark_checkpoints";
 pub const CLIENT_CRL_RELOADS: &str = "tether_client_crl_reloads_total";
 pub const REVOKED_CONNECTIONS_CLOSED: &str = "tether_revoked_connections_closed_total";
 
@@ -128,10 +127,6 @@ fn describe() {
     describe_counter!(
         RECENT_PUBLISH_OPS_DROPPED,
         "Publish operations forgotten before every copy held them (over RECENT_FORWARD_OPS_MAX): a failover then may miss them"
-    );
-    describe_gauge!(
-        WATERMARK_CHECKPOINTS,
-        "Replicated-watermark checkpoints waiting for this node's copies to catch up"
     );
     describe_counter!(
         CLIENT_CRL_RELOADS,

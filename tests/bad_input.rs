@@ -1338,6 +1338,7 @@ async fn bad_peer_messages_get_error_answers_and_hurt_nothing() {
                 .collect(),
             more: false,
             through: Default::default(),
+            through_end: 0,
         })
     };
     match pool

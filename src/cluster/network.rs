@@ -51,6 +51,11 @@ pub enum PeerRequest {
     Publish {
         origin: String,
         entries: Vec<(u64, ForwardedPublish)>,
+        /// Every member has applied `origin`'s publishes up to this offset (so any queue's
+        /// primary holds them; see `RecentForwards`). Sent alone, with no entries, when it
+        /// moves while nothing is left to forward.
+        #[serde(default)]
+        floor: u64,
     },
     /// Queue log shipping from a primary to one of its secondaries.
     Replicate(ReplicateMsg),
@@ -77,11 +82,14 @@ pub struct ReplicateMsg {
     /// More entries of this snapshot follow in the next message.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub more: bool,
-    /// The sender's replicated watermark (per origin node, a publish-log offset): every copy
-    /// of the sender's queues holds the publishes of that origin up to there (see
-    /// `server/watermark.rs`). Empty: no claim.
+    /// A watermark of the queue (per origin node, a publish-log offset): the queue's log up to
+    /// `through_end` holds every matching publish of that origin up to there, so a copy that
+    /// acknowledges its log that far holds them (see `server/watermark.rs`). Empty: no claim.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub through: std::collections::BTreeMap<String, u64>,
+    /// The log end `through` speaks of (at most this message's log end).
+    #[serde(default)]
+    pub through_end: u64,
 }
 
 /// A queue entry as stored: flags and body.
@@ -145,11 +153,13 @@ pub enum PeerResponse {
 
 /// Where a node applies the publishes its peers forward to it (the server implements it).
 pub trait PublishSink: Send + Sync + 'static {
-    /// Applies `entries` forwarded by `origin`, in order, each at most once.
+    /// Applies `entries` forwarded by `origin`, in order, each at most once; `floor`: every
+    /// member has applied `origin`'s publishes up to there.
     fn apply_forwarded(
         &self,
         origin: String,
         entries: Vec<(u64, ForwardedPublish)>,
+        floor: u64,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>>;
 
     /// Handles a replication message from a queue's primary.
@@ -436,8 +446,12 @@ async fn dispatch(
             PeerResponse::InstallSnapshot(raft.install_snapshot(r).await)
         }
         PeerRequest::Write(cmd) => PeerResponse::Write(raft.client_write(cmd).await),
-        PeerRequest::Publish { origin, entries } => match sink {
-            Some(sink) => sink.apply_forwarded(origin, entries).await,
+        PeerRequest::Publish {
+            origin,
+            entries,
+            floor,
+        } => match sink {
+            Some(sink) => sink.apply_forwarded(origin, entries, floor).await,
             None => PeerResponse::PublishDeferred {
                 through: 0,
                 reason: "this node does not take publishes yet".into(),

@@ -8,7 +8,9 @@
 //!
 //! Offsets: a queue's entries have offsets `1..`; `acked` is the highest acknowledged offset,
 //! `end` the highest assigned one, `visible_end` the highest committed one (delivery reads only
-//! committed entries), so `pending = end - acked` in O(1).
+//! committed entries), so `pending = end - acked` in O(1). `acked_stored` is the highest
+//! acknowledged offset committed to the store: the most a copy is told (a copy never holds an
+//! ack its primary could lose in a crash).
 
 pub mod bytes;
 pub mod cursor;
@@ -115,6 +117,8 @@ pub struct Queue {
     pub owner: Option<String>,
     pub timeout_secs: u64,
     pub acked: Offset,
+    /// The highest `acked` committed to the store (see the module docs).
+    pub acked_stored: Offset,
     pub end: Offset,
     pub visible_end: Offset,
     pub delivered: Offset,
@@ -608,6 +612,7 @@ impl NodeCore {
             owner: info.owner.clone(),
             timeout_secs: info.timeout_secs,
             acked: meta.acked,
+            acked_stored: meta.acked,
             end: meta.end,
             visible_end: meta.end,
             delivered: meta.delivered.max(meta.acked),
@@ -995,6 +1000,7 @@ impl NodeCore {
             owner: owner.map(str::to_string),
             timeout_secs,
             acked: 0,
+            acked_stored: 0,
             end: 0,
             visible_end: 0,
             delivered: 0,
@@ -1363,6 +1369,13 @@ impl NodeCore {
             }
         }
         self.overlay.retain(|_, (_, s)| *s > seq);
+    }
+
+    /// An ack batch of `queue` (from [`ack`](Self::ack)) through `offset` is committed.
+    pub fn ack_stored(&mut self, queue: QueueId, offset: Offset) {
+        if let Some(q) = self.queues.get_mut(&queue) {
+            q.acked_stored = q.acked_stored.max(offset.min(q.acked));
+        }
     }
 
     /// The session attached to a queue, if any.

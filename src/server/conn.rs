@@ -470,29 +470,28 @@ async fn control_loop(
             ClientMsg::Ack { offset } => {
                 let result = {
                     let mut core = shared.core();
-                    let acked_before = core
+                    let queue = core
                         .session(session)
                         .and_then(|s| core.queue(s.queue))
-                        .map(|q| q.acked);
-                    core.ack(session, offset)
-                        .map(|b| (b, acked_before.unwrap_or(0)))
+                        .map(|q| (q.id, q.acked));
+                    core.ack(session, offset).map(|b| (b, queue))
                 };
                 match result {
-                    Ok((Some(batch), before)) => {
+                    Ok((Some(batch), Some((qid, before)))) => {
                         metrics::counter!(m::EVENTS_ACKED).increment(offset.saturating_sub(before));
                         // Acks need no fsync of their own: a lost ack only means a redelivery
                         // flagged possible_duplicate.
                         // The in-flight window may have been what held delivery back.
                         shared.wake(session);
-                        let space = shared.clone();
-                        drop(
-                            shared.writer.submit(
-                                batch,
-                                Some(Box::new(move || space.space.notify_waiters())),
-                            ),
-                        );
+                        let stored = shared.clone();
+                        let on_commit = move || {
+                            // Only now may the copies hear of it (shipping reads acked_stored).
+                            stored.core().ack_stored(qid, offset);
+                            stored.space.notify_waiters();
+                        };
+                        drop(shared.writer.submit(batch, Some(Box::new(on_commit))));
                     }
-                    Ok((None, _)) => {}
+                    Ok(_) => {}
                     Err(e) => {
                         refuse(conn, send, e).await;
                         return true;

@@ -25,7 +25,7 @@ use crate::core::QueueInfo;
 use crate::core::bytes::{QueueBytes, mark_interval_bytes};
 use crate::metrics as m;
 use crate::protocol::EventRecord;
-use crate::replication::{Decision, Replica, Write, WriteOp};
+use crate::replication::{Decision, Replica, Reply, Write, WriteOp};
 
 /// One queue copy.
 pub(crate) struct Copy {
@@ -117,11 +117,6 @@ impl Copies {
 
     pub(crate) fn len(&self) -> usize {
         self.count.load(Ordering::Acquire)
-    }
-
-    /// Whether this node holds any copy.
-    pub(crate) fn held(&self) -> bool {
-        self.len() > 0
     }
 }
 
@@ -226,13 +221,31 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     if writes.is_empty() && info_changed {
         writes.push(copy.replica.checkpoint());
     }
-    // The primary's watermark speaks of what this copy acknowledged in its epoch earlier.
-    if epoch >= copy.replica.epoch() {
-        shared
-            .recent_forwards()
-            .copy_through(&msg.durable_id, &msg.through);
+    // The message's watermark holds once this copy acknowledged the log up to its end in the
+    // message's epoch; a log cut back (a new primary's tail) no longer holds what it said.
+    let holds_watermark = |reply: &Option<Reply>| {
+        !msg.through.is_empty()
+            && matches!(*reply, Some(Reply::Ack { epoch: e, end }) if e == epoch && end >= msg.through_end)
+    };
+    let cut_back = writes.iter().any(|w| {
+        matches!(
+            w.op,
+            WriteOp::Snapshot { .. }
+                | WriteOp::Append {
+                    truncate_to: Some(_),
+                    ..
+                }
+        )
+    });
+    if cut_back {
+        shared.recent_forwards().copy_gone(&msg.durable_id);
     }
     let Some(last) = writes.last() else {
+        if holds_watermark(&reply) {
+            shared
+                .recent_forwards()
+                .copy_through(&msg.durable_id, &msg.through);
+        }
         return PeerResponse::Replicated(reply);
     };
     let mut batch = Batch::new();
@@ -271,6 +284,11 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     }
     if let Some(t) = copy.replica.on_durable(last_id) {
         reply = Some(t.message);
+    }
+    if holds_watermark(&reply) {
+        shared
+            .recent_forwards()
+            .copy_through(&msg.durable_id, &msg.through);
     }
     for body in written {
         if let Ok(r) = decode_body::<EventRecord>(&msg.entries[body].body) {

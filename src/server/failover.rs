@@ -66,7 +66,11 @@ pub const RECENT_LOG_INFO: &[u8] = b"tether-recent-publishes";
 ///
 /// A publish is forgotten once every copy held here is known to hold it: each copy's
 /// replicated watermark (per origin node, the publish-log offset its primary applied and
-/// replicated to every copy, see `watermark.rs`) has passed the publish's origin offset.
+/// replicated to every copy, see `watermark.rs`) has passed the publish's origin offset;
+/// and once every member has applied it (the origin's floor, carried with its forwarded
+/// publishes): a copy this node gets later starts from a primary that holds it. Until then
+/// every publish is kept, with copies held here or not: a node that held no copy when a
+/// publish arrived may get one (a repair) whose primary has not applied it yet and fails.
 ///
 /// Kept durably: each publish is also an entry of a reserved queue of the store
 /// ([`RECENT_LOG_QUEUE`]), written in the batch that applies it and trimmed (acked) as it is
@@ -79,6 +83,8 @@ pub(crate) struct RecentForwards {
     ops: usize,
     /// Per copy (durable id): its latest replicated watermark.
     copies: HashMap<String, Through>,
+    /// Per origin node: every member has applied its publishes up to this offset.
+    floors: Through,
     /// Last offset assigned in the recent-publish log, and the last one trimmed.
     log_end: u64,
     log_acked: u64,
@@ -184,28 +190,47 @@ impl RecentForwards {
         }
     }
 
+    /// Every member has applied `origin`'s publishes up to `floor`.
+    pub(crate) fn origin_floor(&mut self, origin: &str, floor: u64) {
+        if floor == 0 {
+            return;
+        }
+        match self.floors.get_mut(origin) {
+            Some(f) => *f = (*f).max(floor),
+            None => {
+                self.floors.insert(origin.to_string(), floor);
+            }
+        }
+    }
+
     /// Copy `id`'s replicated watermark (empty if none received).
     pub(crate) fn through_of(&self, id: &str) -> Through {
         self.copies.get(id).cloned().unwrap_or_default()
     }
 
-    /// Copy `id` is no longer held here (promoted or dropped).
+    /// Copy `id` is no longer held here (promoted or dropped), or its log was cut back (its
+    /// watermark no longer holds: it is learnt again).
     pub(crate) fn copy_gone(&mut self, id: &str) {
         self.copies.remove(id);
     }
 
-    /// Forgets the oldest publishes every copy in `held` (the copies held here) holds; the
-    /// batch that trims them from the log, if any.
+    /// Forgets the oldest publishes every member applied and every copy in `held` (the copies
+    /// held here) holds; the batch that trims them from the log, if any.
     pub(crate) fn trim(&mut self, held: &[String]) -> Option<Batch> {
         let held_set: HashSet<&str> = held.iter().map(String::as_str).collect();
         self.copies.retain(|id, _| held_set.contains(id.as_str()));
         let covered = |f: &RecentForward| {
-            held.iter().all(|id| {
-                self.copies
-                    .get(id)
-                    .and_then(|t| t.get(&f.origin.node))
-                    .is_some_and(|&x| x >= f.origin.offset)
-            })
+            let everywhere = self
+                .floors
+                .get(&f.origin.node)
+                .is_some_and(|&x| x >= f.origin.offset);
+            everywhere
+                && held.iter().all(|id| {
+                    self.copies
+                        .get(id)
+                        .and_then(|t| t.get(&f.origin.node))
+                        .is_some_and(|&x| x >= f.origin.offset)
+                })
         };
         let mut n = 0;
         while n < self.entries.len() && covered(&self.entries[n].1) {
@@ -518,7 +543,7 @@ pub(crate) fn ensure_shipping(shared: &Arc<Shared>, id: &str, p: &Placement) {
         let Some(q) = core.durable_queue(id) else {
             return;
         };
-        let (qid, epoch, acked) = (q.id, q.epoch, q.acked);
+        let (qid, epoch, acked) = (q.id, q.epoch, q.acked_stored);
         if p.secondaries.is_empty() {
             if let Some(s) = core.set_deliver_cap(qid, None) {
                 drop(core);
@@ -809,6 +834,8 @@ mod tests {
         record(&mut r, "a", 1);
         record(&mut r, "b", 1);
         record(&mut r, "a", 2);
+        r.origin_floor("a", 2);
+        r.origin_floor("b", 1);
         let held = vec!["q1".to_string(), "q2".to_string()];
         r.trim(&held);
         assert_eq!(r.len(), 3, "no copy has a watermark yet");
@@ -831,10 +858,43 @@ mod tests {
     }
 
     #[test]
-    fn without_copies_nothing_is_kept() {
+    fn without_copies_a_publish_is_kept_until_every_member_applied_it() {
         let mut r = RecentForwards::default();
         record(&mut r, "a", 1);
+        record(&mut r, "b", 1);
+        record(&mut r, "a", 2);
         r.trim(&[]);
+        assert_eq!(
+            r.len(),
+            3,
+            "a copy this node gets later may lack any of them"
+        );
+        r.origin_floor("a", 1);
+        r.trim(&[]);
+        assert_eq!(r.len(), 2);
+        r.origin_floor("a", 2);
+        r.trim(&[]);
+        assert_eq!(r.len(), 2, "the oldest, of b, holds the later ones back");
+        r.origin_floor("b", 1);
+        r.origin_floor("b", 0);
+        r.trim(&[]);
+        assert_eq!(r.len(), 0);
+    }
+
+    #[test]
+    fn a_copy_holding_a_publish_does_not_forget_it_before_every_member_applied_it() {
+        let mut r = RecentForwards::default();
+        record(&mut r, "a", 1);
+        let held = vec!["q1".to_string()];
+        r.copy_through("q1", &through(&[("a", 1)]));
+        r.trim(&held);
+        assert_eq!(
+            r.len(),
+            1,
+            "a repair may yet place a copy here whose primary lacks it"
+        );
+        r.origin_floor("a", 1);
+        r.trim(&held);
         assert_eq!(r.len(), 0);
     }
 }

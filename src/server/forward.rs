@@ -58,6 +58,9 @@ pub const FORWARD_RPC_TIMEOUT_MS: u64 = 10_000;
 pub const FORWARD_RETRY_MIN_MS: u64 = 50;
 /// Longest pause between forwarding attempts to an unreachable peer, in milliseconds.
 pub const FORWARD_RETRY_MAX_MS: u64 = 2_000;
+/// With nothing to forward, how often a forwarding task checks whether the floor (what every
+/// peer has applied) moved and should be told, in milliseconds.
+pub const FORWARD_FLOOR_POLL_MS: u64 = 250;
 
 fn sent_key(peer: &str) -> String {
     format!("fwd-sent/{peer}")
@@ -240,6 +243,11 @@ impl Forwarding {
         self.peers.iter().map(|(name, _)| name.as_str())
     }
 
+    /// Every peer has applied this node's publish log up to here (what is trimmed).
+    pub(crate) fn all_applied(&self) -> Offset {
+        self.trimmed.load(Ordering::SeqCst)
+    }
+
     /// Publish-log entries waiting for `peer`.
     pub(crate) fn lag(&self, peer: &str) -> u64 {
         self.committed.borrow().saturating_sub(self.sent(peer))
@@ -290,43 +298,65 @@ pub(crate) async fn forward_loop(
         None => return,
     };
     let mut retry = FORWARD_RETRY_MIN_MS;
+    // The floor the peer was last told (see `PeerRequest::Publish::floor`).
+    let mut floor_told = 0;
     loop {
-        let (entries, me) = {
+        let (entries, me, floor) = {
             let Some(s) = shared.upgrade() else { return };
             let Some(f) = &s.forwarding else { return };
             let from = f.sent(&peer);
             let end = *committed.borrow_and_update();
-            if end <= from {
+            let floor = f.all_applied();
+            if end <= from && floor <= floor_told {
                 drop(s);
-                if committed.changed().await.is_err() {
-                    return;
+                // The floor moves when another peer applies: look again now and then.
+                let wait = Duration::from_millis(FORWARD_FLOOR_POLL_MS);
+                match tokio::time::timeout(wait, committed.changed()).await {
+                    Ok(Err(_)) => return,
+                    Ok(Ok(())) | Err(_) => continue,
                 }
-                continue;
             }
-            let store = s.store.clone();
-            let entries = tokio::task::spawn_blocking(move || read_run(&*store, from, end + 1))
-                .await
-                .unwrap_or_default();
-            (entries, s.node_id.clone())
+            let entries = if end > from {
+                let store = s.store.clone();
+                tokio::task::spawn_blocking(move || read_run(&*store, from, end + 1))
+                    .await
+                    .unwrap_or_default()
+            } else {
+                Vec::new()
+            };
+            (entries, s.node_id.clone(), floor)
         };
-        if entries.is_empty() {
+        if entries.is_empty() && floor <= floor_told {
             // Trimmed below the cursor (should not happen) or not yet readable: wait a bit.
             tokio::time::sleep(Duration::from_millis(retry)).await;
             retry = (retry * 2).min(FORWARD_RETRY_MAX_MS);
             continue;
         }
+        let floor_only = entries.is_empty();
         let request = PeerRequest::Publish {
             origin: me,
             entries,
+            floor,
         };
-        let through = match cluster
+        let answer = cluster
             .call(
                 peer_id,
                 request,
                 Duration::from_millis(FORWARD_RPC_TIMEOUT_MS),
             )
-            .await
-        {
+            .await;
+        let published = matches!(answer, Ok(PeerResponse::Published { .. }));
+        if published {
+            floor_told = floor;
+        }
+        if floor_only {
+            if !published {
+                tokio::time::sleep(Duration::from_millis(retry)).await;
+                retry = (retry * 2).min(FORWARD_RETRY_MAX_MS);
+            }
+            continue;
+        }
+        let through = match answer {
             Ok(PeerResponse::Published { through }) => {
                 retry = FORWARD_RETRY_MIN_MS;
                 Some(through)
@@ -399,6 +429,7 @@ impl PublishSink for PeerInbox {
         &self,
         origin: String,
         entries: Vec<(u64, ForwardedPublish)>,
+        floor: u64,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>> {
         Box::pin(async move {
             let Some(s) = self.0.upgrade() else {
@@ -413,6 +444,7 @@ impl PublishSink for PeerInbox {
                     reason: "not clustered".into(),
                 };
             };
+            s.recent_forwards().origin_floor(&origin, floor);
             let mut applied = f.applied.lock().await;
             let mut done = match applied.get(&origin) {
                 Some(a) => *a,

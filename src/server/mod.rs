@@ -120,11 +120,12 @@ pub(crate) struct Shared {
     pub(crate) shipping: shipping::Shipping,
     /// When each member last answered (clustered nodes).
     pub(crate) liveness: failover::Liveness,
-    /// Publishes applied here lately (forwarded and own), kept while this node holds copies (see
-    /// `failover.rs`: a promotion appends those the failed primary had not shipped).
+    /// Publishes applied here lately (forwarded and own), kept while a copy held here now or
+    /// later may lack them (see `failover.rs`: a promotion appends those the failed primary had
+    /// not shipped).
     pub(crate) recent: Mutex<failover::RecentForwards>,
     /// Per origin node (this one included): the highest publish-log offset whose publish is
-    /// committed here, queue entries visible (read by watermark checkpoints, `watermark.rs`).
+    /// committed here, queue entries visible (read before a shipped queue's end, `watermark.rs`).
     applied_through: Mutex<watermark::Through>,
     /// A member silent this long is declared failed (`node-failure-ms`).
     pub(crate) node_failure: Duration,
@@ -278,11 +279,9 @@ impl Shared {
                 (None, Some(offset)) => plan.first_id.as_ref().map(|id| (id.node.clone(), offset)),
                 (None, None) => None,
             };
-            // While copies are held here, keep the publish for a promotion: the failed primary
-            // may not have shipped it yet.
-            if let (Some(id), Some((_, offset)), true) =
-                (&plan.first_id, &origin_offset, self.copies.held())
-            {
+            // Keep the publish for a promotion of a copy held here now or later: its primary
+            // may fail before it applies or ships the publish.
+            if let (Some(id), Some((_, offset))) = (&plan.first_id, &origin_offset) {
                 self.recent_forwards()
                     .record(&mut batch, id, *offset, ops, &plan.event_ops);
             }
@@ -302,7 +301,7 @@ impl Shared {
                         .filter_map(|(q, _)| core.attached_session(*q))
                         .collect()
                 };
-                // After the entries became visible (a watermark checkpoint reads this first).
+                // After the entries became visible (shipping reads this before a queue's end).
                 if let Some((node, offset)) = origin_offset {
                     let mut t = shared
                         .applied_through
@@ -912,7 +911,7 @@ impl Node {
                 Arc::downgrade(&shared),
                 cluster.clone(),
             )));
-            tasks.push(tokio::spawn(shipping::watermark_loop(Arc::downgrade(
+            tasks.push(tokio::spawn(shipping::recent_trim_loop(Arc::downgrade(
                 &shared,
             ))));
             let _ = shared.cluster.set(cluster);

@@ -21,7 +21,7 @@ use tether_transport::codec::encode_body;
 use tokio::sync::{Notify, mpsc};
 
 use super::Shared;
-use super::watermark::Watermark;
+use super::watermark::Coverage;
 use crate::cluster::Cluster;
 use crate::cluster::meta::RaftId;
 use crate::cluster::network::{
@@ -58,8 +58,8 @@ fn mono_ms() -> u64 {
 
 /// One queue's shipping state.
 pub(crate) struct ShipQueue {
-    /// The watermark checkpoint number when shipping started (see [`Watermark::for_queue`]).
-    watermark_start: u64,
+    /// What the queue's log holds of the publishes this node applied (see `watermark.rs`).
+    coverage: Mutex<Coverage>,
     pub(crate) durable_id: String,
     pub(crate) qid: QueueId,
     shipper: Mutex<Shipper>,
@@ -86,6 +86,10 @@ type Outgoing = (Instant, u64, ReplicateMsg);
 impl ShipQueue {
     fn shipper(&self) -> std::sync::MutexGuard<'_, Shipper> {
         self.shipper.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn coverage(&self) -> std::sync::MutexGuard<'_, Coverage> {
+        self.coverage.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn stop(&self) {
@@ -147,8 +151,6 @@ impl ShipQueue {
 pub(crate) struct Shipping {
     by_id: Mutex<HashMap<String, Arc<ShipQueue>>>,
     by_qid: Mutex<HashMap<QueueId, Arc<ShipQueue>>>,
-    /// How far every copy of the shipped queues holds what this node applied.
-    watermark: Mutex<Watermark>,
 }
 
 impl Shipping {
@@ -158,29 +160,6 @@ impl Shipping {
 
     fn qids(&self) -> std::sync::MutexGuard<'_, HashMap<QueueId, Arc<ShipQueue>>> {
         self.by_qid.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn watermark(&self) -> std::sync::MutexGuard<'_, Watermark> {
-        self.watermark.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Takes a watermark checkpoint (what this node applied, then each shipped queue's end)
-    /// and moves the replicated watermark past the checkpoints every copy now holds.
-    pub(crate) fn checkpoint(&self, shared: &Shared) {
-        let applied = shared.applied_through();
-        let queues = self.all();
-        let ends: Vec<(QueueId, u64)> = {
-            let core = shared.core();
-            queues
-                .iter()
-                .filter_map(|sq| core.queue(sq.qid).map(|q| (sq.qid, q.visible_end)))
-                .collect()
-        };
-        let mut w = self.watermark();
-        w.checkpoint(applied, ends);
-        let qids = self.qids();
-        w.advance(|q| qids.get(&q).map(|sq| *sq.replicated.borrow()));
-        metrics::gauge!(m::WATERMARK_CHECKPOINTS).set(w.pending() as f64);
     }
 
     pub(crate) fn get(&self, id: &str) -> Option<Arc<ShipQueue>> {
@@ -296,7 +275,7 @@ impl Shipping {
         };
         shipper.set_secondaries(secondaries, mono_ms());
         let sq = Arc::new(ShipQueue {
-            watermark_start: self.watermark().shipping_started(),
+            coverage: Mutex::default(),
             durable_id: id.to_string(),
             qid,
             shipper: Mutex::new(shipper),
@@ -318,23 +297,27 @@ impl Shipping {
     }
 }
 
-/// Interval of replicated-watermark checkpoints (and of forgetting recent publishes every
-/// copy here holds), in milliseconds.
-pub const WATERMARK_CHECKPOINT_MS: u64 = 200;
+/// Interval of forgetting the recent publishes every member applied and every copy here holds,
+/// in milliseconds.
+pub const RECENT_TRIM_MS: u64 = 200;
 
-/// Takes watermark checkpoints and trims the recent publishes (clustered nodes), until the node
-/// stops.
-pub(crate) async fn watermark_loop(weak: Weak<Shared>) {
-    let mut interval = tokio::time::interval(Duration::from_millis(WATERMARK_CHECKPOINT_MS));
+/// Trims the recent publishes (clustered nodes), until the node stops.
+pub(crate) async fn recent_trim_loop(weak: Weak<Shared>) {
+    let mut interval = tokio::time::interval(Duration::from_millis(RECENT_TRIM_MS));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         interval.tick().await;
         let Some(shared) = weak.upgrade() else {
             return;
         };
-        shared.shipping.checkpoint(&shared);
         let held = shared.copies.ids();
-        let trimmed = shared.recent_forwards().trim(&held);
+        let trimmed = {
+            let mut recent = shared.recent_forwards();
+            if let Some(f) = &shared.forwarding {
+                recent.origin_floor(&shared.node_id, f.all_applied());
+            }
+            recent.trim(&held)
+        };
         if let Some(b) = trimmed {
             let _ = shared.writer.submit(b, None).await;
         }
@@ -351,14 +334,17 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
         let Some(shared) = weak.upgrade() else {
             return;
         };
+        // Read before the queue's end: its log up to there holds what this counts as applied.
+        let applied = shared.applied_through();
         let seen = shared
             .core()
             .queue(sq.qid)
-            .map(|q| (q.visible_end, q.acked));
+            .map(|q| (q.visible_end, q.acked_stored));
         let Some((visible_end, acked)) = seen else {
             shared.shipping.stop(&sq.durable_id);
             return;
         };
+        sq.coverage().note(applied, visible_end);
         let now = mono_ms();
         // Read before the info (below): the info sent is at least this version.
         let info_version = sq.info_version.load(std::sync::atomic::Ordering::Acquire);
@@ -400,6 +386,7 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
             shared.shipping.stop(&sq.durable_id);
             return;
         }
+        sq.coverage().prune(replicated_end);
         sq.replicated.send_if_modified(|r| {
             let moved = replicated_end > *r;
             *r = (*r).max(replicated_end);
@@ -513,7 +500,11 @@ fn send(
             (ReplicateHeader::Snapshot(h), last, chunks)
         }
     };
-    let through = shared.shipping.watermark().for_queue(sq.watermark_start);
+    let log_end = match &header {
+        ReplicateHeader::Append(h) => h.last,
+        ReplicateHeader::Snapshot(h) => h.log.end(),
+    };
+    let (through_end, through) = sq.coverage().for_end(log_end).cloned().unwrap_or_default();
     let message = |entries: Vec<ShippedEntry>, more: bool| ReplicateMsg {
         from: cluster.id(),
         durable_id: sq.durable_id.clone(),
@@ -522,6 +513,7 @@ fn send(
         entries,
         more,
         through: through.clone(),
+        through_end,
     };
     let mut msgs: Vec<ReplicateMsg> = chunks.into_iter().map(|c| message(c, true)).collect();
     msgs.push(message(entries, false));

@@ -1,33 +1,34 @@
-//! Replicated watermarks: how far, per origin, the copies of this node's queues hold the
-//! publishes this node applied. A sans-IO state machine; `shipping.rs` drives it.
+//! Per-queue watermarks: how far, per origin, a copy of a queue holds the publishes its
+//! primary applied. A sans-IO state machine; `shipping.rs` drives it, `copies.rs` records what
+//! a copy is told.
 //!
-//! Why: a secondary keeps the publishes it applied lately ([`RecentForwards`]) for a promotion
-//! (the failed primary may not have shipped them yet). It may forget a publish only once every
-//! primary of the copies it holds has applied it *and* replicated it to its copies. Applied
-//! publishes are counted per origin by the origin's publish-log offset (each origin's entries
-//! are applied in order, see `forward.rs`), so "everything from origin `o` up to offset `x`" is
-//! one number per origin.
+//! Why: a node keeps the publishes it applied lately ([`RecentForwards`]) for a promotion of
+//! a copy it holds (the failed primary may not have shipped them yet). It may forget a publish
+//! only once each copy it holds is known to hold it (and every member applied it, see
+//! `failover.rs`); a promotion appends only the kept publishes its copy does not hold.
+//! Applied publishes are counted per origin by the origin's publish-log offset (each origin's
+//! entries are applied in order, see `forward.rs`), so "everything from origin `o` up to
+//! offset `x`" is one number per origin ([`Through`]).
 //!
-//! How: every so often the primary takes a checkpoint: the offsets applied so far per origin
-//! ([`Through`]) and, after that, the end of each queue it ships. Once each of those queues has
-//! replicated to its end (or stopped being shipped here), every copy holds what the checkpoint
-//! names: it becomes the replicated watermark, carried by every replication message. A queue
-//! whose shipping started after a checkpoint was taken is not covered by it (a promotion may
-//! have appended older publishes to it), so its messages carry a watermark only from the next
-//! checkpoint on.
+//! How: before the primary reads a queue's committed end `E` to ship it, it reads what it has
+//! applied, `A` (entries become visible before their publish counts as applied, so the queue's
+//! log up to `E` holds every matching publish counted in `A`). The pair `(E, A)` is a
+//! [`Coverage`] point. A message whose log reaches `E` carries the latest such point; the copy
+//! records `A` as its watermark once it acknowledged its log up to `E` (durably, in the message's
+//! epoch), and forgets it if its log is cut back (a new primary with another tail).
 //!
 //! [`RecentForwards`]: super::failover::RecentForwards
 
 use std::collections::{BTreeMap, VecDeque};
 
-use tether_storage::{Offset, QueueId};
+use tether_storage::Offset;
 
 /// Per origin node: the highest publish-log offset covered.
 pub(crate) type Through = BTreeMap<String, u64>;
 
-/// Most checkpoints waiting for replication; while full, no new one is taken (the watermark
-/// then advances in coarser steps, never wrongly).
-pub const WATERMARK_CHECKPOINTS_MAX: usize = 64;
+/// Most coverage points kept per shipped queue; when full, every other one goes (a message may
+/// then carry an older point: the watermark moves in coarser steps, never wrongly).
+pub const COVERAGE_POINTS_MAX: usize = 64;
 
 /// Raises every origin of `into` to at least its value in `from`.
 pub(crate) fn merge(into: &mut Through, from: &Through) {
@@ -37,75 +38,56 @@ pub(crate) fn merge(into: &mut Through, from: &Through) {
     }
 }
 
-struct Checkpoint {
-    /// Checkpoint number (the shipping epoch a queue must predate to be covered).
-    seq: u64,
-    applied: Through,
-    ends: Vec<(QueueId, Offset)>,
-}
-
-/// The primary side: checkpoints and the replicated watermark.
+/// A primary's coverage points of one queue, oldest first: `(end, applied)`, the queue's log up
+/// to `end` holds every matching publish counted in `applied`. Ends and applied offsets only
+/// grow along the list.
 #[derive(Default)]
-pub(crate) struct Watermark {
-    next_seq: u64,
-    pending: VecDeque<Checkpoint>,
-    replicated: Through,
-    /// Number of the latest checkpoint that became the watermark (0: none yet).
-    replicated_seq: u64,
+pub(crate) struct Coverage {
+    points: VecDeque<(Offset, Through)>,
 }
 
-impl Watermark {
-    /// The number a queue whose shipping starts now is given: it is covered by checkpoints
-    /// numbered above it.
-    pub(crate) fn shipping_started(&mut self) -> u64 {
-        self.next_seq
-    }
-
-    /// Takes a checkpoint: `applied`, read before the queue ends `ends` (each end at least what
-    /// the queue held when `applied` was read). Returns false if none was taken (full).
-    pub(crate) fn checkpoint(&mut self, applied: Through, ends: Vec<(QueueId, Offset)>) -> bool {
-        if self.pending.len() >= WATERMARK_CHECKPOINTS_MAX {
-            return false;
+impl Coverage {
+    /// `applied` was read before the queue's committed end `end`.
+    pub(crate) fn note(&mut self, applied: Through, end: Offset) {
+        if applied.is_empty() {
+            return;
         }
-        self.next_seq += 1;
-        self.pending.push_back(Checkpoint {
-            seq: self.next_seq,
-            applied,
-            ends,
-        });
-        true
-    }
-
-    /// Moves the watermark past every oldest checkpoint whose queues all replicated to their
-    /// checkpointed end. `replicated_end(q)`: `None` if `q` is no longer shipped here.
-    pub(crate) fn advance(&mut self, replicated_end: impl Fn(QueueId) -> Option<Offset>) {
-        while let Some(c) = self.pending.front() {
-            let done = c
-                .ends
-                .iter()
-                .all(|&(q, end)| replicated_end(q).is_none_or(|r| r >= end));
-            if !done {
-                break;
-            }
-            let c = self.pending.pop_front().expect("front exists");
-            merge(&mut self.replicated, &c.applied);
-            self.replicated_seq = c.seq;
+        if let Some((e, a)) = self.points.back_mut()
+            && *e == end
+        {
+            *a = applied;
+            return;
         }
+        debug_assert!(
+            self.points.back().is_none_or(|(e, _)| *e < end),
+            "a queue's committed end never falls"
+        );
+        if self.points.len() >= COVERAGE_POINTS_MAX {
+            let mut i = 0;
+            self.points.retain(|_| {
+                i += 1;
+                i % 2 == 1
+            });
+        }
+        self.points.push_back((end, applied));
     }
 
-    /// The watermark a message of a queue whose shipping started at `started` may carry: empty
-    /// until a checkpoint taken after that start is replicated.
-    pub(crate) fn for_queue(&self, started: u64) -> Through {
-        if self.replicated_seq > started {
-            self.replicated.clone()
-        } else {
-            Through::new()
+    /// The point a message whose log reaches `log_end` may carry: the latest at or below it.
+    pub(crate) fn for_end(&self, log_end: Offset) -> Option<&(Offset, Through)> {
+        self.points.iter().rev().find(|(e, _)| *e <= log_end)
+    }
+
+    /// Every copy acknowledged up to `replicated_end`: the points before the latest one at or
+    /// below it are of no more use.
+    pub(crate) fn prune(&mut self, replicated_end: Offset) {
+        while self.points.len() > 1 && self.points[1].0 <= replicated_end {
+            self.points.pop_front();
         }
     }
 
-    /// Checkpoints waiting for replication.
-    pub(crate) fn pending(&self) -> usize {
-        self.pending.len()
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.points.len()
     }
 }
 
@@ -118,61 +100,59 @@ mod tests {
     }
 
     #[test]
-    fn a_checkpoint_counts_once_every_queue_replicated_its_end() {
-        let mut w = Watermark::default();
-        let started = w.shipping_started();
-        assert!(w.checkpoint(through(&[("a", 5), ("b", 2)]), vec![(1, 10), (2, 4)]));
-        w.advance(|q| Some(if q == 1 { 10 } else { 3 }));
-        assert!(w.for_queue(started).is_empty(), "queue 2 is behind");
-        w.advance(|q| Some(if q == 1 { 10 } else { 4 }));
-        assert_eq!(w.for_queue(started), through(&[("a", 5), ("b", 2)]));
-        assert_eq!(w.pending(), 0);
-    }
-
-    #[test]
-    fn a_queue_no_longer_shipped_does_not_hold_the_watermark_back() {
-        let mut w = Watermark::default();
-        w.checkpoint(through(&[("a", 5)]), vec![(1, 10)]);
-        w.advance(|_| None);
-        assert_eq!(w.for_queue(0), through(&[("a", 5)]));
-    }
-
-    #[test]
-    fn checkpoints_advance_in_order() {
-        let mut w = Watermark::default();
-        w.checkpoint(through(&[("a", 1)]), vec![(1, 2)]);
-        w.checkpoint(through(&[("a", 3)]), vec![(1, 6)]);
-        w.advance(|_| Some(5));
-        assert_eq!(w.for_queue(0), through(&[("a", 1)]));
-        w.advance(|_| Some(6));
-        assert_eq!(w.for_queue(0), through(&[("a", 3)]));
-    }
-
-    #[test]
-    fn a_queue_started_after_a_checkpoint_waits_for_the_next_one() {
-        let mut w = Watermark::default();
-        w.checkpoint(through(&[("a", 1)]), vec![]);
-        let late = w.shipping_started();
-        w.advance(|_| Some(0));
-        assert_eq!(w.for_queue(0), through(&[("a", 1)]));
-        assert!(w.for_queue(late).is_empty());
-        w.checkpoint(through(&[("a", 2)]), vec![(7, 3)]);
-        w.advance(|_| Some(3));
-        assert_eq!(w.for_queue(late), through(&[("a", 2)]));
-    }
-
-    #[test]
-    fn at_most_the_bounded_number_of_checkpoints_wait() {
-        let mut w = Watermark::default();
-        for i in 0..(WATERMARK_CHECKPOINTS_MAX as u64 + 10) {
-            w.checkpoint(through(&[("a", i + 1)]), vec![(1, i + 1)]);
-        }
-        assert_eq!(w.pending(), WATERMARK_CHECKPOINTS_MAX);
-        w.advance(|_| Some(u64::MAX));
-        assert_eq!(
-            w.for_queue(0),
-            through(&[("a", WATERMARK_CHECKPOINTS_MAX as u64)])
+    fn a_message_carries_the_latest_point_its_log_reaches() {
+        let mut c = Coverage::default();
+        assert!(c.for_end(10).is_none());
+        c.note(through(&[("a", 5)]), 4);
+        c.note(through(&[("a", 7), ("b", 1)]), 9);
+        assert!(
+            c.for_end(3).is_none(),
+            "the log does not reach the first point"
         );
-        assert!(w.checkpoint(through(&[("a", 99)]), vec![]));
+        assert_eq!(c.for_end(8), Some(&(4, through(&[("a", 5)]))));
+        assert_eq!(c.for_end(9), Some(&(9, through(&[("a", 7), ("b", 1)]))));
+        assert_eq!(c.for_end(100).map(|p| p.0), Some(9));
+    }
+
+    #[test]
+    fn a_later_read_at_the_same_end_replaces_the_point() {
+        let mut c = Coverage::default();
+        c.note(through(&[("a", 5)]), 4);
+        c.note(through(&[("a", 6)]), 4);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c.for_end(4), Some(&(4, through(&[("a", 6)]))));
+        c.note(Through::new(), 8);
+        assert_eq!(c.len(), 1, "nothing applied yet says nothing");
+    }
+
+    #[test]
+    fn points_every_copy_passed_are_pruned_but_the_latest_stays() {
+        let mut c = Coverage::default();
+        for (i, end) in [2, 4, 6, 8].into_iter().enumerate() {
+            c.note(through(&[("a", i as u64 + 1)]), end);
+        }
+        c.prune(5);
+        assert_eq!(c.len(), 3, "4 is the latest at or below 5; 2 goes");
+        assert_eq!(c.for_end(5).map(|p| p.0), Some(4));
+        c.prune(100);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c.for_end(8), Some(&(8, through(&[("a", 4)]))));
+    }
+
+    #[test]
+    fn at_most_the_bounded_number_of_points_are_kept() {
+        let mut c = Coverage::default();
+        for i in 0..(COVERAGE_POINTS_MAX as u64 + 10) {
+            c.note(through(&[("a", i + 1)]), i + 1);
+        }
+        assert!(c.len() <= COVERAGE_POINTS_MAX);
+        let newest = COVERAGE_POINTS_MAX as u64 + 10;
+        assert_eq!(
+            c.for_end(newest),
+            Some(&(newest, through(&[("a", newest)])))
+        );
+        // Every other older point went: a log ending at one of those gets the one before.
+        assert_eq!(c.for_end(2), Some(&(1, through(&[("a", 1)]))));
+        assert_eq!(c.for_end(3).map(|p| p.0), Some(3));
     }
 }
