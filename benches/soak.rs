@@ -16,7 +16,10 @@
 //! RNG decides (the seed is printed; `TETHER_SOAK_SEED` replays a run). At most
 //! `TETHER_SOAK_CONNECTED_MAX` clients are connected at once.
 //!
-//! At the end publishers stop, every client comes back and drains to its live marker, and the
+//! At the end publishers stop, every client comes back and drains to its live marker (a final
+//! session that fails before taking events, e.g. refused while its queue is being promoted,
+//! connects again, up to `FINAL_ATTEMPTS_MAX` times: `final_session_retries`,
+//! `final_sessions_failed`; the queues still holding entries are then printed), and the
 //! run checks, per durable client: every event it must receive (key matches its interest,
 //! published after its registration was acknowledged) was received at least once (`lost=0`);
 //! an event received again always carried `possible_duplicate` (`unflagged_duplicates=0`); the
@@ -78,6 +81,11 @@ const STARTS_PER_TICK: usize = 2;
 const DUP_BIT: u32 = 1 << 31;
 /// Anomaly examples kept for the report.
 const EXAMPLES_MAX: usize = 20;
+/// Final sessions of one client that may fail before taking events (a connect refused with
+/// `unavailable` while its queue is being promoted, a timeout): like an application, the run
+/// connects again, after `FINAL_RETRY_PAUSE`.
+const FINAL_ATTEMPTS_MAX: u32 = 5;
+const FINAL_RETRY_PAUSE: Duration = Duration::from_secs(2);
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -362,6 +370,8 @@ struct Cl {
     sessions: u64,
     ever_connected: bool,
     away_until: Instant,
+    /// The latest session got as far as taking events (connect, register and ready worked).
+    reached_stream: bool,
 }
 
 #[derive(Default)]
@@ -418,6 +428,7 @@ enum End {
     Crash,
 }
 
+#[derive(Clone, Copy)]
 struct Plan {
     consume_for: Duration,
     end: End,
@@ -441,6 +452,7 @@ async fn session(
     stop: Arc<AtomicBool>,
 ) -> Cl {
     cl.sessions += 1;
+    cl.reached_stream = false;
     let t0 = Instant::now();
     let client = match tokio::time::timeout(
         STEP,
@@ -529,6 +541,7 @@ async fn session(
         }
     };
 
+    cl.reached_stream = true;
     let start = Instant::now();
     let deadline = start
         + if plan.last {
@@ -981,6 +994,7 @@ async fn main() {
                 sessions: 0,
                 ever_connected: false,
                 away_until: t_start,
+                reached_stream: false,
             })
         })
         .collect();
@@ -1230,28 +1244,45 @@ async fn main() {
     let mut final_active: tokio::task::JoinSet<Cl> = tokio::task::JoinSet::new();
     let final_deadline =
         tokio::time::Instant::now() + Duration::from_secs(600).max(FINAL_DRAIN * 2);
+    let final_plan = Plan {
+        consume_for: FINAL_DRAIN,
+        end: End::Close,
+        crash_after: None,
+        last: true,
+    };
+    let mut final_attempts = vec![0u32; n_clients];
+    let (mut final_retries, mut final_unreached) = (0u64, 0u64);
     loop {
         while final_active.len() < connected_max {
             let Some(i) = order.pop() else { break };
             let cl = slots[i].take().expect("present");
+            final_attempts[i] += 1;
             final_active.spawn(session(
                 cl,
                 builders[i % n_nodes].clone(),
                 pubs.clone(),
                 stats.clone(),
-                Plan {
-                    consume_for: FINAL_DRAIN,
-                    end: End::Close,
-                    crash_after: None,
-                    last: true,
-                },
+                final_plan,
                 Arc::new(AtomicBool::new(false)),
             ));
         }
         match tokio::time::timeout_at(final_deadline, final_active.join_next()).await {
             Ok(Some(Ok(cl))) => {
                 let i = cl.idx;
-                slots[i] = Some(cl);
+                if cl.reached_stream {
+                    slots[i] = Some(cl);
+                } else if final_attempts[i] < FINAL_ATTEMPTS_MAX {
+                    final_retries += 1;
+                    final_attempts[i] += 1;
+                    let (b, p, st) = (builders[i % n_nodes].clone(), pubs.clone(), stats.clone());
+                    final_active.spawn(async move {
+                        tokio::time::sleep(FINAL_RETRY_PAUSE).await;
+                        session(cl, b, p, st, final_plan, Arc::new(AtomicBool::new(false))).await
+                    });
+                } else {
+                    final_unreached += 1;
+                    slots[i] = Some(cl);
+                }
             }
             Ok(Some(Err(e))) => {
                 panics += 1;
@@ -1269,6 +1300,42 @@ async fn main() {
     let final_secs = t_final.elapsed().as_secs_f64();
     let queues = primary_queues(&admins).await;
     let pending_after: u64 = queues.iter().map(|q| q.pending).sum();
+    if pending_after > 0 {
+        // Where the undelivered entries sit: every node's view of those queues.
+        let stuck_ids: std::collections::HashSet<String> = queues
+            .iter()
+            .filter(|q| q.pending > 0)
+            .filter_map(|q| q.durable_id.clone())
+            .collect();
+        let mut shown = 0;
+        for (n, b) in admins.iter().enumerate() {
+            let Ok(c) = b.clone().connect().await else {
+                continue;
+            };
+            for q in c.queues().await.unwrap_or_default() {
+                if shown < EXAMPLES_MAX * 3
+                    && q.durable_id
+                        .as_ref()
+                        .is_some_and(|id| stuck_ids.contains(id))
+                {
+                    shown += 1;
+                    eprintln!(
+                        "after the final phase, n{}: {:?} {} state {} pending {} acked {} end {} copies {:?} primary {:?}",
+                        n + 1,
+                        q.durable_id,
+                        q.role,
+                        q.state,
+                        q.pending,
+                        q.acked_offset,
+                        q.end_offset,
+                        q.copies,
+                        q.primary
+                    );
+                }
+            }
+            let _ = c.close(false).await;
+        }
+    }
     let final_kb = rss_kb();
 
     // Verdicts.
@@ -1324,6 +1391,7 @@ async fn main() {
     println!("crashes_mid_replay={}", g(&s.crashes_mid_replay));
     println!("live_markers={}", g(&s.lives));
     println!("connect_errors={}", g(&s.connect_errors));
+    println!("final_session_retries={final_retries}");
     println!(
         "refused_duplicate_durable_id={}",
         g(&s.refused_duplicate_id)
@@ -1418,6 +1486,7 @@ async fn main() {
         ),
         ("flag_violations", g(&s.flag_violations)),
         ("final_not_live", g(&s.final_not_live)),
+        ("final_sessions_failed", final_unreached),
         ("never_registered", never_registered),
         ("clients_unaccounted", lost_clients),
         ("task_panics", panics),

@@ -122,7 +122,7 @@ fn describe() {
     describe_gauge!(QUEUE_COPIES, "Queue copies this node holds as a secondary");
     describe_gauge!(
         RECENT_PUBLISH_OPS,
-        "Publish operations kept for a promotion: applied here, not yet held by every copy this node holds"
+        "Publish operations kept for a promotion: applied here, not yet applied by every member or held by every copy this node holds"
     );
     describe_counter!(
         RECENT_PUBLISH_OPS_DROPPED,

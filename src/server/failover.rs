@@ -172,7 +172,7 @@ impl RecentForwards {
             metrics::counter!(m::RECENT_PUBLISH_OPS_DROPPED).increment(dropped as u64);
             tracing::warn!(
                 dropped,
-                "recent publishes forgotten before every copy here held them: copies lag"
+                "recent publishes forgotten before every member applied them and every copy here held them: a member is down or copies lag"
             );
         }
     }
