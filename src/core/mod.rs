@@ -150,9 +150,9 @@ pub struct Queue {
 /// Per publisher (origin node, then session), the highest event sequence held.
 pub type SeenEvents = HashMap<String, HashMap<u64, u64>>;
 
-/// A publish as applied here (forwarded by a peer, or this node's own): kept for a while on a
-/// node holding copies,
-/// so a promotion can append what the failed primary had not shipped yet.
+/// A publish as applied here (forwarded by a peer, or this node's own): kept on every
+/// clustered node until no copy held there, now or later, may lack it, so a promotion can
+/// append what the failed primary had not shipped yet (`server/failover.rs`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RecentForward {
     pub origin: EventOrigin,

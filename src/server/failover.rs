@@ -270,6 +270,33 @@ impl RecentForwards {
     }
 }
 
+/// Interval of forgetting the recent publishes every member applied and every copy here holds,
+/// in milliseconds.
+pub const RECENT_TRIM_MS: u64 = 200;
+
+/// Trims the recent publishes (clustered nodes), until the node stops.
+pub(crate) async fn recent_trim_loop(weak: Weak<Shared>) {
+    let mut interval = tokio::time::interval(Duration::from_millis(RECENT_TRIM_MS));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let Some(shared) = weak.upgrade() else {
+            return;
+        };
+        let held = shared.copies.ids();
+        let trimmed = {
+            let mut recent = shared.recent_forwards();
+            if let Some(f) = &shared.forwarding {
+                recent.origin_floor(&shared.node_id, f.all_applied());
+            }
+            recent.trim(&held)
+        };
+        if let Some(b) = trimmed {
+            let _ = shared.writer.submit(b, None).await;
+        }
+    }
+}
+
 /// When each member last answered a ping.
 #[derive(Default)]
 pub(crate) struct Liveness {

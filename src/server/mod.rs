@@ -911,7 +911,7 @@ impl Node {
                 Arc::downgrade(&shared),
                 cluster.clone(),
             )));
-            tasks.push(tokio::spawn(shipping::recent_trim_loop(Arc::downgrade(
+            tasks.push(tokio::spawn(failover::recent_trim_loop(Arc::downgrade(
                 &shared,
             ))));
             let _ = shared.cluster.set(cluster);
