@@ -79,6 +79,21 @@ const PROGRESS_EVERY: Duration = Duration::from_secs(30);
 const STARTS_PER_TICK: usize = 2;
 /// Receipt record: sequence number in the low 31 bits, possible_duplicate in the top bit.
 const DUP_BIT: u32 = 1 << 31;
+
+/// One event received: `seq | DUP_BIT`, the queue offset it came at and the session.
+#[derive(Clone, Copy)]
+struct Receipt {
+    seq_dup: u32,
+    offset: u32,
+    session: u16,
+}
+
+/// When the run started (the examples give times relative to it).
+static RUN_START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+
+fn run_secs() -> f32 {
+    RUN_START.get().map_or(0.0, |t| t.elapsed().as_secs_f32())
+}
 /// Anomaly examples kept for the report.
 const EXAMPLES_MAX: usize = 20;
 /// Final sessions of one client that may fail before taking events (a connect refused with
@@ -363,8 +378,11 @@ struct Cl {
     spec: Spec,
     matcher: Vec<bool>,
     reg: Option<RegWindow>,
-    /// Every receipt, in arrival order: seq | DUP_BIT.
-    received: Vec<u32>,
+    /// Every receipt, in arrival order.
+    received: Vec<Receipt>,
+    /// Per session that connected (by `sessions - 1`): the node that served it and when it
+    /// connected (seconds into the run), for the examples of an unflagged duplicate.
+    session_log: Vec<(String, f32)>,
     /// Highest queue offset received so far.
     max_offset: u64,
     sessions: u64,
@@ -487,6 +505,9 @@ async fn session(
     };
     let status_ms = t0.elapsed().as_secs_f64() * 1e3;
     inc(&stats.connects);
+    cl.session_log
+        .resize(cl.sessions as usize, (String::new(), 0.0));
+    cl.session_log[cl.sessions as usize - 1] = (client.node_id().to_string(), run_secs());
     let status = client.queue_status();
     match status {
         QueueStatus::Resumed => {
@@ -693,8 +714,11 @@ async fn session(
                     Some(_) => {}
                     None => inc(&stats.no_registration),
                 }
-                cl.received
-                    .push(seq as u32 | if e.possible_duplicate { DUP_BIT } else { 0 });
+                cl.received.push(Receipt {
+                    seq_dup: seq as u32 | if e.possible_duplicate { DUP_BIT } else { 0 },
+                    offset: e.offset as u32,
+                    session: cl.sessions as u16,
+                });
             }
         }
     }
@@ -752,21 +776,40 @@ fn verify(
     };
     let mut recs = cl.received.clone();
     // Stable: arrival order kept among receipts of one event.
-    recs.sort_by_key(|r| r & !DUP_BIT);
+    recs.sort_by_key(|r| r.seq_dup & !DUP_BIT);
     let mut got = vec![false; 0];
     got.resize((total_seq - w.hi.min(total_seq)) as usize, false);
+    let where_ = |r: &Receipt| {
+        let (node, at) = cl
+            .session_log
+            .get(usize::from(r.session).wrapping_sub(1))
+            .cloned()
+            .unwrap_or_default();
+        format!(
+            "offset {} session {} ({node}, connected at {at:.0} s{})",
+            r.offset,
+            r.session,
+            if r.seq_dup & DUP_BIT != 0 {
+                ", flagged"
+            } else {
+                ""
+            }
+        )
+    };
     let mut i = 0;
     while i < recs.len() {
-        let seq = (recs[i] & !DUP_BIT) as u64;
+        let seq = (recs[i].seq_dup & !DUP_BIT) as u64;
         let mut j = i + 1;
-        while j < recs.len() && (recs[j] & !DUP_BIT) as u64 == seq {
-            if recs[j] & DUP_BIT == 0 {
+        while j < recs.len() && (recs[j].seq_dup & !DUP_BIT) as u64 == seq {
+            if recs[j].seq_dup & DUP_BIT == 0 {
                 v.unflagged_duplicates += 1;
                 if examples.len() < EXAMPLES_MAX {
                     examples.push(format!(
-                        "{}: event {seq} ({}) received again without possible_duplicate",
+                        "{}: event {seq} ({}) received again without possible_duplicate: first at {}, again at {}",
                         cl.id,
-                        key_of(seq)
+                        key_of(seq),
+                        where_(&recs[i]),
+                        where_(&recs[j]),
                     ));
                 }
             } else {
@@ -904,6 +947,7 @@ async fn main() {
         .collect();
     let nodes = Arc::new(Mutex::new(nodes));
     let t_start = Instant::now();
+    let _ = RUN_START.set(t_start);
 
     // RSS sampler: this process and every server process.
     let rss = Arc::new(Mutex::new(Rss {
@@ -990,6 +1034,7 @@ async fn main() {
                 spec,
                 reg: None,
                 received: Vec::new(),
+                session_log: Vec::new(),
                 max_offset: 0,
                 sessions: 0,
                 ever_connected: false,
@@ -1355,7 +1400,7 @@ async fn main() {
     let tracker_bytes: usize = slots
         .iter()
         .flatten()
-        .map(|c| c.received.capacity() * 4 + c.matcher.capacity())
+        .map(|c| c.received.capacity() * std::mem::size_of::<Receipt>() + c.matcher.capacity())
         .sum();
     let final_server_kb = nodes.lock().unwrap().rss_kb();
     match Arc::try_unwrap(nodes) {

@@ -29,6 +29,8 @@ pub const PUBLISH_REJECTED: &str = "tether_publish_rejected_total";
 pub const PUBLISH_BLOCKED: &str = "tether_publish_blocked_total";
 pub const QUEUES_DROPPED_FULL: &str = "tether_queues_dropped_full_total";
 pub const CLIENT_ERRORS: &str = "tether_client_errors_total";
+pub const LOCK_HELD_SLOW: &str = "tether_lock_held_slow_total";
+pub const LOCK_WAIT_SLOW: &str = "tether_lock_wait_slow_total";
 pub const FORWARD_LAG: &str = "tether_forward_lag_entries";
 pub const PUBLISH_LOG_BYTES: &str = "tether_publish_log_bytes";
 pub const FORWARDED: &str = "tether_forwarded_publishes_total";
@@ -182,6 +184,14 @@ fn describe() {
         "Queues dropped by the drop-queue policy"
     );
     describe_counter!(CLIENT_ERRORS, "Clients disconnected for an error, by code");
+    describe_counter!(
+        LOCK_HELD_SLOW,
+        "Node state locks held 100 ms or longer, by lock (each also logged with its caller)"
+    );
+    describe_counter!(
+        LOCK_WAIT_SLOW,
+        "Node state locks waited for 100 ms or longer, by lock"
+    );
 }
 
 /// Serves `GET /metrics` on `addr` until the task is dropped. Returns the bound address.

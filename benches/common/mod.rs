@@ -1,5 +1,7 @@
 //! Helpers shared by the benchmarks.
 
+#[path = "../../tests/common/ports.rs"]
+pub mod ports;
 pub mod server;
 
 /// The process's resident memory, in KiB (0 where /proc is missing).

@@ -34,14 +34,32 @@ impl ServerProcess {
         if !extra.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }
+        // A cluster node's log lines carry its node id, so that interleaved logs can be read.
+        let label = extra
+            .iter()
+            .position(|a| *a == "--node-id")
+            .and_then(|i| extra.get(i + 1))
+            .map(|id| id.to_string());
         let mut child = cmd
             .args(extra)
             .arg("--data-dir")
             .arg(data)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(if label.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
             .spawn()
             .expect("spawn tether server");
+        if let (Some(label), Some(err)) = (label, child.stderr.take()) {
+            std::thread::spawn(move || {
+                for line in BufReader::new(err).lines() {
+                    let Ok(line) = line else { break };
+                    eprintln!("[{label}] {line}");
+                }
+            });
+        }
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap())
             .read_line(&mut line)
@@ -146,15 +164,8 @@ impl Nodes {
                 std::fs::copy(first.ca.with_file_name("ca.key"), t.join("ca.key")).unwrap();
             }
         }
-        // Free ports: bound, read, released (the nodes bind them right after).
-        let socks: Vec<std::net::UdpSocket> = (0..n)
-            .map(|_| std::net::UdpSocket::bind("127.0.0.1:0").expect("bind"))
-            .collect();
-        let ports = socks
-            .iter()
-            .map(|s| s.local_addr().unwrap().port())
-            .collect();
-        drop(socks);
+        // Outside the ephemeral range: a killed node restarts on its port while clients churn.
+        let ports = super::ports::free_ports(n);
         let mut nodes = Nodes {
             dirs,
             ports,

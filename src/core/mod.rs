@@ -210,13 +210,11 @@ impl Queue {
     fn holds(&self, node: &str, session: u64, seq: u64, offset: u64) -> bool {
         self.held_through
             .as_ref()
-            .and_then(|t| t.get(node))
-            .is_some_and(|&x| x >= offset)
-            || self.seen.as_ref().is_some_and(|seen| {
-                seen.get(node)
-                    .and_then(|s| s.get(&session))
-                    .is_some_and(|&max| max >= seq)
-            })
+            .is_some_and(|t| through_holds(t, node, offset))
+            || self
+                .seen
+                .as_ref()
+                .is_some_and(|seen| seen_holds(seen, node, session, seq))
     }
 
     /// Appends the encoded event `body` (with id `id`) at the next offset; returns the offset.
@@ -383,6 +381,78 @@ pub struct EventOrigin {
 }
 
 /// Records event `id` in a per-publisher high-water map (see [`Queue::seen`]).
+/// Whether watermark `through` covers offset `offset` of origin `node`'s publish log.
+fn through_holds(through: &BTreeMap<String, u64>, node: &str, offset: u64) -> bool {
+    through.get(node).is_some_and(|&x| x >= offset)
+}
+
+/// Whether `seen` holds event `seq` of publisher `(node, session)` (or a later one of it).
+fn seen_holds(seen: &SeenEvents, node: &str, session: u64, seq: u64) -> bool {
+    seen.get(node)
+        .and_then(|s| s.get(&session))
+        .is_some_and(|&max| max >= seq)
+}
+
+/// An event a promoted queue lacks, encoded for [`NodeCore::reapply_forwarded`].
+pub struct ReapplyEvent {
+    id: EventId,
+    body: Arc<[u8]>,
+    wants_values: bool,
+}
+
+/// The events of `forwards` (kept publishes, oldest first) that a queue registered for
+/// `interests` wants and does not hold by `seen` and `held_through` (see
+/// [`NodeCore::reapply_forwarded`]), encoded. Pure and possibly long (every kept publish is
+/// matched): a promotion runs it off the core lock.
+pub fn events_to_reapply(
+    interests: &[(String, Selector, Registration)],
+    seen: &SeenEvents,
+    held_through: &BTreeMap<String, u64>,
+    forwards: &[Arc<RecentForward>],
+) -> Vec<ReapplyEvent> {
+    // The queue's interest alone, matched exactly as the node's index matches it.
+    const ME: QueueId = 0;
+    let mut index = InterestIndex::default();
+    for (region, selector, reg) in interests {
+        index.insert(region, selector, ME, reg.receive_values);
+    }
+    let mut out = Vec::new();
+    let mut scratch = BTreeMap::new();
+    for f in forwards {
+        let o = &f.origin;
+        if through_holds(held_through, &o.node, o.offset) {
+            continue;
+        }
+        for (i, (op, event_op)) in f.ops.iter().enumerate() {
+            let seq = o.first_seq + i as u64;
+            let (region, key) = op_target(op);
+            index.matches(region, key, &mut scratch);
+            let Some(&wants_values) = scratch.get(&ME) else {
+                continue;
+            };
+            if seen_holds(seen, &o.node, o.session, seq) {
+                continue;
+            }
+            let id = EventId {
+                node: o.node.clone(),
+                session: o.session,
+                seq,
+            };
+            let value = match op {
+                PublishOp::Put { value, .. } => Some(value),
+                _ => None,
+            };
+            let (record, body) = encode_event(id, region, key, *event_op, value);
+            out.push(ReapplyEvent {
+                id: record.id,
+                body,
+                wants_values,
+            });
+        }
+    }
+    out
+}
+
 pub fn note_seen(seen: &mut SeenEvents, id: &EventId) {
     let sessions = match seen.get_mut(id.node.as_str()) {
         Some(s) => s,
@@ -690,59 +760,34 @@ impl NodeCore {
     }
 
     /// Right after [`adopt_copy`](Self::adopt_copy): appends to the promoted queue `qid` the
-    /// events of `forwards` (publishes peers forwarded here, oldest first) that match its
-    /// interest and that it does not hold yet, the ones the failed primary had not shipped.
-    /// `seen` holds, per publisher, the highest sequence the copy ever held (see
-    /// [`Queue::seen`]). Everything now in the queue
-    /// counts as possibly delivered. Returns the batch and the new end (visible once the batch
-    /// is committed, through [`committed`](Self::committed)).
+    /// events the failed primary had not shipped, `events` from [`events_to_reapply`] over the
+    /// publishes kept here. `seen` holds, per publisher, the highest sequence the copy ever held
+    /// (see [`Queue::seen`]) and `held_through` its watermark; both stay with the queue to tell
+    /// publishes it holds from new ones. Everything now in the queue counts as possibly
+    /// delivered. Returns the batch and the new end (visible once the batch is committed,
+    /// through [`committed`](Self::committed)).
     pub fn reapply_forwarded(
         &mut self,
         qid: QueueId,
         now_ms: u64,
         seen: SeenEvents,
         held_through: BTreeMap<String, u64>,
-        forwards: &[RecentForward],
+        events: Vec<ReapplyEvent>,
     ) -> Option<(Batch, Offset)> {
+        let interval = bytes::mark_interval_bytes(self.limits.queue_bytes_max);
         let q = self.queues.get_mut(&qid)?;
         q.seen = Some(Box::new(seen));
         q.held_through = Some(Box::new(held_through));
-        let interval = bytes::mark_interval_bytes(self.limits.queue_bytes_max);
         let mut batch = Batch::new();
-        let mut scratch = BTreeMap::new();
-        for f in forwards {
-            for (i, (op, event_op)) in f.ops.iter().enumerate() {
-                let seq = f.origin.first_seq + i as u64;
-                let (region, key) = op_target(op);
-                scratch.clear();
-                self.index.matches(region, key, &mut scratch);
-                let Some(&wants_values) = scratch.get(&qid) else {
-                    continue;
-                };
-                let q = self.queues.get_mut(&qid)?;
-                if q.holds(&f.origin.node, f.origin.session, seq, f.origin.offset) {
-                    continue;
-                }
-                let id = EventId {
-                    node: f.origin.node.clone(),
-                    session: f.origin.session,
-                    seq,
-                };
-                let value = match op {
-                    PublishOp::Put { value, .. } => Some(value),
-                    _ => None,
-                };
-                let (record, body) = encode_event(id, region, key, *event_op, value);
-                q.append_event(
-                    &body,
-                    &record.id,
-                    wants_values,
-                    (now_ms, interval),
-                    &mut batch,
-                );
-            }
+        for e in events {
+            q.append_event(
+                &e.body,
+                &e.id,
+                e.wants_values,
+                (now_ms, interval),
+                &mut batch,
+            );
         }
-        let q = self.queues.get_mut(&qid)?;
         q.delivered = q.end;
         batch.set_delivered(qid, q.end);
         Some((batch, q.end))
@@ -1612,5 +1657,77 @@ impl NodeCore {
     /// Durable ids currently known (attached or away).
     pub fn durable_ids(&self) -> BTreeSet<String> {
         self.durable.keys().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(key: &str) -> (PublishOp, EventOp) {
+        let op = PublishOp::Put {
+            region: "R".into(),
+            key: key.into(),
+            value: b"v".to_vec(),
+        };
+        (op, EventOp::Create)
+    }
+
+    fn forward(
+        node: &str,
+        session: u64,
+        first_seq: u64,
+        offset: u64,
+        keys: &[&str],
+    ) -> Arc<RecentForward> {
+        Arc::new(RecentForward {
+            origin: EventOrigin {
+                node: node.into(),
+                session,
+                first_seq,
+                offset,
+            },
+            ops: keys.iter().map(|k| put(k)).collect(),
+        })
+    }
+
+    fn reg(receive_values: bool) -> Registration {
+        Registration {
+            durable: true,
+            receive_values,
+        }
+    }
+
+    #[test]
+    fn reapplied_events_are_the_matching_ones_not_held() {
+        let interests = vec![
+            ("R".to_string(), Selector::Key("k1".into()), reg(true)),
+            ("R".to_string(), Selector::Regex("k[23]".into()), reg(false)),
+            ("S".to_string(), Selector::All, reg(true)),
+        ];
+        let forwards = vec![
+            // Covered by the watermark of origin "a".
+            forward("a", 1, 1, 5, &["k1"]),
+            // k1 wants values, k2 and k3 (regex) do not, k4 matches nothing.
+            forward("a", 1, 2, 6, &["k1", "k2", "k3", "k4"]),
+            // Session 7 of "b" was seen up to sequence 2.
+            forward("b", 7, 1, 1, &["k1", "k2", "k3"]),
+        ];
+        let seen: SeenEvents = HashMap::from([("b".to_string(), HashMap::from([(7, 2)]))]);
+        let through = BTreeMap::from([("a".to_string(), 5)]);
+        let got: Vec<(String, u64, bool)> =
+            events_to_reapply(&interests, &seen, &through, &forwards)
+                .into_iter()
+                .map(|e| (e.id.node, e.id.seq, e.wants_values))
+                .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("a".to_string(), 2, true),
+                ("a".to_string(), 3, false),
+                ("a".to_string(), 4, false),
+                ("b".to_string(), 3, false),
+            ]
+        );
     }
 }

@@ -79,7 +79,7 @@ pub const RECENT_LOG_INFO: &[u8] = b"tether-recent-publishes";
 #[derive(Default)]
 pub(crate) struct RecentForwards {
     /// (offset in the recent-publish log, publish).
-    entries: std::collections::VecDeque<(u64, RecentForward)>,
+    entries: std::collections::VecDeque<(u64, Arc<RecentForward>)>,
     ops: usize,
     /// Per copy (durable id): its latest replicated watermark.
     copies: HashMap<String, Through>,
@@ -119,7 +119,7 @@ impl RecentForwards {
                         {
                             Ok(f) => {
                                 r.ops += f.ops.len();
-                                r.entries.push_back((offset, f));
+                                r.entries.push_back((offset, Arc::new(f)));
                             }
                             Err(e) => bad = Some(format!("recent publish {offset}: {e}")),
                         },
@@ -157,7 +157,7 @@ impl RecentForwards {
         self.log_end += 1;
         batch.append(RECENT_LOG_QUEUE, self.log_end, Entry::new(0, body));
         self.ops += f.ops.len();
-        self.entries.push_back((self.log_end, f));
+        self.entries.push_back((self.log_end, Arc::new(f)));
         let mut dropped = 0;
         while self.ops > RECENT_FORWARD_OPS_MAX {
             let Some((at, f)) = self.entries.pop_front() else {
@@ -215,8 +215,13 @@ impl RecentForwards {
     }
 
     /// Forgets the oldest publishes every member applied and every copy in `held` (the copies
-    /// held here) holds; the batch that trims them from the log, if any.
-    pub(crate) fn trim(&mut self, held: &[String]) -> Option<Batch> {
+    /// held here) holds; the batch that trims them from the log, if any. The forgotten
+    /// publishes go to `forgotten`, to be freed by the caller once it released the lock.
+    pub(crate) fn trim(
+        &mut self,
+        held: &[String],
+        forgotten: &mut Vec<Arc<RecentForward>>,
+    ) -> Option<Batch> {
         let held_set: HashSet<&str> = held.iter().map(String::as_str).collect();
         self.copies.retain(|id, _| held_set.contains(id.as_str()));
         let covered = |f: &RecentForward| {
@@ -239,6 +244,7 @@ impl RecentForwards {
         for (at, f) in self.entries.drain(..n) {
             self.ops -= f.ops.len();
             self.log_acked = at;
+            forgotten.push(f);
         }
         metrics::gauge!(m::RECENT_PUBLISH_OPS).set(self.ops as f64);
         if n == 0 {
@@ -249,11 +255,15 @@ impl RecentForwards {
         Some(b)
     }
 
-    /// The publishes copy `id` may lack (those its watermark has not passed).
-    fn snapshot_for(&self, id: &str) -> Vec<RecentForward> {
+    /// The publishes copy `id` may lack (those its watermark has not passed) kept after offset
+    /// `after` of the recent-publish log, and the log's last offset (the `after` of a later
+    /// call that takes only what came since). Shares the publishes: cheap under the lock.
+    pub(crate) fn snapshot_for(&self, id: &str, after: u64) -> (Vec<Arc<RecentForward>>, u64) {
         let through = self.copies.get(id);
-        self.entries
-            .iter()
+        let first = self.entries.partition_point(|(at, _)| *at <= after);
+        let publishes = self
+            .entries
+            .range(first..)
             .map(|(_, f)| f)
             .filter(|f| {
                 through
@@ -261,7 +271,8 @@ impl RecentForwards {
                     .is_none_or(|&x| x < f.origin.offset)
             })
             .cloned()
-            .collect()
+            .collect();
+        (publishes, self.log_end)
     }
 
     #[cfg(test)]
@@ -284,13 +295,15 @@ pub(crate) async fn recent_trim_loop(weak: Weak<Shared>) {
             return;
         };
         let held = shared.copies.ids();
+        let mut forgotten = Vec::new();
         let trimmed = {
             let mut recent = shared.recent_forwards();
             if let Some(f) = &shared.forwarding {
                 recent.origin_floor(&shared.node_id, f.all_applied());
             }
-            recent.trim(&held)
+            recent.trim(&held, &mut forgotten)
         };
+        drop(forgotten);
         if let Some(b) = trimmed {
             let _ = shared.writer.submit(b, None).await;
         }
@@ -463,14 +476,50 @@ pub(crate) async fn reconcile_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
     }
 }
 
+/// Promotions run at once by the reconciler (each matches the kept publishes on a blocking
+/// thread and waits for a commit; one after the other, hundreds take tens of seconds after a
+/// member fails, while their clients are told `unavailable`).
+pub const PROMOTIONS_AT_ONCE: usize = 4;
+/// Redundancy repairs (metadata writes) run at once by the reconciler.
+pub const REPAIRS_AT_ONCE: usize = 8;
+
+/// Runs `jobs` as tasks, at most `at_once` at a time, and waits for all of them.
+async fn run_bounded<F>(jobs: impl IntoIterator<Item = F>, at_once: usize)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    let mut set = tokio::task::JoinSet::new();
+    for job in jobs {
+        while set.len() >= at_once {
+            set.join_next().await;
+        }
+        set.spawn(job);
+    }
+    while set.join_next().await.is_some() {}
+}
+
 async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     let me = cluster.id();
+    // Promotions first: their clients wait for them.
+    let promotions = shared.copies.ids().into_iter().filter_map(|id| {
+        let p = cluster.placement(&id).filter(|p| p.primary == me)?;
+        let (shared, cell) = (shared.clone(), shared.copies.get(&id)?);
+        Some(async move {
+            let mut copy = cell.lock().await;
+            if !copy.gone && p.epoch > copy.replica.epoch() {
+                promote(&shared, &id, &mut copy, &p).await;
+            }
+        })
+    });
+    run_bounded(promotions.collect::<Vec<_>>(), PROMOTIONS_AT_ONCE).await;
     let own: Vec<(String, u64)> = shared.core().durable_epochs();
+    let mut repairs = Vec::new();
     for (id, epoch) in own {
         match cluster.placement(&id) {
             Some(p) if p.primary == me => {
                 ensure_shipping(shared, &id, &p);
-                repair(shared, cluster, &id, &p).await;
+                let (shared, cluster) = (shared.clone(), cluster.clone());
+                repairs.push(async move { repair(&shared, &cluster, &id, &p).await });
             }
             Some(p) if p.epoch > epoch => depose(shared, &id, &p).await,
             Some(_) => {}
@@ -486,6 +535,7 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
             }
         }
     }
+    run_bounded(repairs, REPAIRS_AT_ONCE).await;
     let applied = cluster.applied_index();
     for id in shared.copies.ids() {
         let Some(cell) = shared.copies.get(&id) else {
@@ -496,9 +546,8 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
             continue;
         }
         match cluster.placement(&id) {
-            Some(p) if p.primary == me && p.epoch > copy.replica.epoch() => {
-                promote(shared, &id, &mut copy, &p).await;
-            }
+            // Promoted above (or the promotion failed and is tried again next time).
+            Some(p) if p.primary == me && p.epoch > copy.replica.epoch() => {}
             Some(p) if p.secondaries.contains(&me) => {}
             _ if applied >= copy.replica.epoch() => {
                 // Not ours any more (expired, released, or another replica set): drop it.
@@ -758,15 +807,37 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
             return;
         }
     };
+    // Matching every kept publish against the queue's interest takes long with many kept:
+    // done on a blocking thread, outside the core lock. What is kept after this snapshot is
+    // matched under the lock, where the queue joins the index (later publishes reach it there).
+    let (recent, upto) = shared.recent_forwards().snapshot_for(id, 0);
+    let interests = info.interests.clone();
+    let events = {
+        let (interests, held, through) = (interests.clone(), held.clone(), held_through.clone());
+        tokio::task::spawn_blocking(move || {
+            crate::core::events_to_reapply(&interests, &held, &through, &recent)
+        })
+        .await
+    };
+    let Ok(mut events) = events else {
+        tracing::error!(durable_id = %id, "promotion: matching the kept publishes failed");
+        return;
+    };
     let adopted = shared
         .apply(|core| {
             let now = now_ms();
             let mut batch = core
                 .adopt_copy(qid, info, bytes, epoch, now)
                 .map_err(super::internal)?;
-            let recent = shared.recent_forwards().snapshot_for(id);
+            let (late, _) = shared.recent_forwards().snapshot_for(id, upto);
+            events.extend(crate::core::events_to_reapply(
+                &interests,
+                &held,
+                &held_through,
+                &late,
+            ));
             let (more, end) = core
-                .reapply_forwarded(qid, now, held, held_through, &recent)
+                .reapply_forwarded(qid, now, held, held_through, events)
                 .ok_or_else(|| super::internal("promoted queue vanished"))?;
             batch.extend(more);
             Ok((end, batch))
@@ -856,6 +927,20 @@ mod tests {
     }
 
     #[test]
+    fn a_snapshot_after_an_offset_takes_only_what_was_kept_since() {
+        let mut r = RecentForwards::default();
+        record(&mut r, "a", 1);
+        record(&mut r, "a", 2);
+        let (all, upto) = r.snapshot_for("q", 0);
+        assert_eq!(all.len(), 2);
+        record(&mut r, "a", 3);
+        let (late, upto) = r.snapshot_for("q", upto);
+        let offsets: Vec<u64> = late.iter().map(|f| f.origin.offset).collect();
+        assert_eq!(offsets, vec![3]);
+        assert!(r.snapshot_for("q", upto).0.is_empty());
+    }
+
+    #[test]
     fn a_publish_is_kept_until_every_copy_holds_it_however_long_that_takes() {
         let mut r = RecentForwards::default();
         record(&mut r, "a", 1);
@@ -864,23 +949,23 @@ mod tests {
         r.origin_floor("a", 2);
         r.origin_floor("b", 1);
         let held = vec!["q1".to_string(), "q2".to_string()];
-        r.trim(&held);
+        r.trim(&held, &mut Vec::new());
         assert_eq!(r.len(), 3, "no copy has a watermark yet");
         r.copy_through("q1", &through(&[("a", 2), ("b", 1)]));
-        r.trim(&held);
+        r.trim(&held, &mut Vec::new());
         assert_eq!(r.len(), 3, "q2 holds nothing yet");
-        assert_eq!(r.snapshot_for("q1").len(), 0);
-        assert_eq!(r.snapshot_for("q2").len(), 3);
+        assert_eq!(r.snapshot_for("q1", 0).0.len(), 0);
+        assert_eq!(r.snapshot_for("q2", 0).0.len(), 3);
         r.copy_through("q2", &through(&[("a", 1)]));
-        r.trim(&held);
+        r.trim(&held, &mut Vec::new());
         assert_eq!(r.len(), 2, "the first one is held by both");
         // Watermarks never go back.
         r.copy_through("q2", &through(&[("a", 0), ("b", 1)]));
-        r.trim(&held);
+        r.trim(&held, &mut Vec::new());
         assert_eq!(r.len(), 1);
-        assert_eq!(r.snapshot_for("q2")[0].origin.offset, 2);
+        assert_eq!(r.snapshot_for("q2", 0).0[0].origin.offset, 2);
         // A copy no longer held does not hold anything back.
-        r.trim(&["q1".to_string()]);
+        r.trim(&["q1".to_string()], &mut Vec::new());
         assert_eq!(r.len(), 0);
     }
 
@@ -890,21 +975,21 @@ mod tests {
         record(&mut r, "a", 1);
         record(&mut r, "b", 1);
         record(&mut r, "a", 2);
-        r.trim(&[]);
+        r.trim(&[], &mut Vec::new());
         assert_eq!(
             r.len(),
             3,
             "a copy this node gets later may lack any of them"
         );
         r.origin_floor("a", 1);
-        r.trim(&[]);
+        r.trim(&[], &mut Vec::new());
         assert_eq!(r.len(), 2);
         r.origin_floor("a", 2);
-        r.trim(&[]);
+        r.trim(&[], &mut Vec::new());
         assert_eq!(r.len(), 2, "the oldest, of b, holds the later ones back");
         r.origin_floor("b", 1);
         r.origin_floor("b", 0);
-        r.trim(&[]);
+        r.trim(&[], &mut Vec::new());
         assert_eq!(r.len(), 0);
     }
 
@@ -914,14 +999,14 @@ mod tests {
         record(&mut r, "a", 1);
         let held = vec!["q1".to_string()];
         r.copy_through("q1", &through(&[("a", 1)]));
-        r.trim(&held);
+        r.trim(&held, &mut Vec::new());
         assert_eq!(
             r.len(),
             1,
             "a repair may yet place a copy here whose primary lacks it"
         );
         r.origin_floor("a", 1);
-        r.trim(&held);
+        r.trim(&held, &mut Vec::new());
         assert_eq!(r.len(), 0);
     }
 }

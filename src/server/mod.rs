@@ -15,6 +15,7 @@ mod conn;
 mod copies;
 mod failover;
 mod forward;
+mod locks;
 mod placement;
 mod revocation;
 mod shipping;
@@ -25,7 +26,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tether_storage::{Batch, RocksStore, Store};
@@ -135,12 +136,14 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    fn core(&self) -> MutexGuard<'_, NodeCore> {
-        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    #[track_caller]
+    fn core(&self) -> locks::Timed<'_, NodeCore> {
+        locks::lock(&self.core, "core")
     }
 
-    pub(crate) fn recent_forwards(&self) -> MutexGuard<'_, failover::RecentForwards> {
-        self.recent.lock().unwrap_or_else(|p| p.into_inner())
+    #[track_caller]
+    pub(crate) fn recent_forwards(&self) -> locks::Timed<'_, failover::RecentForwards> {
+        locks::lock(&self.recent, "recent")
     }
 
     /// A snapshot of what this node applied, per origin (see `applied_through`).
@@ -164,25 +167,30 @@ impl Shared {
 
     /// Runs `f` on the core and submits its batch while still holding the lock, so commits
     /// follow the core's order; then waits for durability.
-    async fn apply<T>(
-        &self,
-        f: impl FnOnce(&mut NodeCore) -> Result<(T, Batch), WireError>,
-    ) -> Result<T, WireError> {
-        let _permit = self
-            .write_permits
-            .acquire()
-            .await
-            .map_err(|_| shutdown_error())?;
-        let (value, rx) = {
-            let mut core = self.core();
-            let (value, batch) = f(&mut core)?;
-            if batch.is_empty() {
-                return Ok(value);
-            }
-            (value, self.writer.submit(batch, None))
-        };
-        wait_commit(rx).await?;
-        Ok(value)
+    /// (Not an `async fn`, so that a long hold of the core is logged with the caller's place.)
+    #[track_caller]
+    fn apply<'a, T: 'a>(
+        &'a self,
+        f: impl FnOnce(&mut NodeCore) -> Result<(T, Batch), WireError> + 'a,
+    ) -> impl Future<Output = Result<T, WireError>> + 'a {
+        let at = std::panic::Location::caller();
+        async move {
+            let _permit = self
+                .write_permits
+                .acquire()
+                .await
+                .map_err(|_| shutdown_error())?;
+            let (value, rx) = {
+                let mut core = locks::lock_at(&self.core, "core", at);
+                let (value, batch) = f(&mut core)?;
+                if batch.is_empty() {
+                    return Ok(value);
+                }
+                (value, self.writer.submit(batch, None))
+            };
+            wait_commit(rx).await?;
+            Ok(value)
+        }
     }
 
     /// Publishes operations for a session: validates, assigns offsets, commits, wakes the

@@ -11,16 +11,7 @@ use tether_transport::tls;
 
 use super::WAIT;
 
-/// Free UDP ports on loopback (bound, read, released: the nodes bind them right after).
-pub fn free_ports(n: usize) -> Vec<u16> {
-    let socks: Vec<std::net::UdpSocket> = (0..n)
-        .map(|_| std::net::UdpSocket::bind("127.0.0.1:0").expect("bind"))
-        .collect();
-    socks
-        .iter()
-        .map(|s| s.local_addr().expect("addr").port())
-        .collect()
-}
+pub use super::ports::free_ports;
 
 /// Data dirs sharing one cluster CA: each node signs its own certificate with it at start.
 pub fn cluster_dirs(n: usize) -> Vec<tempfile::TempDir> {

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 pub mod cluster;
 pub mod crash;
+pub mod ports;
 
 use tether::auth::AuthConfig;
 use tether::client::{Client, ClientBuilder, ClientEvent, Event, EventStream};
