@@ -657,6 +657,7 @@ mod findings {
                 promoted_at: 0,
                 copy: None,
                 copy_through: Default::default(),
+                copy_seen: Default::default(),
             })
             .unwrap()
         };

@@ -98,6 +98,11 @@ pub struct QueueInfo {
     /// publish-log offset through which it holds every matching publish).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub copy_through: BTreeMap<String, u64>,
+    /// Set on a copy: per publisher, the highest event sequence ever written to it, as last
+    /// stored (a restarted node still knows the events its copy held and its client acknowledged,
+    /// so a promotion does not append them again).
+    #[serde(default, skip_serializing_if = "HashMap::is_empty")]
+    pub copy_seen: SeenEvents,
 }
 
 /// Where a queue's client is.
@@ -270,6 +275,7 @@ impl Queue {
             promoted_at: self.promoted_at,
             copy: None,
             copy_through: BTreeMap::new(),
+            copy_seen: HashMap::new(),
         }
     }
 
@@ -451,6 +457,26 @@ pub fn events_to_reapply(
         }
     }
     out
+}
+
+/// Most publisher sessions a copy's [`SeenEvents`] keeps (it is stored with every write of the
+/// copy); beyond, it is cut to three quarters, keeping the highest session ids: an old
+/// session's events are long past the copy's watermark.
+pub const SEEN_SESSIONS_MAX: usize = 1024;
+
+/// Cuts `seen` per [`SEEN_SESSIONS_MAX`].
+pub fn bound_seen(seen: &mut SeenEvents) {
+    let total: usize = seen.values().map(HashMap::len).sum();
+    if total <= SEEN_SESSIONS_MAX {
+        return;
+    }
+    let mut sessions: Vec<u64> = seen.values().flat_map(|s| s.keys().copied()).collect();
+    sessions.sort_unstable_by(|a, b| b.cmp(a));
+    let lowest_kept = sessions[SEEN_SESSIONS_MAX * 3 / 4 - 1];
+    for s in seen.values_mut() {
+        s.retain(|&session, _| session >= lowest_kept);
+    }
+    seen.retain(|_, s| !s.is_empty());
 }
 
 pub fn note_seen(seen: &mut SeenEvents, id: &EventId) {
@@ -1696,6 +1722,38 @@ mod tests {
             durable: true,
             receive_values,
         }
+    }
+
+    #[test]
+    fn seen_is_cut_to_the_latest_sessions() {
+        let mut seen = SeenEvents::new();
+        for session in 1..=SEEN_SESSIONS_MAX as u64 {
+            let node = if session % 2 == 0 { "a" } else { "b" };
+            let id = EventId {
+                node: node.into(),
+                session,
+                seq: 7,
+            };
+            note_seen(&mut seen, &id);
+        }
+        bound_seen(&mut seen);
+        assert_eq!(
+            seen.values().map(HashMap::len).sum::<usize>(),
+            SEEN_SESSIONS_MAX
+        );
+        let id = EventId {
+            node: "a".into(),
+            session: SEEN_SESSIONS_MAX as u64 + 2,
+            seq: 1,
+        };
+        note_seen(&mut seen, &id);
+        bound_seen(&mut seen);
+        let kept: Vec<u64> = seen.values().flat_map(|s| s.keys().copied()).collect();
+        assert_eq!(kept.len(), SEEN_SESSIONS_MAX * 3 / 4);
+        // The newest 3/4 stay: the new session and the highest of the first ones.
+        let oldest_kept = SEEN_SESSIONS_MAX as u64 - (SEEN_SESSIONS_MAX * 3 / 4 - 2) as u64;
+        assert_eq!(kept.iter().min(), Some(&oldest_kept));
+        assert!(seen_holds(&seen, "a", SEEN_SESSIONS_MAX as u64 + 2, 1));
     }
 
     #[test]

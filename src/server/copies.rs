@@ -35,8 +35,9 @@ pub(crate) struct Copy {
     pub(crate) info: QueueInfo,
     /// Removed from [`Copies`] (promoted or dropped): later messages are ignored.
     pub(crate) gone: bool,
-    /// Per publisher `(node, session)`, the highest event sequence written to this copy since
-    /// the node started (with the entries held, what a promotion must not append again).
+    /// Per publisher `(node, session)`, the highest event sequence ever written to this copy
+    /// (with the entries held, what a promotion must not append again); stored with each write
+    /// of the copy (`QueueInfo::copy_seen`).
     pub(crate) seen: crate::core::SeenEvents,
     /// The copy's byte count: it writes byte marks like a queue, so that once promoted the
     /// queue's count is there (and a restart finds it from the marks).
@@ -78,12 +79,13 @@ impl Copies {
                 .clone()
                 .ok_or_else(|| format!("copy queue {qid} has no durable id"))?;
             through.push((id.clone(), std::mem::take(&mut info.copy_through)));
+            let seen = std::mem::take(&mut info.copy_seen);
             let copy = Copy {
                 qid,
                 replica,
                 info,
                 gone: false,
-                seen: Default::default(),
+                seen,
                 bytes,
                 staged: None,
             };
@@ -153,7 +155,9 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
         Ok(i) => i,
         Err(e) => return PeerResponse::BadRequest(format!("queue info: {e}")),
     };
-    info.copy_through.clear(); // A copy's own (stored below), never the primary's.
+    // A copy's own (stored below), never the primary's.
+    info.copy_through.clear();
+    info.copy_seen.clear();
     if info.durable_id.as_deref() != Some(msg.durable_id.as_str()) || info.copy.is_some() {
         return PeerResponse::BadRequest("queue info does not match the queue".into());
     }
@@ -262,9 +266,18 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
             return PeerResponse::BadRequest(e);
         }
     }
+    // Noted before the write and stored with it: the events this copy held stay known after a
+    // restart, once its client acknowledged them and they were trimmed.
+    for &body in &written {
+        if let Ok(r) = decode_body::<EventRecord>(&msg.entries[body].body) {
+            crate::core::note_seen(&mut copy.seen, &r.id);
+        }
+    }
+    crate::core::bound_seen(&mut copy.seen);
     let mut stored = copy.info.clone();
     stored.copy = Some(last.state.clone());
     stored.copy_through = shared.recent_forwards().through_of(&msg.durable_id);
+    stored.copy_seen = copy.seen.clone();
     let epoch = last.state.epoch;
     let last_id = last.id;
     batch.put_queue_info(
@@ -289,11 +302,6 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
         shared
             .recent_forwards()
             .copy_through(&msg.durable_id, &msg.through);
-    }
-    for body in written {
-        if let Ok(r) = decode_body::<EventRecord>(&msg.entries[body].body) {
-            crate::core::note_seen(&mut copy.seen, &r.id);
-        }
     }
     PeerResponse::Replicated(reply)
 }
@@ -392,4 +400,56 @@ fn add_write(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::EventId;
+    use crate::replication::{EpochStart, LogState, ReplicaState};
+
+    #[test]
+    fn what_a_copy_held_is_known_again_after_a_restart() {
+        let mut seen = crate::core::SeenEvents::new();
+        let id = EventId {
+            node: "n1".into(),
+            session: 4,
+            seq: 90,
+        };
+        crate::core::note_seen(&mut seen, &id);
+        let info = QueueInfo {
+            durable_id: Some("d".into()),
+            timeout_secs: 60,
+            away_since_ms: None,
+            interests: Vec::new(),
+            owner: None,
+            prior_runs: Vec::new(),
+            promoted_at: 0,
+            copy: Some(ReplicaState {
+                epoch: 3,
+                acked: 10,
+                log: LogState::new(10, 12, vec![EpochStart { epoch: 3, first: 0 }]).unwrap(),
+            }),
+            copy_through: Default::default(),
+            copy_seen: seen.clone(),
+        };
+        // As stored with a write of the copy, and read back at start.
+        let info: QueueInfo = decode_body(&encode_body(&info).unwrap()).unwrap();
+        let meta = QueueMeta {
+            acked: 10,
+            delivered: 12,
+            epoch: 3,
+            info: Vec::new(),
+            end: 12,
+            byte_marks: Vec::new(),
+        };
+        let (copies, _) = Copies::recover(vec![(7, meta, info)], |_, _, _| Ok(0)).unwrap();
+        let cell = copies.get("d").expect("the copy is back");
+        let copy = cell.try_lock().unwrap();
+        assert_eq!(copy.seen, seen);
+        assert!(
+            copy.info.copy_seen.is_empty(),
+            "held in the copy, not twice"
+        );
+    }
 }
