@@ -1165,6 +1165,24 @@ async fn main() {
         if now >= next_progress {
             next_progress += PROGRESS_EVERY;
             // What the storage engine says it holds, per node.
+            // Open client connections and pending entries per node (memory follows them).
+            let load: Vec<String> = nodes
+                .lock()
+                .unwrap()
+                .metrics("tether_")
+                .into_iter()
+                .map(|(i, samples)| {
+                    let get =
+                        |name: &str| samples.iter().find(|(n, _)| n == name).map_or(0.0, |s| s.1);
+                    format!(
+                        "n{}: connections={} pending={}",
+                        i + 1,
+                        get("tether_connections"),
+                        get("tether_pending_events")
+                    )
+                })
+                .collect();
+            println!("    {}", load.join(", "));
             for (i, samples) in nodes.lock().unwrap().metrics("tether_storage_") {
                 let mb = |k: &str| {
                     samples
