@@ -386,7 +386,6 @@ pub struct EventOrigin {
     pub offset: u64,
 }
 
-/// Records event `id` in a per-publisher high-water map (see [`Queue::seen`]).
 /// Whether watermark `through` covers offset `offset` of origin `node`'s publish log.
 fn through_holds(through: &BTreeMap<String, u64>, node: &str, offset: u64) -> bool {
     through.get(node).is_some_and(|&x| x >= offset)
@@ -479,6 +478,7 @@ pub fn bound_seen(seen: &mut SeenEvents) {
     seen.retain(|_, s| !s.is_empty());
 }
 
+/// Records event `id` in a per-publisher high-water map (see [`Queue::seen`]).
 pub fn note_seen(seen: &mut SeenEvents, id: &EventId) {
     let sessions = match seen.get_mut(id.node.as_str()) {
         Some(s) => s,
