@@ -50,6 +50,7 @@ use tether::client::{
 };
 use tether::protocol::{ErrorCode, PublishOp, QueueStatus, ResultPolicy};
 
+#[cfg(not(feature = "system-alloc"))]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -873,6 +874,43 @@ struct Rss {
     started_at: Vec<f64>,
     /// Per node: KiB at the end of the warm-up.
     nodes_warm_kb: Vec<u64>,
+    /// Per node, at each progress report: (time, KiB, open client connections).
+    loads: Vec<Vec<(f64, u64, f64)>>,
+}
+
+/// Least-squares fit of a node's memory as a base, a cost per open client connection and a
+/// drift over time: `kb = base + per_connection * connections + drift * t`. Returns (base MB,
+/// KiB per connection, drift in MB per minute); the drift is the growth the connections do not
+/// explain (a leak or a cache that keeps growing), what "flat" is judged on.
+fn fit_rss(samples: &[(f64, u64, f64)]) -> Option<(f64, f64, f64)> {
+    if samples.len() < 4 {
+        return None;
+    }
+    // Normal equations of y = a + b x + c t, centred (a drops out).
+    let n = samples.len() as f64;
+    let (mt, mx, my) = samples.iter().fold((0.0, 0.0, 0.0), |(t, x, y), s| {
+        (t + s.0 / n, x + s.2 / n, y + s.1 as f64 / n)
+    });
+    let (mut sxx, mut stt, mut sxt, mut sxy, mut sty) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(t, kb, x) in samples {
+        let (dt, dx, dy) = (t - mt, x - mx, kb as f64 - my);
+        sxx += dx * dx;
+        stt += dt * dt;
+        sxt += dx * dt;
+        sxy += dx * dy;
+        sty += dt * dy;
+    }
+    let det = sxx * stt - sxt * sxt;
+    let (b, c) = if det.abs() > 1e-9 * (sxx * stt).max(1e-9) {
+        ((sxy * stt - sty * sxt) / det, (sty * sxx - sxy * sxt) / det)
+    } else if stt > 0.0 {
+        // Connections did not vary apart from time: the drift alone.
+        (0.0, sty / stt)
+    } else {
+        return None;
+    };
+    let a = my - b * mx - c * mt;
+    Some((a / 1024.0, b, c * 60.0 / 1024.0))
 }
 
 /// Least-squares slope of `samples` (seconds, KiB) in MB per minute.
@@ -953,6 +991,7 @@ async fn main() {
     let rss = Arc::new(Mutex::new(Rss {
         start_kb: rss_kb(),
         nodes: vec![Vec::new(); n_nodes],
+        loads: vec![Vec::new(); n_nodes],
         started_at: vec![0.0; n_nodes],
         ..Default::default()
     }));
@@ -1164,25 +1203,32 @@ async fn main() {
         }
         if now >= next_progress {
             next_progress += PROGRESS_EVERY;
-            // What the storage engine says it holds, per node.
-            // Open client connections and pending entries per node (memory follows them).
-            let load: Vec<String> = nodes
-                .lock()
-                .unwrap()
-                .metrics("tether_")
+            // Open client connections and pending entries per node (memory follows them),
+            // kept with the node's resident memory for the fit at the end.
+            let (per_node, node_kb) = {
+                let n = nodes.lock().unwrap();
+                (n.metrics("tether_"), n.rss_kb())
+            };
+            let t = t_start.elapsed().as_secs_f64();
+            let load: Vec<String> = per_node
                 .into_iter()
                 .map(|(i, samples)| {
                     let get =
                         |name: &str| samples.iter().find(|(n, _)| n == name).map_or(0.0, |s| s.1);
+                    if let Some(&kb) = node_kb.get(i).filter(|&&kb| kb > 0) {
+                        rss.lock().unwrap().loads[i].push((t, kb, get("tether_connections")));
+                    }
                     format!(
-                        "n{}: connections={} pending={}",
+                        "n{}: connections={} pending={} kept_publish_ops={}",
                         i + 1,
                         get("tether_connections"),
-                        get("tether_pending_events")
+                        get("tether_pending_events"),
+                        get("tether_failover_recent_publish_ops")
                     )
                 })
                 .collect();
             println!("    {}", load.join(", "));
+            // What the storage engine says it holds, per node.
             for (i, samples) in nodes.lock().unwrap().metrics("tether_storage_") {
                 let mb = |k: &str| {
                     samples
@@ -1515,6 +1561,36 @@ async fn main() {
     println!(
         "server_rss_second_half_slope_mb_per_min={}",
         worst_slope.map_or("n/a".into(), |v| format!("{v:.2}"))
+    );
+    // Memory against the connections a node holds (after failovers most clients are on one or
+    // two nodes): base, cost per connection and the drift they leave unexplained, from the
+    // progress reports since the node's last start (the first 30 s left out).
+    let mut worst_drift: Option<f64> = None;
+    for (i, loads) in r.loads.iter().enumerate() {
+        let tail: Vec<(f64, u64, f64)> = loads
+            .iter()
+            .copied()
+            .filter(|&(t, _, _)| t >= r.started_at[i] + 30.0 && t <= soak_secs)
+            .collect();
+        match fit_rss(&tail) {
+            Some((base, per_conn, drift)) => {
+                worst_drift = Some(worst_drift.map_or(drift, |w: f64| w.max(drift)));
+                println!(
+                    "server_rss_fit node=n{} samples={} base_mb={base:.1} per_connection_kb={per_conn:.0} drift_mb_per_min={drift:.2}",
+                    i + 1,
+                    tail.len()
+                );
+            }
+            None => println!(
+                "server_rss_fit node=n{} samples={} (too few to fit)",
+                i + 1,
+                tail.len()
+            ),
+        }
+    }
+    println!(
+        "server_rss_drift_mb_per_min={}",
+        worst_drift.map_or("n/a".into(), |v| format!("{v:.2}"))
     );
     println!("node_kills={} {}", kills_done.len(), kills_done.join(" "));
     // This process: the clients (each with its own QUIC endpoint) and the run's tracking.

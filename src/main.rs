@@ -18,6 +18,7 @@ use tether::server::Node;
 
 /// The server is allocation-heavy on its hot paths (one record per event on the client side,
 /// frames on the server side); mimalloc roughly halves allocator time there.
+#[cfg(not(feature = "system-alloc"))]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

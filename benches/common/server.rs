@@ -26,7 +26,20 @@ impl ServerProcess {
     /// Starts the binary on `data` with `extra` flags (`--listen 127.0.0.1:0` unless given) and
     /// waits for its listening line.
     pub fn start(data: &Path, extra: &[&str]) -> ServerProcess {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tether"));
+        // TETHER_BENCH_SERVER_WRAPPER runs the server under a profiler (`heaptrack`, `perf
+        // record -g --`...): words split on spaces, the binary and its arguments after them.
+        // The process id is then the wrapper's: resident memory and kill -9 reach the wrapper,
+        // not the server (profile without node kills; the figures are the profiler's).
+        let wrapper = std::env::var("TETHER_BENCH_SERVER_WRAPPER").unwrap_or_default();
+        let mut words = wrapper.split_whitespace();
+        let mut cmd = match words.next() {
+            Some(program) => {
+                let mut cmd = Command::new(program);
+                cmd.args(words).arg(env!("CARGO_BIN_EXE_tether"));
+                cmd
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_tether")),
+        };
         cmd.arg("server");
         if !extra.contains(&"--metrics") {
             cmd.args(["--metrics", "off"]);
@@ -60,10 +73,15 @@ impl ServerProcess {
                 }
             });
         }
+        // The listening line is the server's first JSON line (a wrapper may print before it).
+        let mut out = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .expect("listening line");
+        while !line.starts_with('{') {
+            line.clear();
+            if out.read_line(&mut line).expect("listening line") == 0 {
+                panic!("the server exited before its listening line");
+            }
+        }
         let v: serde_json::Value = serde_json::from_str(&line)
             .unwrap_or_else(|e| panic!("bad listening line {line:?}: {e}"));
         assert_eq!(v["type"], "listening");
@@ -120,6 +138,12 @@ impl ServerProcess {
 
 impl Drop for ServerProcess {
     fn drop(&mut self) {
+        if std::env::var_os("TETHER_BENCH_SERVER_WRAPPER").is_some() {
+            // The child is the wrapper: its children (the server) go first.
+            let _ = Command::new("pkill")
+                .args(["-KILL", "-P", &self.child.id().to_string()])
+                .status();
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
