@@ -695,6 +695,11 @@ const WIRE_ENTRY_OVERHEAD_BYTES: usize = 40;
 /// Capacity a caught-up delivery task keeps of its frame buffers, in bytes; more is freed.
 const DELIVERY_BUFFER_BYTES_KEPT: usize = 64 * 1024;
 
+/// A delivery write still blocked after this long (the client's stream window is full: it
+/// stalled or is far behind) gives back the read buffers it holds for the next frame, in
+/// milliseconds. A replay whose client keeps up never waits that long and keeps them.
+const DELIVERY_BLOCKED_RELEASE_MS: u64 = 200;
+
 /// An entry read from storage, waiting in the frame arena.
 struct Pending {
     offset: Offset,
@@ -826,7 +831,25 @@ async fn deliver(
                     }
                 }
                 let n = pending.len() as u64;
-                if send.write_chunk(frame).await.is_err() {
+                let write = send.write_chunk(frame);
+                tokio::pin!(write);
+                let written = match tokio::time::timeout(
+                    Duration::from_millis(DELIVERY_BLOCKED_RELEASE_MS),
+                    &mut write,
+                )
+                .await
+                {
+                    Ok(written) => written,
+                    Err(_) => {
+                        // The client takes nothing (stalled, or far behind): do not hold the
+                        // read buffers of the next frame while waiting for it.
+                        arena = Vec::new();
+                        pending = Vec::new();
+                        out = BytesMut::new();
+                        write.await
+                    }
+                };
+                if written.is_err() {
                     return;
                 }
                 metrics::counter!(m::EVENTS_DELIVERED).increment(n);
