@@ -41,6 +41,7 @@ pub const CLUSTER_PLACED_QUEUES: &str = "tether_cluster_placed_queues";
 pub const REPLICATION_LAG: &str = "tether_replication_lag_entries";
 pub const REPLICATION_SNAPSHOTS_SENT: &str = "tether_replication_snapshots_sent_total";
 pub const REPLICATION_SNAPSHOTS_RECEIVED: &str = "tether_replication_snapshots_received_total";
+pub const REPLICATION_SUPERSEDED: &str = "tether_replication_superseded_total";
 pub const FAILOVERS: &str = "tether_failovers_total";
 pub const CLIENT_FAILOVERS: &str = "tether_client_failovers_total";
 pub const QUEUE_COPIES: &str = "tether_queue_copies";
@@ -108,6 +109,10 @@ fn describe() {
     describe_counter!(
         REPLICATION_SNAPSHOTS_SENT,
         "Queue snapshots sent to new or far-behind secondaries"
+    );
+    describe_counter!(
+        REPLICATION_SUPERSEDED,
+        "Replication messages dropped unsent: their pipeline restarted (a retransmit timeout, a lost connection) while they waited for a slow peer"
     );
     describe_counter!(
         REPLICATION_SNAPSHOTS_RECEIVED,

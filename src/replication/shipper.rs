@@ -79,6 +79,8 @@ struct Peer {
     /// The queue's metadata changed since the last message to this peer: send one soon, even
     /// with no entries (see [`Shipper::on_metadata_change`]).
     metadata_due: bool,
+    /// Pipeline restarts so far (see [`Shipper::pipeline`]).
+    restarts: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -195,6 +197,7 @@ impl Shipper {
                 last_send_ms: None,
                 acked_sent: 0,
                 metadata_due: false,
+                restarts: 0,
             });
         }
         self.update_replicated_end();
@@ -291,6 +294,14 @@ impl Shipper {
         for p in self.peers.values_mut() {
             p.metadata_due = true;
         }
+    }
+
+    /// The pipeline generation of `peer`: it changes whenever the pipeline restarts (a lost
+    /// connection, a retransmit timeout), after which every message polled before is superseded
+    /// by what [`poll_transmit`](Self::poll_transmit) sends again. A driver that queues messages
+    /// may drop the superseded ones instead of sending them. `None` for an unknown peer.
+    pub fn pipeline(&self, peer: NodeId) -> Option<u64> {
+        self.peers.get(&peer).map(|p| p.restarts)
     }
 
     /// The connection to `peer` dropped: what was on the wire is lost, restart its pipeline.
@@ -466,5 +477,6 @@ impl Peer {
             self.next = self.matched.unwrap_or(front.resume);
         }
         self.in_flight.clear();
+        self.restarts += 1;
     }
 }

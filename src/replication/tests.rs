@@ -457,3 +457,39 @@ fn metadata_change_sends_every_idle_secondary_a_message_at_once() {
     assert_eq!((h.first, h.last), (2, 2), "no entries");
     assert!(p.poll_transmit(1).is_none(), "one message per change");
 }
+
+#[test]
+fn a_pipeline_restart_supersedes_what_was_polled_before_it() {
+    let mut p = Shipper::new(1, log(0, 8, &[(1, 0)]), 0, config());
+    let mut r = Replica::new();
+    assert_eq!(p.pipeline(S), None, "not a secondary yet");
+    p.set_secondaries(&[S], 0);
+    let start = p.pipeline(S).expect("a secondary");
+    let probe = append(p.poll_transmit(0).expect("probe"));
+    let Decision::Reply(reply) = r.on_append(P, &probe) else {
+        panic!("expected a reply")
+    };
+    p.on_reply(S, reply, 0);
+    let h1 = append(p.poll_transmit(0).expect("first batch"));
+    assert_eq!(
+        p.pipeline(S),
+        Some(start),
+        "answers and sends keep the pipeline"
+    );
+    // Unanswered for the retransmit timeout: the batch polled before is superseded and comes
+    // again, polled in the new pipeline.
+    p.on_tick(RETRANSMIT_MS);
+    let after_timeout = p.pipeline(S).expect("a secondary");
+    assert_ne!(after_timeout, start);
+    let again = append(p.poll_transmit(RETRANSMIT_MS).expect("sent again"));
+    assert_eq!((again.first, again.last), (h1.first, h1.last));
+    // A lost connection restarts it too.
+    p.on_peer_lost(S);
+    assert_ne!(p.pipeline(S), Some(after_timeout));
+    // What the new pipeline sends still reaches the copy in full.
+    let w = write(r.on_append(P, &append(p.poll_transmit(RETRANSMIT_MS).expect("resent"))));
+    let ack = r.on_durable(w.id).expect("ack");
+    p.on_reply(S, ack.message, RETRANSMIT_MS);
+    pump(&mut p, &mut [(S, &mut r)], RETRANSMIT_MS);
+    assert_eq!(p.replicated_end(), 8);
+}

@@ -80,8 +80,19 @@ pub(crate) struct ShipQueue {
     info_acked: tokio::sync::watch::Sender<HashMap<RaftId, u64>>,
 }
 
-/// A message for one peer, with when it was built and the info version it carries.
-type Outgoing = (Instant, u64, ReplicateMsg);
+/// A message for one peer, queued until its peer sender gets to it. Entries are read from
+/// storage only then: what waits in the queue is a header, so a slow peer costs no memory per
+/// batch waiting for it.
+struct Outgoing {
+    /// When the shipper polled it.
+    sent_at: Instant,
+    /// The shipper's pipeline generation for the peer then: a restart since supersedes it.
+    pipeline: u64,
+    /// The info version it carries, and the info itself.
+    info_version: u64,
+    info: Arc<[u8]>,
+    message: ToSecondary,
+}
 
 impl ShipQueue {
     fn shipper(&self) -> std::sync::MutexGuard<'_, Shipper> {
@@ -338,7 +349,8 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
             s.on_tick(now);
             let mut out = Vec::new();
             while let Some(t) = s.poll_transmit(now) {
-                out.push(t);
+                let pipeline = s.pipeline(t.to).unwrap_or(0);
+                out.push((t, pipeline));
             }
             (out, s.replicated_end(), s.fenced(), s.poll_timeout())
         };
@@ -381,9 +393,11 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
             false => shared.core().queue(sq.qid).map(|q| q.info()),
         };
         if let Some(info) = info {
-            let info = encode_body(&info).expect("queue info always encodes");
-            for t in transmits {
-                send(&shared, &cluster, &sq, t, &info, info_version);
+            let info: Arc<[u8]> = encode_body(&info)
+                .expect("queue info always encodes")
+                .into();
+            for (t, pipeline) in transmits {
+                queue_for_peer(&weak, &cluster, &sq, t, pipeline, &info, info_version);
             }
         }
         drop(shared);
@@ -398,31 +412,63 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
     }
 }
 
-/// Reads what a transmit names and queues it on the peer's ordered sender.
-fn send(
-    shared: &Arc<Shared>,
+/// Queues a transmit on the peer's ordered sender (started on the first one).
+fn queue_for_peer(
+    weak: &Weak<Shared>,
     cluster: &Arc<Cluster>,
     sq: &Arc<ShipQueue>,
     t: Transmit<ToSecondary>,
-    info: &[u8],
+    pipeline: u64,
+    info: &Arc<[u8]>,
     info_version: u64,
 ) {
-    let (header, entries, chunks) = match t.message {
+    let mut senders = sq.senders.lock().unwrap_or_else(|p| p.into_inner());
+    let tx = senders.entry(t.to).or_insert_with(|| {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(peer_sender(
+            weak.clone(),
+            cluster.clone(),
+            Arc::downgrade(sq),
+            t.to,
+            rx,
+        ));
+        tx
+    });
+    let _ = tx.send(Outgoing {
+        sent_at: Instant::now(),
+        pipeline,
+        info_version,
+        info: info.clone(),
+        message: t.message,
+    });
+}
+
+/// Reads what a transmit names and builds its messages (a snapshot over several), or `None`
+/// when its entries cannot be read (the peer's pipeline is restarted then).
+fn build_messages(
+    shared: &Shared,
+    cluster: &Cluster,
+    sq: &ShipQueue,
+    peer: RaftId,
+    message: ToSecondary,
+    info: &[u8],
+) -> Option<Vec<ReplicateMsg>> {
+    let (header, entries, chunks) = match message {
         ToSecondary::Append(mut h) => {
             let n = h.last - h.first;
             let (entries, _) = match read(shared, sq.qid, h.first, n, REPLICATE_BATCH_BYTES_MAX) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!(durable_id = %sq.durable_id, error = %e, "reading entries to ship");
-                    sq.shipper().on_peer_lost(t.to);
-                    return;
+                    sq.shipper().on_peer_lost(peer);
+                    return None;
                 }
             };
             if (entries.len() as u64) < n {
                 // Cut short by size, or trimmed meanwhile (then the shipper moves on).
                 if entries.is_empty() {
-                    sq.shipper().on_peer_lost(t.to);
-                    return;
+                    sq.shipper().on_peer_lost(peer);
+                    return None;
                 }
                 h.last = h.first + entries.len() as u64;
             }
@@ -439,8 +485,8 @@ fn send(
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!(durable_id = %sq.durable_id, error = %e, "reading a snapshot");
-                    sq.shipper().on_peer_lost(t.to);
-                    return;
+                    sq.shipper().on_peer_lost(peer);
+                    return None;
                 }
             };
             if entries.len() as u64 != h.log.len() {
@@ -452,8 +498,8 @@ fn send(
                     read = entries.len(),
                     "cannot read the queue for a snapshot; the new secondary waits"
                 );
-                sq.shipper().on_peer_lost(t.to);
-                return;
+                sq.shipper().on_peer_lost(peer);
+                return None;
             }
             metrics::counter!(m::REPLICATION_SNAPSHOTS_SENT).increment(1);
             // Messages of at most REPLICATE_SNAPSHOT_CHUNK_BYTES_MAX entry bytes, in order.
@@ -490,16 +536,7 @@ fn send(
     };
     let mut msgs: Vec<ReplicateMsg> = chunks.into_iter().map(|c| message(c, true)).collect();
     msgs.push(message(entries, false));
-    let mut senders = sq.senders.lock().unwrap_or_else(|p| p.into_inner());
-    let tx = senders.entry(t.to).or_insert_with(|| {
-        let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(peer_sender(cluster.clone(), Arc::downgrade(sq), t.to, rx));
-        tx
-    });
-    let now = Instant::now();
-    for msg in msgs {
-        let _ = tx.send((now, info_version, msg));
-    }
+    Some(msgs)
 }
 
 /// Reads `count` entries from replication offset `first` (stored at `first + 1`).
@@ -536,60 +573,99 @@ fn read(
 
 /// Sends one peer's messages of one queue in order, feeding the replies to the shipper.
 async fn peer_sender(
+    shared: Weak<Shared>,
     cluster: Arc<Cluster>,
     sq: Weak<ShipQueue>,
     peer: RaftId,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
 ) {
     let timeout = Duration::from_millis(REPLICATE_TIMEOUT_MS);
-    while let Some((sent_at, info_version, msg)) = rx.recv().await {
-        let result = cluster
-            .call(peer, PeerRequest::Replicate(msg), timeout)
-            .await;
-        let Some(sq) = sq.upgrade() else {
-            return;
+    'queued: while let Some(out) = rx.recv().await {
+        let msgs = {
+            let (Some(shared), Some(sq)) = (shared.upgrade(), sq.upgrade()) else {
+                return;
+            };
+            if sq.is_stopped() {
+                return;
+            }
+            // Polled before a restart of the pipeline (a timeout while it waited here, a lost
+            // connection): the shipper sends again what is still needed; skip it unread.
+            if sq.shipper().pipeline(peer) != Some(out.pipeline) {
+                metrics::counter!(m::REPLICATION_SUPERSEDED).increment(1);
+                continue;
+            }
+            match build_messages(&shared, &cluster, &sq, peer, out.message, &out.info) {
+                Some(msgs) => msgs,
+                None => continue,
+            }
         };
-        if sq.is_stopped() {
-            return;
-        }
-        match result {
-            Ok(PeerResponse::Replicated(Some(reply))) => {
-                tracing::trace!(peer, durable_id = %sq.durable_id, ?reply, "replication reply");
-                let mut s = sq.shipper();
-                let epoch = s.epoch();
-                s.on_reply(peer, reply, mono_ms());
-                drop(s);
-                if matches!(reply, Reply::Ack { epoch: e, .. } if e == epoch) {
-                    sq.acked_at
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(peer, sent_at);
-                    // The copy stored the info this message carried before acknowledging it.
-                    sq.info_acked.send_if_modified(|m| {
-                        let v = m.entry(peer).or_insert(0);
-                        let moved = info_version > *v;
-                        *v = (*v).max(info_version);
-                        moved
-                    });
-                }
+        let (sent_at, info_version) = (out.sent_at, out.info_version);
+        for msg in msgs {
+            let result = cluster
+                .call(peer, PeerRequest::Replicate(msg), timeout)
+                .await;
+            let Some(sq) = sq.upgrade() else {
+                return;
+            };
+            if sq.is_stopped() {
+                return;
             }
-            Ok(PeerResponse::Replicated(None)) => {
-                tracing::debug!(peer, durable_id = %sq.durable_id, "replication message ignored");
-            }
-            other => {
-                match &other {
-                    Err(e) => tracing::debug!(peer, error = %e, "replication rpc failed"),
-                    Ok(PeerResponse::BadRequest(e)) => {
-                        tracing::warn!(peer, error = %e, "replication message refused")
-                    }
-                    Ok(_) => tracing::warn!(peer, "unexpected answer to a replication message"),
-                }
-                sq.shipper().on_peer_lost(peer);
+            if !on_result(&sq, peer, sent_at, info_version, result) {
                 // What is queued was built for the lost pipeline: drop it, the shipper resends.
                 while rx.try_recv().is_ok() {}
                 tokio::time::sleep(Duration::from_millis(REPLICATE_RETRY_MS)).await;
+                sq.wake.notify_one();
+                continue 'queued;
+            }
+            sq.wake.notify_one();
+        }
+    }
+}
+
+/// Feeds one replication reply to the shipper; false when the peer's pipeline was lost (the
+/// call failed or was refused).
+fn on_result(
+    sq: &ShipQueue,
+    peer: RaftId,
+    sent_at: Instant,
+    info_version: u64,
+    result: Result<PeerResponse, crate::cluster::network::PeerError>,
+) -> bool {
+    match result {
+        Ok(PeerResponse::Replicated(Some(reply))) => {
+            tracing::trace!(peer, durable_id = %sq.durable_id, ?reply, "replication reply");
+            let mut s = sq.shipper();
+            let epoch = s.epoch();
+            s.on_reply(peer, reply, mono_ms());
+            drop(s);
+            if matches!(reply, Reply::Ack { epoch: e, .. } if e == epoch) {
+                sq.acked_at
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(peer, sent_at);
+                // The copy stored the info this message carried before acknowledging it.
+                sq.info_acked.send_if_modified(|m| {
+                    let v = m.entry(peer).or_insert(0);
+                    let moved = info_version > *v;
+                    *v = (*v).max(info_version);
+                    moved
+                });
             }
         }
-        sq.wake.notify_one();
+        Ok(PeerResponse::Replicated(None)) => {
+            tracing::debug!(peer, durable_id = %sq.durable_id, "replication message ignored");
+        }
+        other => {
+            match &other {
+                Err(e) => tracing::debug!(peer, error = %e, "replication rpc failed"),
+                Ok(PeerResponse::BadRequest(e)) => {
+                    tracing::warn!(peer, error = %e, "replication message refused")
+                }
+                Ok(_) => tracing::warn!(peer, "unexpected answer to a replication message"),
+            }
+            sq.shipper().on_peer_lost(peer);
+            return false;
+        }
     }
+    true
 }
