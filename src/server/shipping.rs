@@ -539,7 +539,8 @@ fn build_messages(
     Some(msgs)
 }
 
-/// Reads `count` entries from replication offset `first` (stored at `first + 1`).
+/// Reads `count` entries from replication offset `first` (stored at `first + 1`), stopping at
+/// the first one missing (fewer, or none when `first` itself was trimmed meanwhile).
 fn read(
     shared: &Shared,
     qid: QueueId,
@@ -559,7 +560,12 @@ fn read(
             first + 1,
             first + count,
             max_bytes,
-            &mut |_, flags, body| {
+            &mut |offset, flags, body| {
+                // Only the contiguous run from `first`: entries trimmed (acked by the client)
+                // since the shipper named them must not shift the rest onto their offsets.
+                if offset != first + 1 + out.len() as u64 {
+                    return;
+                }
                 bytes += body.len();
                 out.push(ShippedEntry {
                     flags,
