@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use tether_storage::QueueId;
+use tether_storage::{QueueId, Store};
 use tether_transport::ErrorCode;
 use tether_transport::codec::encode_body;
 use tokio::sync::{Notify, mpsc};
@@ -456,7 +456,13 @@ fn build_messages(
     let (header, entries, chunks) = match message {
         ToSecondary::Append(mut h) => {
             let n = h.last - h.first;
-            let (entries, _) = match read(shared, sq.qid, h.first, n, REPLICATE_BATCH_BYTES_MAX) {
+            let (entries, _) = match read(
+                &*shared.store,
+                sq.qid,
+                h.first,
+                n,
+                REPLICATE_BATCH_BYTES_MAX,
+            ) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!(durable_id = %sq.durable_id, error = %e, "reading entries to ship");
@@ -476,7 +482,7 @@ fn build_messages(
         }
         ToSecondary::Snapshot(h) => {
             let (entries, _) = match read(
-                shared,
+                &*shared.store,
                 sq.qid,
                 h.log.start(),
                 h.log.len(),
@@ -542,7 +548,7 @@ fn build_messages(
 /// Reads `count` entries from replication offset `first` (stored at `first + 1`), stopping at
 /// the first one missing (fewer, or none when `first` itself was trimmed meanwhile).
 fn read(
-    shared: &Shared,
+    store: &dyn Store,
     qid: QueueId,
     first: u64,
     count: u64,
@@ -553,8 +559,7 @@ fn read(
     if count == 0 {
         return Ok((out, 0));
     }
-    shared
-        .store
+    store
         .read_entries(
             qid,
             first + 1,
@@ -674,4 +679,37 @@ fn on_result(
         }
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tether_storage::{Batch, Entry, MemStore};
+
+    #[test]
+    fn a_ship_read_takes_only_the_contiguous_run_from_the_offset_named() {
+        // Replication offsets 2, 3 and 4 (stored at 3, 4, 5): 0 and 1 were acked and trimmed.
+        let store = MemStore::new();
+        let mut b = Batch::new();
+        for stored in 3..=5u64 {
+            b.append(7, stored, Entry::new(0, format!("e{stored}").as_bytes()));
+        }
+        store.write(&b, false).unwrap();
+        let bodies = |first, count| {
+            let (entries, bytes) = read(&store, 7, first, count, usize::MAX).unwrap();
+            let bodies: Vec<String> = entries
+                .into_iter()
+                .map(|e| String::from_utf8(e.body).unwrap())
+                .collect();
+            (bodies, bytes)
+        };
+        // The batch named 0..5: its head is gone, so nothing (not 2..4 shifted onto 0..2).
+        assert_eq!(bodies(0, 5), (Vec::<String>::new(), 0));
+        assert_eq!(
+            bodies(2, 3),
+            (vec!["e3".into(), "e4".into(), "e5".into()], 6)
+        );
+        assert_eq!(bodies(3, 5), (vec!["e4".into(), "e5".into()], 4));
+        assert_eq!(bodies(2, 0), (Vec::<String>::new(), 0));
+    }
 }
