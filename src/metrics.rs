@@ -47,6 +47,7 @@ pub const CLIENT_FAILOVERS: &str = "tether_client_failovers_total";
 pub const QUEUE_COPIES: &str = "tether_queue_copies";
 pub const RECENT_PUBLISH_OPS: &str = "tether_failover_recent_publish_ops";
 pub const RECENT_PUBLISH_OPS_DROPPED: &str = "tether_failover_recent_publish_ops_dropped_total";
+pub const RECENT_PUBLISH_HELD_BYTES: &str = "tether_failover_recent_publish_held_bytes";
 pub const CLIENT_CRL_RELOADS: &str = "tether_client_crl_reloads_total";
 pub const REVOKED_CONNECTIONS_CLOSED: &str = "tether_revoked_connections_closed_total";
 
@@ -130,6 +131,10 @@ fn describe() {
     describe_gauge!(
         RECENT_PUBLISH_OPS,
         "Publish operations kept for a promotion: applied here, not yet applied by every member or held by every copy this node holds"
+    );
+    describe_gauge!(
+        RECENT_PUBLISH_HELD_BYTES,
+        "Estimated bytes of the kept publishes held in memory (the newest, up to RECENT_FORWARD_HELD_BYTES_MAX; older ones are read back from the recent-publish log)"
     );
     describe_counter!(
         RECENT_PUBLISH_OPS_DROPPED,

@@ -75,12 +75,17 @@ pub const RECENT_LOG_INFO: &[u8] = b"tether-recent-publishes";
 /// Kept durably: each publish is also an entry of a reserved queue of the store
 /// ([`RECENT_LOG_QUEUE`]), written in the batch that applies it and trimmed (acked) as it is
 /// forgotten, so a restart of this node loses none of them (the peers do not send again
-/// what this node applied before it stopped).
+/// what this node applied before it stopped). In memory only an index of them is kept
+/// ([`Kept`], about fifty bytes a publish whatever its size): a publish's operations stay in
+/// memory only until its batch is committed ([`RecentForwards::committed`]); a promotion
+/// reads the others back from the log ([`load_kept`]).
 #[derive(Default)]
 pub(crate) struct RecentForwards {
-    /// (offset in the recent-publish log, publish).
-    entries: std::collections::VecDeque<(u64, Arc<RecentForward>)>,
+    /// Oldest first, by offset in the recent-publish log.
+    entries: std::collections::VecDeque<Kept>,
     ops: usize,
+    /// Origin node names, each allocated once.
+    nodes: Vec<Arc<str>>,
     /// Per copy (durable id): its latest replicated watermark.
     copies: HashMap<String, Through>,
     /// Per origin node: every member has applied its publishes up to this offset.
@@ -88,6 +93,135 @@ pub(crate) struct RecentForwards {
     /// Last offset assigned in the recent-publish log, and the last one trimmed.
     log_end: u64,
     log_acked: u64,
+    /// Estimated bytes of the publishes held in memory ([`Kept::body`]), and the log offset
+    /// before which none committed is.
+    held_bytes: usize,
+    held_from: u64,
+}
+
+/// A kept publish: where it came from and where it is in the recent-publish log.
+pub(crate) struct Kept {
+    /// Offset in the recent-publish log.
+    at: u64,
+    /// Origin node and the publish's offset in the origin's publish log.
+    node: Arc<str>,
+    offset: u64,
+    ops: usize,
+    /// The publish while it is among the newest [`RECENT_FORWARD_HELD_BYTES_MAX`] bytes kept,
+    /// and in any case until its batch is committed (the log cannot be read back before).
+    body: Option<Arc<RecentForward>>,
+    /// Estimated bytes of `body`.
+    bytes: usize,
+    committed: bool,
+}
+
+/// Most bytes of kept publishes held in memory (estimated), newest first; older ones are read
+/// back from the recent-publish log by a promotion. Holding the newest spares a promotion
+/// after a short lag (the common failover) the reads.
+pub const RECENT_FORWARD_HELD_BYTES_MAX: usize = 32 << 20;
+
+/// Estimated memory of one kept operation beyond its region, key and value bytes.
+const KEPT_OP_OVERHEAD_BYTES: usize = 96;
+
+/// Estimated memory of a publish's operations.
+fn held_size(f: &RecentForward) -> usize {
+    use crate::protocol::PublishOp;
+    f.ops
+        .iter()
+        .map(|(op, _)| {
+            KEPT_OP_OVERHEAD_BYTES
+                + match op {
+                    PublishOp::Put { region, key, value } => region.len() + key.len() + value.len(),
+                    PublishOp::Destroy { region, key } | PublishOp::Invalidate { region, key } => {
+                        region.len() + key.len()
+                    }
+                }
+        })
+        .sum()
+}
+
+/// A kept publish a promotion may need: in memory (not committed yet when the snapshot was
+/// taken) or at an offset of the recent-publish log.
+#[derive(Clone, Debug)]
+pub(crate) enum KeptPublish {
+    Held(Arc<RecentForward>),
+    Logged(u64),
+}
+
+/// Most bytes of kept publishes read back from the log at once by a promotion ([`load_kept`]).
+pub const KEPT_READ_CHUNK_BYTES: usize = 4 << 20;
+
+/// The publishes of `kept` (oldest first), in order, those in the log read back from `store`
+/// in chunks of about [`KEPT_READ_CHUNK_BYTES`]; `visit` gets each chunk. A logged publish no
+/// longer in the log was forgotten over [`RECENT_FORWARD_OPS_MAX`] (counted when it was):
+/// skipped.
+pub(crate) fn load_kept(
+    store: &dyn Store,
+    kept: &[KeptPublish],
+    visit: &mut dyn FnMut(&[Arc<RecentForward>]),
+) -> Result<(), String> {
+    let mut i = 0;
+    while i < kept.len() {
+        let mut chunk = Vec::new();
+        while let Some(KeptPublish::Held(f)) = kept.get(i) {
+            chunk.push(f.clone());
+            i += 1;
+        }
+        if !chunk.is_empty() {
+            visit(&chunk);
+        }
+        // The run of logged ones that follows, read in ranges up to the byte budget.
+        let mut wanted = Vec::new();
+        while let Some(&KeptPublish::Logged(at)) = kept.get(i) {
+            wanted.push(at);
+            i += 1;
+        }
+        let mut w = 0;
+        while w < wanted.len() {
+            let (from, to) = (wanted[w], wanted[wanted.len() - 1]);
+            let mut chunk = Vec::new();
+            let mut last = None;
+            let mut bad = None;
+            store
+                .read_entries(
+                    RECENT_LOG_QUEUE,
+                    from,
+                    to,
+                    KEPT_READ_CHUNK_BYTES,
+                    &mut |at, _, body| {
+                        last = Some(at);
+                        // The log holds others between them (publishes the copy holds by its
+                        // watermark), and may lack some (forgotten): only those asked for.
+                        while wanted.get(w).is_some_and(|&x| x < at) {
+                            w += 1;
+                        }
+                        if wanted.get(w) == Some(&at) {
+                            match tether_transport::codec::decode_body::<RecentForward>(body) {
+                                Ok(f) => chunk.push(Arc::new(f)),
+                                Err(e) => bad = Some(format!("recent publish {at}: {e}")),
+                            }
+                            w += 1;
+                        }
+                    },
+                )
+                .map_err(|e| e.to_string())?;
+            if let Some(e) = bad {
+                return Err(e);
+            }
+            match last {
+                None => w = wanted.len(), // none of the rest is in the log
+                Some(last) => {
+                    while wanted.get(w).is_some_and(|&x| x <= last) {
+                        w += 1;
+                    }
+                }
+            }
+            if !chunk.is_empty() {
+                visit(&chunk);
+            }
+        }
+    }
+    Ok(())
 }
 
 impl RecentForwards {
@@ -118,8 +252,17 @@ impl RecentForwards {
                         >(body)
                         {
                             Ok(f) => {
+                                let node = r.node(&f.origin.node);
                                 r.ops += f.ops.len();
-                                r.entries.push_back((offset, Arc::new(f)));
+                                r.entries.push_back(Kept {
+                                    at: offset,
+                                    node,
+                                    offset: f.origin.offset,
+                                    ops: f.ops.len(),
+                                    body: None,
+                                    bytes: 0,
+                                    committed: true,
+                                });
                             }
                             Err(e) => bad = Some(format!("recent publish {offset}: {e}")),
                         },
@@ -133,9 +276,20 @@ impl RecentForwards {
         Ok(r)
     }
 
+    /// The origin node `name`, allocated once.
+    fn node(&mut self, name: &str) -> Arc<str> {
+        if let Some(n) = self.nodes.iter().find(|n| &***n == name) {
+            return n.clone();
+        }
+        let n: Arc<str> = name.into();
+        self.nodes.push(n.clone());
+        n
+    }
+
     /// Keeps a publish whose first event is `first` (the others follow in sequence), at offset
     /// `offset` of its origin's publish log; its log entry goes into `batch` (the batch that
-    /// applies the publish).
+    /// applies the publish). Returns the entry's offset in the recent-publish log, for
+    /// [`RecentForwards::committed`] once the batch is.
     pub(crate) fn record(
         &mut self,
         batch: &mut Batch,
@@ -143,7 +297,7 @@ impl RecentForwards {
         offset: u64,
         ops: &[crate::protocol::PublishOp],
         kinds: &[crate::protocol::EventOp],
-    ) {
+    ) -> u64 {
         let f = RecentForward {
             origin: crate::core::EventOrigin {
                 node: first.node.clone(),
@@ -157,15 +311,28 @@ impl RecentForwards {
         self.log_end += 1;
         batch.append(RECENT_LOG_QUEUE, self.log_end, Entry::new(0, body));
         self.ops += f.ops.len();
-        self.entries.push_back((self.log_end, Arc::new(f)));
+        let node = self.node(&f.origin.node);
+        self.entries.push_back(Kept {
+            at: self.log_end,
+            node,
+            offset,
+            ops: f.ops.len(),
+            bytes: held_size(&f),
+            body: Some(Arc::new(f)),
+            committed: false,
+        });
+        self.held_bytes += self.entries.back().map_or(0, |k| k.bytes);
         let mut dropped = 0;
         while self.ops > RECENT_FORWARD_OPS_MAX {
-            let Some((at, f)) = self.entries.pop_front() else {
+            let Some(k) = self.entries.pop_front() else {
                 break;
             };
-            self.ops -= f.ops.len();
-            self.log_acked = at;
-            dropped += f.ops.len();
+            self.ops -= k.ops;
+            self.log_acked = k.at;
+            dropped += k.ops;
+            if k.body.is_some() {
+                self.held_bytes -= k.bytes;
+            }
         }
         if dropped > 0 {
             batch.set_acked(RECENT_LOG_QUEUE, self.log_acked);
@@ -174,6 +341,32 @@ impl RecentForwards {
                 dropped,
                 "recent publishes forgotten before every member applied them and every copy here held them: a member is down or copies lag"
             );
+        }
+        self.log_end
+    }
+
+    /// The batch that wrote the recent-publish log's entry `at` is committed: the publish may
+    /// be read back from the log from now on, and the oldest committed ones leave memory
+    /// while more than [`RECENT_FORWARD_HELD_BYTES_MAX`] is held.
+    pub(crate) fn committed(&mut self, at: u64) {
+        let i = self.entries.partition_point(|k| k.at < at);
+        if let Some(k) = self.entries.get_mut(i).filter(|k| k.at == at) {
+            k.committed = true;
+        }
+        if self.held_bytes <= RECENT_FORWARD_HELD_BYTES_MAX {
+            return;
+        }
+        // Oldest first, up to the first one not committed yet (batches commit in order).
+        let mut i = self.entries.partition_point(|k| k.at < self.held_from);
+        while self.held_bytes > RECENT_FORWARD_HELD_BYTES_MAX {
+            let Some(k) = self.entries.get_mut(i).filter(|k| k.committed) else {
+                break;
+            };
+            if k.body.take().is_some() {
+                self.held_bytes -= k.bytes;
+            }
+            i += 1;
+            self.held_from = k.at + 1;
         }
     }
 
@@ -224,29 +417,30 @@ impl RecentForwards {
     ) -> Option<Batch> {
         let held_set: HashSet<&str> = held.iter().map(String::as_str).collect();
         self.copies.retain(|id, _| held_set.contains(id.as_str()));
-        let covered = |f: &RecentForward| {
-            let everywhere = self
-                .floors
-                .get(&f.origin.node)
-                .is_some_and(|&x| x >= f.origin.offset);
+        let covered = |k: &Kept| {
+            let everywhere = self.floors.get(&*k.node).is_some_and(|&x| x >= k.offset);
             everywhere
                 && held.iter().all(|id| {
                     self.copies
                         .get(id)
-                        .and_then(|t| t.get(&f.origin.node))
-                        .is_some_and(|&x| x >= f.origin.offset)
+                        .and_then(|t| t.get(&*k.node))
+                        .is_some_and(|&x| x >= k.offset)
                 })
         };
         let mut n = 0;
-        while n < self.entries.len() && covered(&self.entries[n].1) {
+        while n < self.entries.len() && covered(&self.entries[n]) {
             n += 1;
         }
-        for (at, f) in self.entries.drain(..n) {
-            self.ops -= f.ops.len();
-            self.log_acked = at;
-            forgotten.push(f);
+        for k in self.entries.drain(..n) {
+            self.ops -= k.ops;
+            self.log_acked = k.at;
+            if let Some(f) = k.body {
+                self.held_bytes -= k.bytes;
+                forgotten.push(f);
+            }
         }
         metrics::gauge!(m::RECENT_PUBLISH_OPS).set(self.ops as f64);
+        metrics::gauge!(m::RECENT_PUBLISH_HELD_BYTES).set(self.held_bytes as f64);
         if n == 0 {
             return None;
         }
@@ -257,20 +451,23 @@ impl RecentForwards {
 
     /// The publishes copy `id` may lack (those its watermark has not passed) kept after offset
     /// `after` of the recent-publish log, and the log's last offset (the `after` of a later
-    /// call that takes only what came since). Shares the publishes: cheap under the lock.
-    pub(crate) fn snapshot_for(&self, id: &str, after: u64) -> (Vec<Arc<RecentForward>>, u64) {
+    /// call that takes only what came since). Cheap under the lock: shares the publishes still
+    /// in memory and names the others, for [`load_kept`].
+    pub(crate) fn snapshot_for(&self, id: &str, after: u64) -> (Vec<KeptPublish>, u64) {
         let through = self.copies.get(id);
-        let first = self.entries.partition_point(|(at, _)| *at <= after);
+        let first = self.entries.partition_point(|k| k.at <= after);
         let publishes = self
             .entries
             .range(first..)
-            .map(|(_, f)| f)
-            .filter(|f| {
+            .filter(|k| {
                 through
-                    .and_then(|t| t.get(&f.origin.node))
-                    .is_none_or(|&x| x < f.origin.offset)
+                    .and_then(|t| t.get(&*k.node))
+                    .is_none_or(|&x| x < k.offset)
             })
-            .cloned()
+            .map(|k| match &k.body {
+                Some(f) => KeptPublish::Held(f.clone()),
+                None => KeptPublish::Logged(k.at),
+            })
             .collect();
         (publishes, self.log_end)
     }
@@ -807,35 +1004,56 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
             return;
         }
     };
-    // Matching every kept publish against the queue's interest takes long with many kept:
-    // done on a blocking thread, outside the core lock. What is kept after this snapshot is
-    // matched under the lock, where the queue joins the index (later publishes reach it there).
-    let (recent, upto) = shared.recent_forwards().snapshot_for(id, 0);
+    // Reading and matching every kept publish against the queue's interest takes long with
+    // many kept: done on a blocking thread, outside the core lock, twice (the second round
+    // takes what was kept during the first). What is kept after that is matched under the
+    // lock, where the queue joins the index (later publishes reach it there).
     let interests = info.interests.clone();
-    let events = {
+    let mut events = Vec::new();
+    let mut upto = 0;
+    for _ in 0..2 {
+        let (kept, end) = shared.recent_forwards().snapshot_for(id, upto);
+        upto = end;
+        let store = shared.store.clone();
         let (interests, held, through) = (interests.clone(), held.clone(), held_through.clone());
-        tokio::task::spawn_blocking(move || {
-            crate::core::events_to_reapply(&interests, &held, &through, &recent)
+        let round = tokio::task::spawn_blocking(move || {
+            let mut events = Vec::new();
+            load_kept(&*store, &kept, &mut |chunk| {
+                events.extend(crate::core::events_to_reapply(
+                    &interests, &held, &through, chunk,
+                ));
+            })
+            .map(|()| events)
         })
-        .await
-    };
-    let Ok(mut events) = events else {
-        tracing::error!(durable_id = %id, "promotion: matching the kept publishes failed");
-        return;
-    };
+        .await;
+        match round {
+            Ok(Ok(round)) => events.extend(round),
+            Ok(Err(e)) => {
+                tracing::error!(durable_id = %id, error = %e, "promotion: reading the kept publishes failed");
+                return;
+            }
+            Err(_) => {
+                tracing::error!(durable_id = %id, "promotion: matching the kept publishes failed");
+                return;
+            }
+        }
+    }
     let adopted = shared
         .apply(|core| {
             let now = now_ms();
+            let (late, _) = shared.recent_forwards().snapshot_for(id, upto);
+            load_kept(&*shared.store, &late, &mut |chunk| {
+                events.extend(crate::core::events_to_reapply(
+                    &interests,
+                    &held,
+                    &held_through,
+                    chunk,
+                ));
+            })
+            .map_err(super::internal)?;
             let mut batch = core
                 .adopt_copy(qid, info, bytes, epoch, now)
                 .map_err(super::internal)?;
-            let (late, _) = shared.recent_forwards().snapshot_for(id, upto);
-            events.extend(crate::core::events_to_reapply(
-                &interests,
-                &held,
-                &held_through,
-                &late,
-            ));
             let (more, end) = core
                 .reapply_forwarded(qid, now, held, held_through, events)
                 .ok_or_else(|| super::internal("promoted queue vanished"))?;
@@ -910,6 +1128,10 @@ mod tests {
     use crate::protocol::{EventOp, PublishOp};
 
     fn record(r: &mut RecentForwards, origin: &str, offset: u64) {
+        record_in(r, &mut Batch::new(), origin, offset);
+    }
+
+    fn record_in(r: &mut RecentForwards, batch: &mut Batch, origin: &str, offset: u64) -> u64 {
         let id = EventId {
             node: origin.into(),
             session: 1,
@@ -919,7 +1141,161 @@ mod tests {
             region: "R".into(),
             key: "k".into(),
         };
-        r.record(&mut Batch::new(), &id, offset, &[op], &[EventOp::Destroy]);
+        r.record(batch, &id, offset, &[op], &[EventOp::Destroy])
+    }
+
+    /// (origin, origin offset) of each kept publish, those in the log read from `store`.
+    fn origins(store: &dyn Store, kept: &[KeptPublish]) -> Vec<(String, u64)> {
+        let mut out = Vec::new();
+        load_kept(store, kept, &mut |chunk| {
+            out.extend(
+                chunk
+                    .iter()
+                    .map(|f| (f.origin.node.clone(), f.origin.offset)),
+            )
+        })
+        .unwrap();
+        out
+    }
+
+    fn offsets(kept: &[KeptPublish]) -> Vec<u64> {
+        origins(&tether_storage::MemStore::new(), kept)
+            .into_iter()
+            .map(|(_, o)| o)
+            .collect()
+    }
+
+    fn put(
+        r: &mut RecentForwards,
+        store: &dyn Store,
+        origin: &str,
+        offset: u64,
+        size: usize,
+    ) -> u64 {
+        let id = EventId {
+            node: origin.into(),
+            session: 1,
+            seq: offset,
+        };
+        let op = PublishOp::Put {
+            region: "R".into(),
+            key: "k".into(),
+            value: vec![7u8; size],
+        };
+        let mut b = Batch::new();
+        let at = r.record(&mut b, &id, offset, &[op], &[EventOp::Update]);
+        store.write(&b, false).unwrap();
+        at
+    }
+
+    fn kinds(kept: &[KeptPublish]) -> String {
+        kept.iter()
+            .map(|k| match k {
+                KeptPublish::Held(_) => 'h',
+                KeptPublish::Logged(_) => 'l',
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_promotion_reads_back_from_the_log_what_is_not_held_in_order() {
+        let store = tether_storage::MemStore::new();
+        let mut r = RecentForwards::recover(&store).unwrap();
+        let published = [("a", 1), ("b", 1), ("a", 2), ("b", 2), ("a", 3)];
+        for (origin, offset) in published {
+            let at = put(&mut r, &store, origin, offset, 10);
+            r.committed(at);
+        }
+        let (kept, _) = r.snapshot_for("q", 0);
+        assert_eq!(kinds(&kept), "hhhhh", "small: all held in memory");
+        let all = published.map(|(o, x)| (o.to_string(), x)).to_vec();
+        assert_eq!(origins(&store, &kept), all);
+        // After a restart every kept publish is read back from the log, in order.
+        let mut r = RecentForwards::recover(&store).unwrap();
+        let (kept, _) = r.snapshot_for("q", 0);
+        assert_eq!(kinds(&kept), "lllll");
+        assert_eq!(origins(&store, &kept), all);
+        // A copy holding a's publishes up to 2 lacks only the others; the log between them is
+        // skipped, not returned.
+        r.copy_through("q", &through(&[("a", 2)]));
+        let (kept, _) = r.snapshot_for("q", 0);
+        assert_eq!(
+            origins(&store, &kept),
+            [("b", 1), ("b", 2), ("a", 3)]
+                .map(|(o, x)| (o.to_string(), x))
+                .to_vec()
+        );
+        // A mix of both (one kept since the restart), in order.
+        put(&mut r, &store, "b", 3, 10);
+        let (kept, _) = r.snapshot_for("q", 0);
+        assert_eq!(kinds(&kept), "lllh");
+        assert_eq!(
+            origins(&store, &kept),
+            [("b", 1), ("b", 2), ("a", 3), ("b", 3)]
+                .map(|(o, x)| (o.to_string(), x))
+                .to_vec()
+        );
+    }
+
+    #[test]
+    fn only_the_newest_committed_publishes_stay_in_memory() {
+        let store = tether_storage::MemStore::new();
+        let mut r = RecentForwards::recover(&store).unwrap();
+        let size = RECENT_FORWARD_HELD_BYTES_MAX / 4;
+        // Eight publishes of a quarter of the budget each; the last two not committed.
+        let mut at = Vec::new();
+        for offset in 1..=8 {
+            at.push(put(&mut r, &store, "a", offset, size));
+        }
+        for &a in &at[..6] {
+            r.committed(a);
+        }
+        let (kept, _) = r.snapshot_for("q", 0);
+        assert_eq!(
+            kinds(&kept),
+            "lllllhhh",
+            "the newest committed within the budget, and every uncommitted one, stay"
+        );
+        assert!(r.held_bytes <= RECENT_FORWARD_HELD_BYTES_MAX);
+        assert_eq!(offsets_in(&store, &kept), (1..=8).collect::<Vec<_>>());
+        // The rest commit: within the budget, they stay; one more pushes the oldest out.
+        r.committed(at[6]);
+        r.committed(at[7]);
+        assert_eq!(kinds(&r.snapshot_for("q", 0).0), "lllllhhh");
+        let ninth = put(&mut r, &store, "a", 9, size);
+        r.committed(ninth);
+        assert_eq!(kinds(&r.snapshot_for("q", 0).0), "llllllhhh");
+        assert!(r.held_bytes <= RECENT_FORWARD_HELD_BYTES_MAX);
+        // Forgetting them all leaves nothing held.
+        r.origin_floor("a", 9);
+        r.trim(&[], &mut Vec::new());
+        assert_eq!(r.len(), 0);
+        assert_eq!(r.held_bytes, 0);
+    }
+
+    fn offsets_in(store: &dyn Store, kept: &[KeptPublish]) -> Vec<u64> {
+        origins(store, kept).into_iter().map(|(_, o)| o).collect()
+    }
+
+    #[test]
+    fn kept_publishes_are_read_back_in_chunks_of_bounded_size() {
+        let store = tether_storage::MemStore::new();
+        // Restarted: each publish, of a quarter of a chunk, is read back from the log.
+        let mut r = RecentForwards::recover(&store).unwrap();
+        let n = 10u64;
+        for offset in 1..=n {
+            put(&mut r, &store, "a", offset, KEPT_READ_CHUNK_BYTES / 4);
+        }
+        let r = RecentForwards::recover(&store).unwrap();
+        let (kept, _) = r.snapshot_for("q", 0);
+        let mut chunks = Vec::new();
+        load_kept(&store, &kept, &mut |c| {
+            chunks.push(c.iter().map(|f| f.origin.offset).collect::<Vec<_>>())
+        })
+        .unwrap();
+        assert!(chunks.len() >= 3, "{chunks:?}");
+        assert!(chunks.iter().all(|c| c.len() <= 4), "{chunks:?}");
+        assert_eq!(chunks.concat(), (1..=n).collect::<Vec<_>>());
     }
 
     fn through(v: &[(&str, u64)]) -> Through {
@@ -935,8 +1311,7 @@ mod tests {
         assert_eq!(all.len(), 2);
         record(&mut r, "a", 3);
         let (late, upto) = r.snapshot_for("q", upto);
-        let offsets: Vec<u64> = late.iter().map(|f| f.origin.offset).collect();
-        assert_eq!(offsets, vec![3]);
+        assert_eq!(offsets(&late), vec![3]);
         assert!(r.snapshot_for("q", upto).0.is_empty());
     }
 
@@ -963,7 +1338,7 @@ mod tests {
         r.copy_through("q2", &through(&[("a", 0), ("b", 1)]));
         r.trim(&held, &mut Vec::new());
         assert_eq!(r.len(), 1);
-        assert_eq!(r.snapshot_for("q2", 0).0[0].origin.offset, 2);
+        assert_eq!(offsets(&r.snapshot_for("q2", 0).0), vec![2]);
         // A copy no longer held does not hold anything back.
         r.trim(&["q1".to_string()], &mut Vec::new());
         assert_eq!(r.len(), 0);

@@ -289,10 +289,16 @@ impl Shared {
             };
             // Keep the publish for a promotion of a copy held here now or later: its primary
             // may fail before it applies or ships the publish.
-            if let (Some(id), Some((_, offset))) = (&plan.first_id, &origin_offset) {
-                self.recent_forwards()
-                    .record(&mut batch, id, *offset, ops, &plan.event_ops);
-            }
+            let kept_at = match (&plan.first_id, &origin_offset) {
+                (Some(id), Some((_, offset))) => Some(self.recent_forwards().record(
+                    &mut batch,
+                    id,
+                    *offset,
+                    ops,
+                    &plan.event_ops,
+                )),
+                _ => None,
+            };
             let shared = self.clone();
             let (seq, appended) = (plan.seq, plan.appended);
             receipt_appended = appended.clone();
@@ -300,6 +306,9 @@ impl Shared {
             let on_commit: writer::OnCommit = Box::new(move || {
                 if let (Some(offset), Some(f)) = (logged, &shared.forwarding) {
                     f.committed.send_replace(offset);
+                }
+                if let Some(at) = kept_at {
+                    shared.recent_forwards().committed(at);
                 }
                 let wake: Vec<SessionId> = {
                     let mut core = shared.core();
