@@ -874,7 +874,7 @@ struct Rss {
     started_at: Vec<f64>,
     /// Per node: KiB at the end of the warm-up.
     nodes_warm_kb: Vec<u64>,
-    /// Per node, at each progress report: (time, KiB, open client connections).
+    /// Per node, at each RSS sample: (time, KiB, open client connections).
     loads: Vec<Vec<(f64, u64, f64)>>,
 }
 
@@ -1003,7 +1003,11 @@ async fn main() {
         tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
                 let kb = rss_kb();
-                let servers = nodes.lock().unwrap().rss_kb();
+                // Each node's memory with its open client connections, for the fit at the end.
+                let (servers, conns) = {
+                    let n = nodes.lock().unwrap();
+                    (n.rss_kb(), n.metrics("tether_connections"))
+                };
                 let t = t_start.elapsed().as_secs_f64();
                 {
                     let mut r = rss.lock().unwrap();
@@ -1015,6 +1019,12 @@ async fn main() {
                     for (i, &k) in servers.iter().enumerate() {
                         if k > 0 {
                             r.nodes[i].push((t, k));
+                        }
+                    }
+                    for (i, samples) in conns {
+                        let c = samples.iter().find(|(n, _)| n == "tether_connections");
+                        if let (Some(&k), Some((_, c))) = (servers.get(i).filter(|&&k| k > 0), c) {
+                            r.loads[i].push((t, k, *c));
                         }
                     }
                 }
@@ -1203,21 +1213,13 @@ async fn main() {
         }
         if now >= next_progress {
             next_progress += PROGRESS_EVERY;
-            // Open client connections and pending entries per node (memory follows them),
-            // kept with the node's resident memory for the fit at the end.
-            let (per_node, node_kb) = {
-                let n = nodes.lock().unwrap();
-                (n.metrics("tether_"), n.rss_kb())
-            };
-            let t = t_start.elapsed().as_secs_f64();
+            // Open client connections and pending entries per node (memory follows them).
+            let per_node = nodes.lock().unwrap().metrics("tether_");
             let load: Vec<String> = per_node
                 .into_iter()
                 .map(|(i, samples)| {
                     let get =
                         |name: &str| samples.iter().find(|(n, _)| n == name).map_or(0.0, |s| s.1);
-                    if let Some(&kb) = node_kb.get(i).filter(|&&kb| kb > 0) {
-                        rss.lock().unwrap().loads[i].push((t, kb, get("tether_connections")));
-                    }
                     format!(
                         "n{}: connections={} pending={} kept_publish_ops={}",
                         i + 1,
@@ -1564,7 +1566,7 @@ async fn main() {
     );
     // Memory against the connections a node holds (after failovers most clients are on one or
     // two nodes): base, cost per connection and the drift they leave unexplained, from the
-    // progress reports since the node's last start (the first 30 s left out).
+    // RSS samples since the node's last start (the first 30 s left out).
     let mut worst_drift: Option<f64> = None;
     for (i, loads) in r.loads.iter().enumerate() {
         let tail: Vec<(f64, u64, f64)> = loads
