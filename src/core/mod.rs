@@ -95,12 +95,14 @@ pub struct QueueInfo {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub copy: Option<ReplicaState>,
     /// Set on a copy: its replicated watermark as last stored (per origin node, the
-    /// publish-log offset through which it holds every matching publish).
+    /// publish-log offset through which it holds every matching publish). On a queue promoted
+    /// here: the watermark its copy had (`Queue::held_through`). Never shipped.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub copy_through: BTreeMap<String, u64>,
     /// Set on a copy: per publisher, the highest event sequence ever written to it, as last
     /// stored (a restarted node still knows the events its copy held and its client acknowledged,
-    /// so a promotion does not append them again).
+    /// so a promotion does not append them again). On a queue promoted here: the same, for
+    /// the queue (`Queue::seen`). Never shipped.
     #[serde(default, skip_serializing_if = "HashMap::is_empty")]
     pub copy_seen: SeenEvents,
 }
@@ -257,6 +259,17 @@ impl Queue {
 
     /// The queue's info as stored with its metadata.
     pub fn info(&self) -> QueueInfo {
+        let mut info = self.info_for_copies();
+        // A promoted queue's: stored so that a restart still tells the events it held from
+        // new ones (a publish it held may be forwarded here only after the restart).
+        info.copy_through = self.held_through.as_deref().cloned().unwrap_or_default();
+        info.copy_seen = self.seen.as_deref().cloned().unwrap_or_default();
+        info
+    }
+
+    /// The queue's info as shipped to its copies: without what this (promoted) queue held,
+    /// each copy keeps its own.
+    pub fn info_for_copies(&self) -> QueueInfo {
         QueueInfo {
             durable_id: self.durable_id.clone(),
             timeout_secs: self.timeout_secs,
@@ -725,8 +738,9 @@ impl NodeCore {
             prior_runs: info.prior_runs.clone(),
             promoted_at: info.promoted_at,
             bytes,
-            seen: None,
-            held_through: None,
+            // A promoted queue's, as stored (see `Queue::info`).
+            seen: (!info.copy_seen.is_empty()).then(|| Box::new(info.copy_seen)),
+            held_through: (!info.copy_through.is_empty()).then(|| Box::new(info.copy_through)),
         };
         for (region, sel, reg) in info.interests {
             self.index.insert(&region, &sel, id, reg.receive_values);
@@ -816,6 +830,10 @@ impl NodeCore {
         }
         q.delivered = q.end;
         batch.set_delivered(qid, q.end);
+        if let Some(seen) = &mut q.seen {
+            bound_seen(seen);
+        }
+        q.persist_info(&mut batch);
         Some((batch, q.end))
     }
 
@@ -1754,6 +1772,55 @@ mod tests {
         let oldest_kept = SEEN_SESSIONS_MAX as u64 - (SEEN_SESSIONS_MAX * 3 / 4 - 2) as u64;
         assert_eq!(kept.iter().min(), Some(&oldest_kept));
         assert!(seen_holds(&seen, "a", SEEN_SESSIONS_MAX as u64 + 2, 1));
+    }
+
+    #[test]
+    fn a_promoted_queue_still_knows_what_it_held_after_a_restart() {
+        // A queue promoted here, as stored: the events its copy held (by publisher sequence
+        // and by watermark).
+        let info = QueueInfo {
+            durable_id: Some("d".into()),
+            timeout_secs: 60,
+            away_since_ms: Some(1),
+            interests: vec![("R".into(), Selector::All, reg(true))],
+            owner: None,
+            prior_runs: Vec::new(),
+            promoted_at: 0,
+            copy: None,
+            copy_through: BTreeMap::from([("a".to_string(), 9)]),
+            copy_seen: HashMap::from([("b".to_string(), HashMap::from([(7, 4)]))]),
+        };
+        let meta = QueueMeta {
+            info: encode_body(&info).unwrap(),
+            ..QueueMeta::default()
+        };
+        let (core, _) =
+            NodeCore::recover("n1", 10, vec![(5, meta)], |_| None, |_, _, _| Ok(0)).unwrap();
+        let q = core.queue(5).expect("restored");
+        assert!(q.holds("a", 1, 1, 9), "covered by the stored watermark");
+        assert!(!q.holds("a", 1, 1, 10));
+        assert!(q.holds("b", 7, 4, 1), "held by the stored sequence");
+        assert!(!q.holds("b", 7, 5, 1));
+        assert!(!q.holds("b", 8, 1, 1));
+        // Stored again with the queue's info, never shipped to its copies.
+        assert_eq!(q.info().copy_through, info.copy_through);
+        assert_eq!(q.info().copy_seen, info.copy_seen);
+        assert!(q.info_for_copies().copy_through.is_empty());
+        assert!(q.info_for_copies().copy_seen.is_empty());
+        // A queue created here holds nothing of the kind.
+        let plain = QueueInfo {
+            copy_through: BTreeMap::new(),
+            copy_seen: HashMap::new(),
+            ..info
+        };
+        let meta = QueueMeta {
+            info: encode_body(&plain).unwrap(),
+            ..QueueMeta::default()
+        };
+        let (core, _) =
+            NodeCore::recover("n1", 10, vec![(5, meta)], |_| None, |_, _, _| Ok(0)).unwrap();
+        let q = core.queue(5).unwrap();
+        assert!(q.seen.is_none() && q.held_through.is_none());
     }
 
     #[test]

@@ -390,7 +390,7 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
         // when there is something to send.
         let info = match transmits.is_empty() {
             true => None,
-            false => shared.core().queue(sq.qid).map(|q| q.info()),
+            false => shared.core().queue(sq.qid).map(|q| q.info_for_copies()),
         };
         if let Some(info) = info {
             let info: Arc<[u8]> = encode_body(&info)
