@@ -1221,11 +1221,12 @@ async fn main() {
                     let get =
                         |name: &str| samples.iter().find(|(n, _)| n == name).map_or(0.0, |s| s.1);
                     format!(
-                        "n{}: connections={} pending={} kept_publish_ops={}",
+                        "n{}: connections={} pending={} kept_publish_ops={} kept_held={:.0} MB",
                         i + 1,
                         get("tether_connections"),
                         get("tether_pending_events"),
-                        get("tether_failover_recent_publish_ops")
+                        get("tether_failover_recent_publish_ops"),
+                        get("tether_failover_recent_publish_held_bytes") / 1048576.0
                     )
                 })
                 .collect();
