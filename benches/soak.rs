@@ -1004,9 +1004,15 @@ async fn main() {
             while !stop.load(Ordering::Relaxed) {
                 let kb = rss_kb();
                 // Each node's memory with its open client connections, for the fit at the end.
-                let (servers, conns) = {
-                    let n = nodes.lock().unwrap();
+                // Blocking reads and an HTTP scrape per node: off the clients' runtime.
+                let scrape = nodes.clone();
+                let Ok((servers, conns)) = tokio::task::spawn_blocking(move || {
+                    let n = scrape.lock().unwrap();
                     (n.rss_kb(), n.metrics("tether_connections"))
+                })
+                .await
+                else {
+                    break;
                 };
                 let t = t_start.elapsed().as_secs_f64();
                 {

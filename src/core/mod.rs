@@ -263,7 +263,11 @@ impl Queue {
         // A promoted queue's: stored so that a restart still tells the events it held from
         // new ones (a publish it held may be forwarded here only after the restart).
         info.copy_through = self.held_through.as_deref().cloned().unwrap_or_default();
-        info.copy_seen = self.seen.as_deref().cloned().unwrap_or_default();
+        if let Some(seen) = &self.seen {
+            // Bounded as a copy's is (the queue's own grows with each publisher session).
+            info.copy_seen = (**seen).clone();
+            bound_seen(&mut info.copy_seen);
+        }
         info
     }
 

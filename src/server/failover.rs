@@ -75,10 +75,11 @@ pub const RECENT_LOG_INFO: &[u8] = b"tether-recent-publishes";
 /// Kept durably: each publish is also an entry of a reserved queue of the store
 /// ([`RECENT_LOG_QUEUE`]), written in the batch that applies it and trimmed (acked) as it is
 /// forgotten, so a restart of this node loses none of them (the peers do not send again
-/// what this node applied before it stopped). In memory only an index of them is kept
-/// ([`Kept`], about fifty bytes a publish whatever its size): a publish's operations stay in
-/// memory only until its batch is committed ([`RecentForwards::committed`]); a promotion
-/// reads the others back from the log ([`load_kept`]).
+/// what this node applied before it stopped). In memory an index of them is kept ([`Kept`],
+/// about fifty bytes a publish whatever its size) with the operations of the newest, up to
+/// [`RECENT_FORWARD_HELD_BYTES_MAX`] and always those whose batch is not committed yet
+/// ([`RecentForwards::committed`]); a promotion reads the others back from the log
+/// ([`load_kept`]).
 #[derive(Default)]
 pub(crate) struct RecentForwards {
     /// Oldest first, by offset in the recent-publish log.
@@ -140,8 +141,8 @@ fn held_size(f: &RecentForward) -> usize {
         .sum()
 }
 
-/// A kept publish a promotion may need: in memory (not committed yet when the snapshot was
-/// taken) or at an offset of the recent-publish log.
+/// A kept publish a promotion may need: in memory (among the newest, or not committed yet
+/// when the snapshot was taken) or at an offset of the recent-publish log.
 #[derive(Clone, Debug)]
 pub(crate) enum KeptPublish {
     Held(Arc<RecentForward>),
