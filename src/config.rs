@@ -211,6 +211,9 @@ pub struct ServerConfig {
     /// A member silent this long is declared failed by the metadata leader (the queues it was
     /// primary of fail over), in milliseconds. TOML `[cluster] node-failure-ms`.
     pub node_failure_ms: u64,
+    /// Whether this node hands durable queues over to members holding fewer primaries
+    /// (`server/rebalance.rs`). TOML `[cluster] rebalance`, default true.
+    pub rebalance: bool,
 }
 
 /// Default of [`ServerConfig::node_failure_ms`], in milliseconds.
@@ -250,6 +253,7 @@ impl Default for ServerConfig {
             auth: None,
             peers: Vec::new(),
             node_failure_ms: NODE_FAILURE_MS_DEFAULT,
+            rebalance: true,
         }
     }
 }
@@ -290,6 +294,8 @@ pub struct ClusterFileConfig {
     pub peers: Vec<String>,
     /// See [`ServerConfig::node_failure_ms`].
     pub node_failure_ms: Option<u64>,
+    /// See [`ServerConfig::rebalance`].
+    pub rebalance: Option<bool>,
 }
 
 /// Parses a `--peer` value `ID=ADDR` (ADDR an `IP:PORT`).
@@ -454,6 +460,14 @@ mod tests {
         assert_eq!(peers, ["n1=127.0.0.1:7401", "n2=127.0.0.1:7402"]);
         assert!(peers.iter().all(|p| parse_peer(p).is_ok()));
         assert!(toml::from_str::<FileConfig>("[cluster]\nmembers = []\n").is_err());
+    }
+
+    #[test]
+    fn rebalance_is_on_unless_turned_off() {
+        assert!(ServerConfig::default().rebalance);
+        let f: FileConfig = toml::from_str("[cluster]\nrebalance = false\n").unwrap();
+        assert_eq!(f.cluster.unwrap().rebalance, Some(false));
+        assert!(toml::from_str::<FileConfig>("[cluster]\nrebalance = \"no\"\n").is_err());
     }
 
     #[test]

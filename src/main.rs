@@ -527,6 +527,9 @@ async fn server(a: ServerArgs) -> Result<(), Fail> {
     cfg.limits.validate()?;
     cfg.auth = file.auth;
     let cluster_file = file.cluster.unwrap_or_default();
+    if let Some(r) = cluster_file.rebalance {
+        cfg.rebalance = r;
+    }
     if let Some(ms) = cluster_file.node_failure_ms {
         tether::config::validate_node_failure_ms(ms)?;
         cfg.node_failure_ms = ms;

@@ -44,6 +44,7 @@ pub const REPLICATION_SNAPSHOTS_RECEIVED: &str = "tether_replication_snapshots_r
 pub const REPLICATION_SUPERSEDED: &str = "tether_replication_superseded_total";
 pub const FAILOVERS: &str = "tether_failovers_total";
 pub const CLIENT_FAILOVERS: &str = "tether_client_failovers_total";
+pub const REBALANCE_MOVES: &str = "tether_rebalance_moves_total";
 pub const QUEUE_COPIES: &str = "tether_queue_copies";
 pub const RECENT_PUBLISH_OPS: &str = "tether_failover_recent_publish_ops";
 pub const RECENT_PUBLISH_OPS_DROPPED: &str = "tether_failover_recent_publish_ops_dropped_total";
@@ -126,6 +127,10 @@ fn describe() {
     describe_counter!(
         CLIENT_FAILOVERS,
         "Promotions of this node asked for by a client that lost its primary (also counted in tether_failovers_total)"
+    );
+    describe_counter!(
+        REBALANCE_MOVES,
+        "Away durable queues this node handed over to a member holding fewer primaries (rebalancing)"
     );
     describe_gauge!(QUEUE_COPIES, "Queue copies this node holds as a secondary");
     describe_gauge!(

@@ -1,7 +1,8 @@
 //! Durable queues in a cluster of three real nodes: a queue is placed (through the metadata
 //! consensus) on the node its client first reaches; a client that comes back through another
 //! node is redirected there and resumes with the exact pending count; a queue that expires or
-//! is dropped frees its id cluster-wide.
+//! is dropped frees its id cluster-wide; queues placed on one node spread over the others once
+//! their clients are away (rebalancing), losing nothing and flagging only what was sent.
 
 mod common;
 
@@ -12,7 +13,7 @@ use tether::protocol::QueueStatus;
 use tether::server::Node;
 
 use common::cluster::TestCluster;
-use common::{entries, eventually, take_events};
+use common::{entries, eventually, take_events, until_live};
 
 fn builder(node: &Node) -> ClientBuilder {
     ClientBuilder::new()
@@ -129,5 +130,105 @@ async fn expiry_and_drop_free_the_id_cluster_wide() {
         (QueueStatus::New, c.node(2).addr())
     );
     d.close(false).await.unwrap();
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn away_queues_placed_on_one_node_are_handed_over_to_the_others() {
+    const QUEUES: usize = 12;
+    let c = TestCluster::start(3).await;
+    c.leader().await;
+    let ids: Vec<String> = (0..QUEUES).map(|i| format!("r{i}")).collect();
+    // Every client reaches node 0 first: every queue is placed there, with a copy elsewhere.
+    let mut clients = Vec::new();
+    for id in &ids {
+        let d = builder(c.node(0))
+            .durable(id.clone(), 300)
+            .redundancy(1)
+            .ack_interval(Duration::from_secs(3_600))
+            .connect()
+            .await
+            .unwrap();
+        assert_eq!(d.queue_status(), QueueStatus::New);
+        d.region("R").register(Interest::all_keys()).await.unwrap();
+        d.ready_for_events().await.unwrap();
+        let mut events = d.events().unwrap();
+        until_live(&mut events, "R").await;
+        clients.push((d, events));
+    }
+    let p = c.node(0).publisher().await.unwrap();
+    for k in ["a0", "a1", "a2"] {
+        p.put("R", k, b"v".to_vec()).await.unwrap();
+    }
+    // Sent, never acknowledged (the ack interval is an hour, and a crash flushes nothing).
+    for (d, mut events) in clients {
+        take_events(&mut events, 3).await;
+        d.crash();
+    }
+    for k in ["b0", "b1", "b2"] {
+        p.put("R", k, b"v".to_vec()).await.unwrap();
+    }
+    let cluster = c.node(0).cluster().unwrap().clone();
+    let primaries = |i: usize| {
+        let me = c.node(i).cluster().unwrap().id();
+        ids.iter()
+            .filter(|id| cluster.placement(id).is_some_and(|p| p.primary == me))
+            .count()
+    };
+    eventually("the queues spread over the three nodes", || {
+        (0..3).all(|i| primaries(i) >= 2)
+    })
+    .await;
+    // Each moved queue has its copy back (synced): redundancy is kept through the move.
+    eventually("every queue has a synced copy again", || {
+        ids.iter().all(|id| {
+            cluster
+                .placement(id)
+                .is_some_and(|p| p.secondaries.len() == 1 && p.syncing.is_empty())
+        })
+    })
+    .await;
+    let counts: Vec<usize> = (0..3).map(primaries).collect();
+    assert_eq!(counts.iter().sum::<usize>(), QUEUES, "{counts:?}");
+
+    let mut redirected = 0;
+    for id in &ids {
+        let d = builder(c.node(0))
+            .durable(id.clone(), 300)
+            .redundancy(1)
+            .connect()
+            .await
+            .unwrap();
+        if d.server_addr() != c.node(0).addr() {
+            redirected += 1;
+        }
+        assert_eq!(
+            (d.queue_status(), d.pending()),
+            (QueueStatus::Resumed, Some(6)),
+            "{id}"
+        );
+        d.ready_for_events().await.unwrap();
+        let got = until_live(&mut d.events().unwrap(), "R").await;
+        let got: Vec<(&str, bool, bool)> = entries(&got)
+            .iter()
+            .map(|e| (e.key.as_str(), e.replayed, e.possible_duplicate))
+            .collect();
+        // What was sent is flagged; what was queued while the client was away is not, on the
+        // node that took the queue over too.
+        assert_eq!(
+            got,
+            [
+                ("a0", true, true),
+                ("a1", true, true),
+                ("a2", true, true),
+                ("b0", true, false),
+                ("b1", true, false),
+                ("b2", true, false),
+            ],
+            "{id}"
+        );
+        d.close(false).await.unwrap();
+    }
+    assert_eq!(redirected, QUEUES - counts[0], "{counts:?}");
     c.shutdown().await;
 }

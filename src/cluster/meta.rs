@@ -59,6 +59,12 @@ pub struct Placement {
     /// (they may lack entries the primary already delivered).
     #[serde(default)]
     pub syncing: Vec<RaftId>,
+    /// Set by a [`MetaCommand::Handover`] (cleared by every later change of the epoch): the
+    /// offset through which the old primary had delivered the queue. The new primary's copy
+    /// holds the same entries at the same offsets, so the events above it were never sent and
+    /// are not flagged `possible_duplicate` when they are replayed.
+    #[serde(default)]
+    pub handed_over_delivered: Option<u64>,
 }
 
 /// A change to the metadata, proposed through consensus.
@@ -79,6 +85,16 @@ pub enum MetaCommand {
         id: String,
         expected_epoch: u64,
         new_primary: RaftId,
+    },
+    /// A planned move (rebalancing, see `server/rebalance.rs`): the live primary hands the
+    /// queue, whose client is away, over to `new_primary` (a current secondary, not syncing),
+    /// as [`Promote`](Self::Promote) does, and records `delivered`, the offset through which it
+    /// had delivered the queue ([`Placement::handed_over_delivered`]).
+    Handover {
+        id: String,
+        expected_epoch: u64,
+        new_primary: RaftId,
+        delivered: u64,
     },
     /// Replaces the secondaries (repairing or shrinking redundancy). Secondaries not in the
     /// current set join as `syncing`.
@@ -172,6 +188,7 @@ impl MetaState {
                     redundancy: *redundancy,
                     timeout_ms: *timeout_ms,
                     syncing: Vec::new(),
+                    handed_over_delivered: None,
                 };
                 self.queues.insert(id.clone(), p.clone());
                 MetaResponse::Placed(p)
@@ -180,6 +197,12 @@ impl MetaState {
                 id,
                 expected_epoch,
                 new_primary,
+            }
+            | MetaCommand::Handover {
+                id,
+                expected_epoch,
+                new_primary,
+                ..
             } => {
                 let Some(p) = self.queues.get_mut(id) else {
                     return self.unknown(id);
@@ -193,6 +216,10 @@ impl MetaState {
                 p.secondaries.retain(|s| s != new_primary);
                 p.primary = *new_primary;
                 p.epoch = index;
+                p.handed_over_delivered = match cmd {
+                    MetaCommand::Handover { delivered, .. } => Some(*delivered),
+                    _ => None,
+                };
                 MetaResponse::Placed(p.clone())
             }
             MetaCommand::SetSecondaries {
@@ -214,6 +241,7 @@ impl MetaState {
                     }
                 }
                 p.epoch = index;
+                p.handed_over_delivered = None;
                 MetaResponse::Placed(p.clone())
             }
             MetaCommand::Synced {
@@ -261,6 +289,7 @@ impl MetaState {
                     p.syncing.retain(|s| s != node);
                     if (p.primary, p.secondaries.len()) != before {
                         p.epoch = index;
+                        p.handed_over_delivered = None;
                         changed += 1;
                     }
                 }
@@ -323,6 +352,7 @@ mod tests {
             panic!()
         };
         assert_eq!((p.primary, p.secondaries.clone(), p.epoch), (3, vec![2], 7));
+        assert_eq!(p.handed_over_delivered, None);
         // The same command again (a retry) is stale and changes nothing.
         assert_eq!(
             s.apply(8, &promote(5, 3)),
@@ -330,6 +360,66 @@ mod tests {
         );
         // Only a secondary can be promoted.
         assert!(matches!(s.apply(9, &promote(7, 1)), MetaResponse::Stale(_)));
+    }
+
+    #[test]
+    fn a_handover_moves_the_primary_and_records_what_it_delivered_until_the_next_change() {
+        let mut s = MetaState::default();
+        s.apply(5, &place("q", 1, &[2, 3]));
+        s.apply(
+            6,
+            &MetaCommand::SetSecondaries {
+                id: "q".into(),
+                expected_epoch: 5,
+                secondaries: vec![2, 3],
+            },
+        );
+        let handover = |epoch, node| MetaCommand::Handover {
+            id: "q".into(),
+            expected_epoch: epoch,
+            new_primary: node,
+            delivered: 40,
+        };
+        // Compare-and-set as a promotion.
+        assert!(matches!(
+            s.apply(7, &handover(5, 2)),
+            MetaResponse::Stale(_)
+        ));
+        let MetaResponse::Placed(p) = s.apply(8, &handover(6, 2)) else {
+            panic!()
+        };
+        assert_eq!(
+            (
+                p.primary,
+                p.secondaries.clone(),
+                p.epoch,
+                p.handed_over_delivered
+            ),
+            (2, vec![3], 8, Some(40))
+        );
+        // A syncing secondary is not a target.
+        s.apply(
+            9,
+            &MetaCommand::SetSecondaries {
+                id: "q".into(),
+                expected_epoch: 8,
+                secondaries: vec![3, 1],
+            },
+        );
+        assert_eq!(s.queues["q"].handed_over_delivered, None);
+        assert!(matches!(
+            s.apply(10, &handover(9, 1)),
+            MetaResponse::Stale(_)
+        ));
+        let MetaResponse::Placed(p) = s.apply(11, &handover(9, 3)) else {
+            panic!()
+        };
+        assert_eq!((p.primary, p.handed_over_delivered), (3, Some(40)));
+        s.apply(12, &MetaCommand::NodeFailed { node: 1 });
+        assert_eq!(
+            (s.queues["q"].epoch, s.queues["q"].handed_over_delivered),
+            (12, None)
+        );
     }
 
     #[test]

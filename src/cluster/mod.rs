@@ -280,10 +280,28 @@ impl Cluster {
     /// changes until [`network::FORWARD_TIMEOUT_MS`]; commands are compare-and-set or
     /// idempotent, so a retry never applies a change twice.
     pub async fn write(&self, cmd: MetaCommand) -> Result<MetaResponse, ClusterError> {
+        self.write_logged(cmd).await.map(|(r, _)| r)
+    }
+
+    /// A read barrier: commits [`MetaCommand::Barrier`] and returns once it is applied here,
+    /// so the metadata read here afterwards holds every command committed before it, and no
+    /// command proposed before it and not in it commits later.
+    pub async fn barrier(&self) -> Result<(), ClusterError> {
+        let (_, index) = self.write_logged(MetaCommand::Barrier).await?;
+        let wait = Duration::from_millis(network::FORWARD_TIMEOUT_MS);
+        if self.applied_index() >= index || self.wait_applied(index, wait).await {
+            Ok(())
+        } else {
+            Err(ClusterError::NoLeader(network::FORWARD_TIMEOUT_MS))
+        }
+    }
+
+    /// [`write`](Self::write), with the log index of the entry that carried the command.
+    async fn write_logged(&self, cmd: MetaCommand) -> Result<(MetaResponse, u64), ClusterError> {
         let deadline = Instant::now() + Duration::from_millis(network::FORWARD_TIMEOUT_MS);
         loop {
             let leader = match self.raft.client_write(cmd.clone()).await {
-                Ok(r) => return Ok(r.data),
+                Ok(r) => return Ok((r.data, r.log_id.index)),
                 Err(e) => match e.forward_to_leader() {
                     Some(f) => f.leader_id.zip(f.leader_node.clone()),
                     None => return Err(ClusterError::Fatal(e.to_string())),
@@ -300,7 +318,7 @@ impl Cluster {
                     Ok(PeerResponse::Write(Ok(r))) => {
                         // Make the change visible here too before returning.
                         self.wait_applied(r.log_id.index, left).await;
-                        return Ok(r.data);
+                        return Ok((r.data, r.log_id.index));
                     }
                     Ok(PeerResponse::Write(Err(e))) if e.forward_to_leader().is_none() => {
                         return Err(ClusterError::Fatal(e.to_string()));

@@ -152,6 +152,10 @@ pub struct Queue {
     /// On a queue promoted here: per origin node, the publish-log offset through which the
     /// copy was known to hold every matching publish (its replicated watermark). None elsewhere.
     pub held_through: Option<Box<BTreeMap<String, u64>>>,
+    /// Being handed over to another node (cluster rebalancing, see
+    /// [`NodeCore::begin_handover`]): no client attaches meanwhile. Not stored: a restart ends
+    /// the attempt, and the metadata then says whether the queue moved.
+    pub moving: bool,
 }
 
 /// Per publisher (origin node, then session), the highest event sequence held.
@@ -745,6 +749,7 @@ impl NodeCore {
             // A promoted queue's, as stored (see `Queue::info`).
             seen: (!info.copy_seen.is_empty()).then(|| Box::new(info.copy_seen)),
             held_through: (!info.copy_through.is_empty()).then(|| Box::new(info.copy_through)),
+            moving: false,
         };
         for (region, sel, reg) in info.interests {
             self.index.insert(&region, &sel, id, reg.receive_values);
@@ -808,8 +813,10 @@ impl NodeCore {
     /// publishes kept here. `seen` holds, per publisher, the highest sequence the copy ever held
     /// (see [`Queue::seen`]) and `held_through` its watermark; both stay with the queue to tell
     /// publishes it holds from new ones. Everything now in the queue counts as possibly
-    /// delivered. Returns the batch and the new end (visible once the batch is committed,
-    /// through [`committed`](Self::committed)).
+    /// delivered, unless the old primary handed the queue over (`handed_over_delivered`: the
+    /// offset through which it had delivered, within the copy's entries, which are its own at
+    /// the same offsets): then only what it delivered does. Returns the batch and the new end
+    /// (visible once the batch is committed, through [`committed`](Self::committed)).
     pub fn reapply_forwarded(
         &mut self,
         qid: QueueId,
@@ -817,6 +824,7 @@ impl NodeCore {
         seen: SeenEvents,
         held_through: BTreeMap<String, u64>,
         events: Vec<ReapplyEvent>,
+        handed_over_delivered: Option<Offset>,
     ) -> Option<(Batch, Offset)> {
         let interval = bytes::mark_interval_bytes(self.limits.queue_bytes_max);
         let q = self.queues.get_mut(&qid)?;
@@ -832,8 +840,11 @@ impl NodeCore {
                 &mut batch,
             );
         }
-        q.delivered = q.end;
-        batch.set_delivered(qid, q.end);
+        q.delivered = match handed_over_delivered {
+            Some(d) if d <= q.promoted_at => d.max(q.acked),
+            _ => q.end,
+        };
+        batch.set_delivered(qid, q.delivered);
         if let Some(seen) = &mut q.seen {
             bound_seen(seen);
         }
@@ -862,6 +873,26 @@ impl NodeCore {
         }
         self.drop_queue(qid, &mut batch);
         (batch, session)
+    }
+
+    /// Cluster rebalancing: durable id `id`'s queue, away, is about to be handed over to another
+    /// node; until [`end_handover`](Self::end_handover) (or its deposition) no client attaches
+    /// and no admin closes it. Returns the offset through which it was delivered, None if there
+    /// is no such queue, its client is attached, or it is moving already.
+    pub fn begin_handover(&mut self, id: &str) -> Option<Offset> {
+        let q = self.queues.get_mut(self.durable.get(id)?)?;
+        if q.moving || !matches!(q.state, QueueState::Away { .. }) {
+            return None;
+        }
+        q.moving = true;
+        Some(q.delivered)
+    }
+
+    /// The handover of `id` did not happen: clients may attach again.
+    pub fn end_handover(&mut self, id: &str) {
+        if let Some(q) = self.durable.get(id).and_then(|q| self.queues.get_mut(q)) {
+            q.moving = false;
+        }
     }
 
     /// Caps delivery of every queue at what is acknowledged (a clustered node at start, until
@@ -1037,6 +1068,15 @@ impl NodeCore {
             if let QueueState::Attached(holder) = q.state {
                 return Err(ConnectError::Attached(holder));
             }
+            if q.moving {
+                return Err(ConnectError::Invalid(WireError::new(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "durable queue {:?} is moving to another node; retry",
+                        hello.id
+                    ),
+                )));
+            }
             let session = self.alloc_session(&mut batch);
             let q = self.queues.get_mut(&qid).expect("queue");
             q.timeout_secs = hello.timeout_secs; // the latest presented timeout wins
@@ -1107,6 +1147,7 @@ impl NodeCore {
             bytes: QueueBytes::default(),
             seen: None,
             held_through: None,
+            moving: false,
         };
         q.persist_info(batch);
         self.queues.insert(id, Box::new(q));
@@ -1610,6 +1651,12 @@ impl NodeCore {
                 format!("durable client {durable_id:?} is connected; it must disconnect first"),
             ));
         }
+        if self.queues[&qid].moving {
+            return Err(WireError::new(
+                ErrorCode::Unavailable,
+                format!("durable client {durable_id:?} is moving to another node; retry there"),
+            ));
+        }
         let mut batch = Batch::new();
         self.drop_queue(qid, &mut batch);
         Ok(batch)
@@ -1744,6 +1791,35 @@ mod tests {
             durable: true,
             receive_values,
         }
+    }
+
+    #[test]
+    fn a_queue_being_handed_over_takes_no_client_until_the_handover_ends() {
+        let mut core = NodeCore::new("n1");
+        let hello = DurableHello {
+            id: "d".into(),
+            timeout_secs: 60,
+            redundancy: 1,
+            failed_primary: None,
+        };
+        let c = core.connect(Some(&hello)).unwrap();
+        // Attached: not handed over.
+        assert_eq!(core.begin_handover("d"), None);
+        core.disconnect(5, c.session, true);
+        assert_eq!(core.begin_handover("nobody"), None);
+        assert_eq!(core.begin_handover("d"), Some(0));
+        assert_eq!(core.begin_handover("d"), None, "moving once");
+        match core.connect(Some(&hello)) {
+            Err(ConnectError::Invalid(e)) => assert_eq!(e.code, ErrorCode::Unavailable),
+            _ => panic!("a client attached to a moving queue"),
+        }
+        assert_eq!(
+            core.close_durable("d").unwrap_err().code,
+            ErrorCode::Unavailable
+        );
+        core.end_handover("d");
+        let c = core.connect(Some(&hello)).unwrap();
+        assert_eq!(c.status, QueueStatus::Resumed);
     }
 
     #[test]

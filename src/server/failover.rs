@@ -891,7 +891,7 @@ async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Plac
 }
 
 /// Another node holds `id` at a higher epoch: drop this node's queue and send its client on.
-async fn depose(shared: &Arc<Shared>, id: &str, p: &Placement) {
+pub(crate) async fn depose(shared: &Arc<Shared>, id: &str, p: &Placement) {
     shared.shipping.stop(id);
     let result = shared
         .apply(|core| {
@@ -1056,7 +1056,14 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
                 .adopt_copy(qid, info, bytes, epoch, now)
                 .map_err(super::internal)?;
             let (more, end) = core
-                .reapply_forwarded(qid, now, held, held_through, events)
+                .reapply_forwarded(
+                    qid,
+                    now,
+                    held,
+                    held_through,
+                    events,
+                    p.handed_over_delivered,
+                )
                 .ok_or_else(|| super::internal("promoted queue vanished"))?;
             batch.extend(more);
             Ok((end, batch))
@@ -1081,6 +1088,15 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
     shared
         .shipping
         .start(shared, id, qid, shipper, &p.secondaries, deliver_after);
+    if p.handed_over_delivered.is_some() {
+        tracing::info!(
+            durable_id = %id,
+            epoch,
+            recovered_from_forwards = appended,
+            "took over a queue handed over by its primary (rebalancing)"
+        );
+        return;
+    }
     metrics::counter!(m::FAILOVERS).increment(1);
     tracing::warn!(
         durable_id = %id,

@@ -17,6 +17,7 @@ mod failover;
 mod forward;
 mod locks;
 mod placement;
+mod rebalance;
 mod revocation;
 mod shipping;
 mod watermark;
@@ -931,6 +932,12 @@ impl Node {
             tasks.push(tokio::spawn(failover::recent_trim_loop(Arc::downgrade(
                 &shared,
             ))));
+            if config.rebalance {
+                tasks.push(tokio::spawn(rebalance::rebalance_loop(
+                    Arc::downgrade(&shared),
+                    cluster.clone(),
+                )));
+            }
             let _ = shared.cluster.set(cluster);
         }
         tasks.push(tokio::spawn(conn::accept_loop(
