@@ -59,12 +59,10 @@ pub struct Placement {
     /// (they may lack entries the primary already delivered).
     #[serde(default)]
     pub syncing: Vec<RaftId>,
-    /// Set by a [`MetaCommand::Handover`] (cleared by every later change of the epoch): the
-    /// offset through which the old primary had delivered the queue. The new primary's copy
-    /// holds the same entries at the same offsets, so the events above it were never sent and
-    /// are not flagged `possible_duplicate` when they are replayed.
+    /// Set by a [`MetaCommand::Handover`], cleared by every later change of the epoch: the
+    /// primary got the queue from a live primary (rebalancing), not by a failover.
     #[serde(default)]
-    pub handed_over_delivered: Option<u64>,
+    pub handed_over: bool,
 }
 
 /// A change to the metadata, proposed through consensus.
@@ -88,13 +86,12 @@ pub enum MetaCommand {
     },
     /// A planned move (rebalancing, see `server/rebalance.rs`): the live primary hands the
     /// queue, whose client is away, over to `new_primary` (a current secondary, not syncing),
-    /// as [`Promote`](Self::Promote) does, and records `delivered`, the offset through which it
-    /// had delivered the queue ([`Placement::handed_over_delivered`]).
+    /// as [`Promote`](Self::Promote) does, and marks the placement
+    /// [`handed_over`](Placement::handed_over).
     Handover {
         id: String,
         expected_epoch: u64,
         new_primary: RaftId,
-        delivered: u64,
     },
     /// Replaces the secondaries (repairing or shrinking redundancy). Secondaries not in the
     /// current set join as `syncing`.
@@ -188,7 +185,7 @@ impl MetaState {
                     redundancy: *redundancy,
                     timeout_ms: *timeout_ms,
                     syncing: Vec::new(),
-                    handed_over_delivered: None,
+                    handed_over: false,
                 };
                 self.queues.insert(id.clone(), p.clone());
                 MetaResponse::Placed(p)
@@ -202,7 +199,6 @@ impl MetaState {
                 id,
                 expected_epoch,
                 new_primary,
-                ..
             } => {
                 let Some(p) = self.queues.get_mut(id) else {
                     return self.unknown(id);
@@ -216,10 +212,7 @@ impl MetaState {
                 p.secondaries.retain(|s| s != new_primary);
                 p.primary = *new_primary;
                 p.epoch = index;
-                p.handed_over_delivered = match cmd {
-                    MetaCommand::Handover { delivered, .. } => Some(*delivered),
-                    _ => None,
-                };
+                p.handed_over = matches!(cmd, MetaCommand::Handover { .. });
                 MetaResponse::Placed(p.clone())
             }
             MetaCommand::SetSecondaries {
@@ -241,7 +234,7 @@ impl MetaState {
                     }
                 }
                 p.epoch = index;
-                p.handed_over_delivered = None;
+                p.handed_over = false;
                 MetaResponse::Placed(p.clone())
             }
             MetaCommand::Synced {
@@ -289,7 +282,7 @@ impl MetaState {
                     p.syncing.retain(|s| s != node);
                     if (p.primary, p.secondaries.len()) != before {
                         p.epoch = index;
-                        p.handed_over_delivered = None;
+                        p.handed_over = false;
                         changed += 1;
                     }
                 }
@@ -352,7 +345,7 @@ mod tests {
             panic!()
         };
         assert_eq!((p.primary, p.secondaries.clone(), p.epoch), (3, vec![2], 7));
-        assert_eq!(p.handed_over_delivered, None);
+        assert!(!p.handed_over);
         // The same command again (a retry) is stale and changes nothing.
         assert_eq!(
             s.apply(8, &promote(5, 3)),
@@ -363,7 +356,7 @@ mod tests {
     }
 
     #[test]
-    fn a_handover_moves_the_primary_and_records_what_it_delivered_until_the_next_change() {
+    fn a_handover_moves_the_primary_and_is_marked_until_the_next_change() {
         let mut s = MetaState::default();
         s.apply(5, &place("q", 1, &[2, 3]));
         s.apply(
@@ -378,7 +371,6 @@ mod tests {
             id: "q".into(),
             expected_epoch: epoch,
             new_primary: node,
-            delivered: 40,
         };
         // Compare-and-set as a promotion.
         assert!(matches!(
@@ -389,13 +381,8 @@ mod tests {
             panic!()
         };
         assert_eq!(
-            (
-                p.primary,
-                p.secondaries.clone(),
-                p.epoch,
-                p.handed_over_delivered
-            ),
-            (2, vec![3], 8, Some(40))
+            (p.primary, p.secondaries.clone(), p.epoch, p.handed_over),
+            (2, vec![3], 8, true)
         );
         // A syncing secondary is not a target.
         s.apply(
@@ -406,7 +393,7 @@ mod tests {
                 secondaries: vec![3, 1],
             },
         );
-        assert_eq!(s.queues["q"].handed_over_delivered, None);
+        assert!(!s.queues["q"].handed_over);
         assert!(matches!(
             s.apply(10, &handover(9, 1)),
             MetaResponse::Stale(_)
@@ -414,11 +401,11 @@ mod tests {
         let MetaResponse::Placed(p) = s.apply(11, &handover(9, 3)) else {
             panic!()
         };
-        assert_eq!((p.primary, p.handed_over_delivered), (3, Some(40)));
+        assert_eq!((p.primary, p.handed_over), (3, true));
         s.apply(12, &MetaCommand::NodeFailed { node: 1 });
         assert_eq!(
-            (s.queues["q"].epoch, s.queues["q"].handed_over_delivered),
-            (12, None)
+            (s.queues["q"].epoch, s.queues["q"].handed_over),
+            (12, false)
         );
     }
 

@@ -813,9 +813,10 @@ impl NodeCore {
     /// publishes kept here. `seen` holds, per publisher, the highest sequence the copy ever held
     /// (see [`Queue::seen`]) and `held_through` its watermark; both stay with the queue to tell
     /// publishes it holds from new ones. Everything now in the queue counts as possibly
-    /// delivered, unless the old primary handed the queue over (`handed_over_delivered`: the
-    /// offset through which it had delivered, within the copy's entries, which are its own at
-    /// the same offsets): then only what it delivered does. Returns the batch and the new end
+    /// delivered (also when a live primary handed the queue over: a forwarded event appended
+    /// since may repeat one the queue held and its client acknowledged, which the copy knows
+    /// only by publisher sequence, for a bounded number of publishers, or by a watermark a
+    /// snapshot made it forget). Returns the batch and the new end
     /// (visible once the batch is committed, through [`committed`](Self::committed)).
     pub fn reapply_forwarded(
         &mut self,
@@ -824,7 +825,6 @@ impl NodeCore {
         seen: SeenEvents,
         held_through: BTreeMap<String, u64>,
         events: Vec<ReapplyEvent>,
-        handed_over_delivered: Option<Offset>,
     ) -> Option<(Batch, Offset)> {
         let interval = bytes::mark_interval_bytes(self.limits.queue_bytes_max);
         let q = self.queues.get_mut(&qid)?;
@@ -840,11 +840,8 @@ impl NodeCore {
                 &mut batch,
             );
         }
-        q.delivered = match handed_over_delivered {
-            Some(d) if d <= q.promoted_at => d.max(q.acked),
-            _ => q.end,
-        };
-        batch.set_delivered(qid, q.delivered);
+        q.delivered = q.end;
+        batch.set_delivered(qid, q.end);
         if let Some(seen) = &mut q.seen {
             bound_seen(seen);
         }
@@ -877,15 +874,17 @@ impl NodeCore {
 
     /// Cluster rebalancing: durable id `id`'s queue, away, is about to be handed over to another
     /// node; until [`end_handover`](Self::end_handover) (or its deposition) no client attaches
-    /// and no admin closes it. Returns the offset through which it was delivered, None if there
-    /// is no such queue, its client is attached, or it is moving already.
-    pub fn begin_handover(&mut self, id: &str) -> Option<Offset> {
-        let q = self.queues.get_mut(self.durable.get(id)?)?;
+    /// and no admin closes it. False if there is no such queue, its client is attached, or it
+    /// is moving already.
+    pub fn begin_handover(&mut self, id: &str) -> bool {
+        let Some(q) = self.durable.get(id).and_then(|q| self.queues.get_mut(q)) else {
+            return false;
+        };
         if q.moving || !matches!(q.state, QueueState::Away { .. }) {
-            return None;
+            return false;
         }
         q.moving = true;
-        Some(q.delivered)
+        true
     }
 
     /// The handover of `id` did not happen: clients may attach again.
@@ -1804,11 +1803,11 @@ mod tests {
         };
         let c = core.connect(Some(&hello)).unwrap();
         // Attached: not handed over.
-        assert_eq!(core.begin_handover("d"), None);
+        assert!(!core.begin_handover("d"));
         core.disconnect(5, c.session, true);
-        assert_eq!(core.begin_handover("nobody"), None);
-        assert_eq!(core.begin_handover("d"), Some(0));
-        assert_eq!(core.begin_handover("d"), None, "moving once");
+        assert!(!core.begin_handover("nobody"));
+        assert!(core.begin_handover("d"));
+        assert!(!core.begin_handover("d"), "moving once");
         match core.connect(Some(&hello)) {
             Err(ConnectError::Invalid(e)) => assert_eq!(e.code, ErrorCode::Unavailable),
             _ => panic!("a client attached to a moving queue"),

@@ -1056,14 +1056,7 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
                 .adopt_copy(qid, info, bytes, epoch, now)
                 .map_err(super::internal)?;
             let (more, end) = core
-                .reapply_forwarded(
-                    qid,
-                    now,
-                    held,
-                    held_through,
-                    events,
-                    p.handed_over_delivered,
-                )
+                .reapply_forwarded(qid, now, held, held_through, events)
                 .ok_or_else(|| super::internal("promoted queue vanished"))?;
             batch.extend(more);
             Ok((end, batch))
@@ -1088,7 +1081,7 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
     shared
         .shipping
         .start(shared, id, qid, shipper, &p.secondaries, deliver_after);
-    if p.handed_over_delivered.is_some() {
+    if p.handed_over {
         tracing::info!(
             durable_id = %id,
             epoch,

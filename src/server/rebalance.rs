@@ -8,23 +8,27 @@
 //! 1. it picks an away queue (no client attached: moving it interrupts nobody) that has an
 //!    in-sync copy on the taker, the queue with the fewest pending bytes first;
 //! 2. marks it moving in the core ([`NodeCore::begin_handover`](crate::core::NodeCore::begin_handover)):
-//!    no client attaches meanwhile (a hello is told `unavailable`, retry);
-//! 3. commits [`MetaCommand::Handover`] (compare-and-set on the epoch it read) with the offset
-//!    through which it had delivered the queue;
+//!    no client attaches meanwhile (a hello is told `unavailable`, retry), and waits until
+//!    every copy confirms the queue's current state, its client's last acks included
+//!    ([`HANDOVER_COPY_WAIT_MS`]; else the queue stays);
+//! 3. commits [`MetaCommand::Handover`] (compare-and-set on the epoch it read);
 //! 4. drops its queue at once (deposed, as after a failover); the taker promotes its copy the
 //!    way a failover does (appending the kept publishes its copy lacked), and restores the
 //!    queue's redundancy (a new copy, from a snapshot). The queue's next client is redirected.
 //!
-//! Because the copy holds the old primary's entries at the same offsets, the events above the
-//! recorded delivered offset were never sent: unlike after a failover they are not flagged
-//! `possible_duplicate` when replayed.
+//! As after a failover, every entry the taker holds then counts as possibly delivered
+//! (`possible_duplicate` when replayed): the copy holds the giver's entries at the same
+//! offsets, but a forwarded event appended since may repeat one its client acknowledged, which
+//! the copy may not know it held (soak run U, when the taker used the giver's delivered offset
+//! instead: one event of 2.9 million came again unflagged).
 //!
 //! How many queues go where is [`plan`], a pure function of the per-member primary counts in the
 //! metadata, the same on every node: a member over its share hands queues to a member under
 //! theirs only while their counts differ by more than a slack ([`REBALANCE_SLACK_QUEUES_MIN`],
 //! [`REBALANCE_SLACK_PERCENT`]), and only down to its share, so moves stop once the counts are
-//! close and no queue moves back and forth. A taker repairing many copies already ([`REBALANCE_TARGET_SYNCING_MAX`]) gets none
-//! for the time being, which bounds the snapshots a rebalance puts on it.
+//! close and no queue moves back and forth. A taker repairing many copies already
+//! ([`REBALANCE_TARGET_SYNCING_MAX`]) gets none for the time being, which bounds the snapshots
+//! a rebalance puts on it.
 //!
 //! A queue whose client stays connected, or without copies (redundancy 0), is not moved.
 
@@ -50,6 +54,9 @@ pub const REBALANCE_SLACK_PERCENT: usize = 10;
 /// A member that is primary of this many queues with a copy still syncing (snapshots under
 /// way) is not handed more for the time being.
 pub const REBALANCE_TARGET_SYNCING_MAX: usize = 8;
+/// Longest wait of a handover for the copies to confirm the queue's current state (acked
+/// offset, interest, away time), in milliseconds; the queue stays where it is if they do not.
+pub const HANDOVER_COPY_WAIT_MS: u64 = 5_000;
 /// Pause between attempts to learn the outcome of a handover whose commit did not answer, in
 /// milliseconds.
 pub const HANDOVER_DECIDE_RETRY_MS: u64 = 1_000;
@@ -145,10 +152,12 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     if wanted.is_empty() {
         return;
     }
-    let moves = pick(shared, &mine, &mut wanted);
-    for (id, p, target) in moves {
-        hand_over(shared, cluster, &id, &p, target).await;
+    let mut moves = tokio::task::JoinSet::new();
+    for (id, p, target) in pick(shared, &mine, &mut wanted) {
+        let (shared, cluster) = (shared.clone(), cluster.clone());
+        moves.spawn(async move { hand_over(&shared, &cluster, &id, &p, target).await });
     }
+    while moves.join_next().await.is_some() {}
 }
 
 /// The queues to hand over this round (at most [`REBALANCE_MOVES_PER_ROUND`]): away, not
@@ -163,8 +172,10 @@ fn pick(
         mine.iter()
             .filter_map(|(id, p)| {
                 let q = core.durable_queue(id)?;
+                // (Its epoch is the one it became primary at here: a later change of its
+                // secondaries raised the placement's, not the queue's.)
                 let away = matches!(q.state, QueueState::Away { .. }) && !q.moving;
-                (away && q.epoch == p.epoch).then(|| (q.pending_bytes(), id, p))
+                away.then(|| (q.pending_bytes(), id, p))
             })
             .collect()
     };
@@ -196,14 +207,33 @@ async fn hand_over(
     p: &Placement,
     target: RaftId,
 ) {
-    let Some(delivered) = shared.core().begin_handover(id) else {
-        return; // A client attached since the pick.
+    let qid = {
+        let mut core = shared.core();
+        if !core.begin_handover(id) {
+            return; // A client attached since the pick.
+        }
+        core.durable_queue(id).map(|q| q.id)
     };
+    // The copy must hold the queue's state as it is now, its client's last acks above all
+    // (they travel with every replication message): else the taker would send again what the
+    // client acknowledged here.
+    let copied = match qid.and_then(|q| shared.shipping.info_changed(q)) {
+        Some((sq, version)) => {
+            let deadline =
+                tokio::time::Instant::now() + Duration::from_millis(HANDOVER_COPY_WAIT_MS);
+            super::shipping::Shipping::wait_info(sq, version, deadline).await
+        }
+        None => false,
+    };
+    if !copied {
+        tracing::debug!(durable_id = %id, "handover skipped: the copy did not confirm the queue's state in time");
+        shared.core().end_handover(id);
+        return;
+    }
     let cmd = MetaCommand::Handover {
         id: id.to_string(),
         expected_epoch: p.epoch,
         new_primary: target,
-        delivered,
     };
     match cluster.write(cmd).await {
         Ok(MetaResponse::Placed(moved)) if moved.primary == target => {
