@@ -118,7 +118,7 @@ pub(crate) async fn rebalance_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
     }
 }
 
-/// One round: plans from the metadata, picks the queues, hands them over one after the other.
+/// One round: plans from the metadata, picks the queues, hands them over (all at once).
 async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     let me = cluster.id();
     let live: Vec<RaftId> = cluster
@@ -128,22 +128,18 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
         .copied()
         .filter(|&n| n == me || shared.liveness.is_live(n))
         .collect();
-    let (counts, syncing, mine) = cluster.read(|s| {
+    let (counts, syncing) = cluster.read(|s| {
         let mut counts: BTreeMap<RaftId, usize> = live.iter().map(|&n| (n, 0)).collect();
         let mut syncing: BTreeMap<RaftId, usize> = BTreeMap::new();
-        let mut mine = Vec::new();
-        for (id, p) in &s.queues {
+        for p in s.queues.values() {
             if let Some(c) = counts.get_mut(&p.primary) {
                 *c += 1;
             }
             if !p.syncing.is_empty() {
                 *syncing.entry(p.primary).or_default() += 1;
             }
-            if p.primary == me && p.syncing.is_empty() && !p.secondaries.is_empty() {
-                mine.push((id.clone(), p.clone()));
-            }
         }
-        (counts, syncing, mine)
+        (counts, syncing)
     });
     let mut wanted: Vec<(RaftId, usize)> = plan(&counts, me)
         .into_iter()
@@ -152,6 +148,14 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     if wanted.is_empty() {
         return;
     }
+    // Only now (most rounds plan nothing) this node's placements that could move.
+    let mine: Vec<(String, Placement)> = cluster.read(|s| {
+        s.queues
+            .iter()
+            .filter(|(_, p)| p.primary == me && p.syncing.is_empty() && !p.secondaries.is_empty())
+            .map(|(id, p)| (id.clone(), p.clone()))
+            .collect()
+    });
     let mut moves = tokio::task::JoinSet::new();
     for (id, p, target) in pick(shared, &mine, &mut wanted) {
         let (shared, cluster) = (shared.clone(), cluster.clone());
