@@ -2,7 +2,8 @@
 //! consensus) on the node its client first reaches; a client that comes back through another
 //! node is redirected there and resumes with the exact pending count; a queue that expires or
 //! is dropped frees its id cluster-wide; queues placed on one node spread over the others once
-//! their clients are away (rebalancing), losing nothing and flagging only what was sent.
+//! their clients are away (rebalancing), losing nothing and flagging only what was sent, and
+//! stay where they are with rebalancing turned off.
 
 mod common;
 
@@ -15,6 +16,16 @@ use tether::server::Node;
 
 use common::cluster::TestCluster;
 use common::{entries, eventually, take_events, until_live};
+
+/// A durable client of `id` (redundancy 1) through `node`.
+async fn durable(node: &Node, id: &str) -> tether::client::Client {
+    builder(node)
+        .durable(id.to_string(), 300)
+        .redundancy(1)
+        .connect()
+        .await
+        .unwrap()
+}
 
 fn builder(node: &Node) -> ClientBuilder {
     ClientBuilder::new()
@@ -267,5 +278,59 @@ async fn away_queues_placed_on_one_node_are_handed_over_to_the_others() {
         d.close(false).await.unwrap();
     }
     assert_eq!(redirected, QUEUES - counts[0], "{counts:?}");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_rebalancing_off_queues_stay_where_they_were_placed() {
+    const QUEUES: usize = 12;
+    let c = TestCluster::start_tweaked(3, |cfg| cfg.rebalance = false).await;
+    c.leader().await;
+    let ids: Vec<String> = (0..QUEUES).map(|i| format!("s{i}")).collect();
+    // As in the test above: every queue is placed on node 0 and its client goes away, so a
+    // rebalancing node would hand most of them to the others within a round or two.
+    for id in &ids {
+        let d = durable(c.node(0), id).await;
+        d.region("R").register(Interest::all_keys()).await.unwrap();
+        d.ready_for_events().await.unwrap();
+        until_live(&mut d.events().unwrap(), "R").await;
+        d.crash();
+    }
+    let cluster = c.node(0).cluster().unwrap().clone();
+    let n0 = cluster.id();
+    // Everything a move needs is there: each queue is away with a synced copy on another node.
+    eventually("every queue is away with a synced copy", || {
+        let away = c
+            .node(0)
+            .queues()
+            .iter()
+            .filter(|q| q.role == "primary" && q.state == "away")
+            .count();
+        away == QUEUES
+            && ids.iter().all(|id| {
+                cluster.placement(id).is_some_and(|p| {
+                    p.primary == n0 && p.secondaries.len() == 1 && p.syncing.is_empty()
+                })
+            })
+    })
+    .await;
+    // Rounds would have run several times over by now.
+    tokio::time::sleep(Duration::from_millis(
+        5 * tether::server::REBALANCE_INTERVAL_MS,
+    ))
+    .await;
+    for i in 0..3 {
+        let here = c.node(i).cluster().unwrap();
+        for id in &ids {
+            assert_eq!(here.placement(id).unwrap().primary, n0, "{id} on node {i}");
+        }
+    }
+    // And each client finds its queue where it left it.
+    for id in &ids {
+        let d = durable(c.node(0), id).await;
+        assert_eq!(d.server_addr(), c.node(0).addr(), "{id}");
+        assert_eq!(d.queue_status(), QueueStatus::Resumed, "{id}");
+        d.close(false).await.unwrap();
+    }
     c.shutdown().await;
 }

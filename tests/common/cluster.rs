@@ -48,6 +48,8 @@ pub struct TestCluster {
     pub limits: tether::config::Limits,
     /// Client authentication of every node.
     pub auth: Option<tether::auth::AuthConfig>,
+    /// Applied to every node's configuration last (a test's own settings).
+    pub tweak: fn(&mut ServerConfig),
 }
 
 impl TestCluster {
@@ -57,18 +59,24 @@ impl TestCluster {
 
     /// A cluster whose nodes have these limits.
     pub async fn start_with(n: usize, limits: tether::config::Limits) -> TestCluster {
-        Self::start_full(n, limits, None).await
+        Self::start_full(n, limits, None, |_| {}).await
     }
 
     /// A cluster whose nodes authenticate clients with `auth`.
     pub async fn start_with_auth(n: usize, auth: tether::auth::AuthConfig) -> TestCluster {
-        Self::start_full(n, tether::config::Limits::default(), Some(auth)).await
+        Self::start_full(n, tether::config::Limits::default(), Some(auth), |_| {}).await
+    }
+
+    /// A cluster whose nodes' configurations are changed by `tweak`.
+    pub async fn start_tweaked(n: usize, tweak: fn(&mut ServerConfig)) -> TestCluster {
+        Self::start_full(n, tether::config::Limits::default(), None, tweak).await
     }
 
     async fn start_full(
         n: usize,
         limits: tether::config::Limits,
         auth: Option<tether::auth::AuthConfig>,
+        tweak: fn(&mut ServerConfig),
     ) -> TestCluster {
         let dirs = cluster_dirs(n);
         let ports = free_ports(n);
@@ -86,6 +94,7 @@ impl TestCluster {
             nodes: Vec::new(),
             limits,
             auth,
+            tweak,
         };
         for i in 0..n {
             let node = c.boot(i).await;
@@ -107,6 +116,7 @@ impl TestCluster {
             );
             cfg.limits = self.limits.clone();
             cfg.auth = self.auth.clone();
+            (self.tweak)(&mut cfg);
             match Node::start(cfg).await {
                 Ok(node) => return node,
                 Err(tether::server::NodeError::Listen { .. })
