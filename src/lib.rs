@@ -41,6 +41,7 @@ pub mod client;
 pub mod cluster;
 pub mod config;
 pub mod core;
+pub mod heap;
 pub mod interest;
 pub mod limits;
 pub mod metrics;

@@ -18,9 +18,78 @@ use tether::server::Node;
 
 /// The server is allocation-heavy on its hot paths (one record per event on the client side,
 /// frames on the server side); mimalloc roughly halves allocator time there.
+/// Counted (`tether_heap_live_bytes{allocator="rust"}`, src/heap.rs).
 #[cfg(not(feature = "system-alloc"))]
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: tether::heap::Counting<mimalloc::MiMalloc> =
+    tether::heap::Counting(mimalloc::MiMalloc);
+#[cfg(feature = "system-alloc")]
+#[global_allocator]
+static GLOBAL: tether::heap::Counting<std::alloc::System> =
+    tether::heap::Counting(std::alloc::System);
+
+/// mimalloc's settings for a server that runs for long (`tune`, first thing in `main`). By
+/// default mimalloc v3 gives memory back to the OS in 2 MiB units where transparent huge pages
+/// may be used, and a second after it was freed: a node's resident memory then rose to 300-400
+/// MB holding 50-100 MB of live data, and kept rising (BENCHMARKS.md, soak run Y). Without
+/// huge pages (64 KiB units) and purging at once, it stayed at 120-190 MB (run Z2).
+#[cfg(not(feature = "system-alloc"))]
+mod mimalloc_options {
+    use std::ffi::{c_int, c_long};
+
+    // Indices in `mi_option_t` of the mimalloc (v3) the `mimalloc` crate builds, from its
+    // include/mimalloc.h (its Rust bindings list v2's): the test checks them by their defaults.
+    pub const PURGE_DELAY: c_int = 16;
+    pub const ALLOW_THP: c_int = 44;
+    /// Milliseconds between a free and giving the memory back (mimalloc's default: 1000).
+    pub const PURGE_DELAY_MS: c_long = 0;
+
+    unsafe extern "C" {
+        fn mi_option_set(option: c_int, value: c_long);
+        #[cfg(test)]
+        fn mi_option_get(option: c_int) -> c_long;
+    }
+
+    /// Sets both options, except one the environment sets (`MIMALLOC_ALLOW_THP`,
+    /// `MIMALLOC_PURGE_DELAY`: the operator's choice, which mimalloc reads itself).
+    pub fn tune() {
+        for (option, env, value) in [
+            (ALLOW_THP, "MIMALLOC_ALLOW_THP", 0),
+            (PURGE_DELAY, "MIMALLOC_PURGE_DELAY", PURGE_DELAY_MS),
+        ] {
+            if std::env::var_os(env).is_none() {
+                // SAFETY: a plain option setter of the linked mimalloc, called before any
+                // thread starts.
+                unsafe { mi_option_set(option, value) };
+            }
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn the_option_indices_are_those_of_the_linked_mimalloc() {
+            // Read before any test sets them: mimalloc v3's defaults (allow_thp 1, purge_delay
+            // 1000 ms) are what these indices hold; another index or version fails here.
+            // SAFETY: plain option getters.
+            let (thp, delay) = unsafe { (mi_option_get(ALLOW_THP), mi_option_get(PURGE_DELAY)) };
+            assert!(
+                (thp, delay) == (1, 1000) || (thp, delay) == (0, PURGE_DELAY_MS),
+                "allow_thp={thp} purge_delay={delay}"
+            );
+            tune();
+            // SAFETY: as above.
+            let after = unsafe { (mi_option_get(ALLOW_THP), mi_option_get(PURGE_DELAY)) };
+            if std::env::var_os("MIMALLOC_ALLOW_THP").is_none()
+                && std::env::var_os("MIMALLOC_PURGE_DELAY").is_none()
+            {
+                assert_eq!(after, (0, PURGE_DELAY_MS));
+            }
+        }
+    }
+}
 
 /// Publish operations sent per request by `tether put --count`.
 const PUT_BATCH_OPS: usize = 1000;
@@ -257,6 +326,10 @@ fn emit(v: Value) {
 }
 
 fn main() {
+    // Allocator settings first, before threads and the first large allocations.
+    #[cfg(not(feature = "system-alloc"))]
+    mimalloc_options::tune();
+    tether::heap::tune_native_heap();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

@@ -25,6 +25,8 @@ pub const WRITE_BATCH_OPS: &str = "tether_storage_write_batch_ops";
 pub const FSYNC_LATENCY: &str = "tether_storage_fsync_seconds";
 pub const STORAGE_MEMORY: &str = "tether_storage_memory_bytes";
 pub const STORAGE_L0_FILES: &str = "tether_storage_l0_files";
+pub const HEAP_LIVE: &str = "tether_heap_live_bytes";
+pub const HEAP_RETAINED: &str = "tether_heap_retained_bytes";
 pub const PUBLISH_REJECTED: &str = "tether_publish_rejected_total";
 pub const PUBLISH_BLOCKED: &str = "tether_publish_blocked_total";
 pub const QUEUES_DROPPED_FULL: &str = "tether_queues_dropped_full_total";
@@ -184,6 +186,14 @@ fn describe() {
     describe_gauge!(
         STORAGE_MEMORY,
         "Memory the storage engine holds, by kind: memtables, table_readers, block_cache, block_cache_pinned"
+    );
+    describe_gauge!(
+        HEAP_LIVE,
+        "Bytes in live heap allocations, by allocator: rust (when counted), native (the C allocator, RocksDB's)"
+    );
+    describe_gauge!(
+        HEAP_RETAINED,
+        "Bytes freed but kept by the C allocator (native)"
     );
     describe_gauge!(
         STORAGE_L0_FILES,

@@ -34,6 +34,7 @@ use tether_storage::{Batch, RocksStore, Store};
 use tether_transport::tls::{self, TlsFiles};
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
 
+pub use rebalance::REBALANCE_INTERVAL_MS;
 pub use revocation::CRL_RELOAD_INTERVAL_MS;
 pub use writer::{GROUP_COMMIT_REQUESTS_MAX, Writer, WriterThread};
 
@@ -1099,10 +1100,16 @@ pub const SHUTDOWN_DRAIN_SECS: u64 = 5;
 /// clients learn of the close and the UDP socket is released), in milliseconds.
 pub const ENDPOINT_DRAIN_TIMEOUT_MS: u64 = 2_000;
 
+/// Ticks between two readings of the heap figures (`crate::heap::native_heap` walks glibc's
+/// arenas under their locks).
+const HEAP_METRICS_EVERY_TICKS: u64 = 10;
+
 async fn tick_loop(shared: Arc<Shared>) {
     let mut interval = tokio::time::interval(Duration::from_millis(EXPIRY_TICK_MS));
+    let mut ticks = 0u64;
     loop {
         interval.tick().await;
+        ticks += 1;
         let expired = shared
             .apply(|core| {
                 let (batch, ids) = core.tick(now_ms());
@@ -1144,6 +1151,15 @@ async fn tick_loop(shared: Arc<Shared>) {
             metrics::gauge!(m::STORAGE_MEMORY, "kind" => kind).set(bytes as f64);
         }
         metrics::gauge!(m::STORAGE_L0_FILES).set(mem.entries_l0_files as f64);
+        if let Some(b) = crate::heap::rust_heap_bytes() {
+            metrics::gauge!(m::HEAP_LIVE, "allocator" => "rust").set(b as f64);
+        }
+        if ticks % HEAP_METRICS_EVERY_TICKS == 1
+            && let Some(h) = crate::heap::native_heap()
+        {
+            metrics::gauge!(m::HEAP_LIVE, "allocator" => "native").set(h.live_bytes as f64);
+            metrics::gauge!(m::HEAP_RETAINED, "allocator" => "native").set(h.retained_bytes as f64);
+        }
         if let Some(cl) = shared.cluster.get() {
             let me = cl.id();
             metrics::gauge!(m::CLUSTER_IS_LEADER).set(f64::from(u8::from(cl.leader() == Some(me))));
