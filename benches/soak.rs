@@ -433,9 +433,16 @@ struct Stats {
 }
 
 impl Stats {
+    /// Keeps the first [`EXAMPLES_MAX`] examples of each kind (the message after the client
+    /// id, without its numbers), so the frequent kinds do not crowd out a rare one.
     fn example(&self, s: String) {
+        fn kind(s: &str) -> String {
+            let text = s.split_once(": ").map_or(s, |(_, t)| t);
+            text.chars().filter(|c| !c.is_ascii_digit()).collect()
+        }
+        let k = kind(&s);
         let mut e = self.examples.lock().unwrap();
-        if e.len() < EXAMPLES_MAX {
+        if e.iter().filter(|x| kind(x) == k).count() < EXAMPLES_MAX {
             e.push(s);
         }
     }
