@@ -1252,18 +1252,12 @@ async fn main() {
                         .find(|(n, _)| n.contains(k))
                         .map_or(0.0, |s| s.1 / 1048576.0)
                 };
-                let heap = |name: &str, alloc: &str| {
-                    samples
-                        .iter()
-                        .find(|(n, _)| n.starts_with(name) && n.contains(alloc))
-                        .map_or(0.0, |s| s.1 / 1048576.0)
-                };
                 println!(
                     "    n{}: heap rust={:.0} MB native={:.0} MB native_retained={:.0} MB, storage memtables={:.0} MB table_readers={:.0} MB block_cache={:.0} MB l0_files={}",
                     i + 1,
-                    heap("tether_heap_live_bytes", "\"rust\""),
-                    heap("tether_heap_live_bytes", "\"native\""),
-                    heap("tether_heap_retained_bytes", "\"native\""),
+                    mb("tether_heap_live_bytes{allocator=\"rust\"}"),
+                    mb("tether_heap_live_bytes{allocator=\"native\"}"),
+                    mb("tether_heap_retained_bytes{allocator=\"native\"}"),
                     mb("\"memtables\""),
                     mb("\"table_readers\""),
                     mb("\"block_cache\""),
