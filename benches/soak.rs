@@ -34,7 +34,8 @@
 //! TETHER_SOAK_CONNECTED_MAX (150), TETHER_SOAK_RATE (events/s, 2000), TETHER_SOAK_PUBLISHERS
 //! (2), TETHER_SOAK_BATCH (ops per publish request, 50), TETHER_SOAK_VALUE_BYTES (64),
 //! TETHER_SOAK_NODES (1), TETHER_SOAK_NODE_KILLS (0), TETHER_SOAK_SYNC (batch),
-//! TETHER_SOAK_CONFIG (a TOML file for every node, none), TETHER_SOAK_SEED (random).
+//! TETHER_SOAK_CONFIG (a TOML file for every node, none), TETHER_SOAK_SEED (random),
+//! TETHER_SOAK_KILL_ORDER (the killed nodes in order, e.g. `3,3,1,2`; random by default).
 
 mod common;
 
@@ -384,8 +385,9 @@ struct Cl {
     /// Per session that connected (by `sessions - 1`): the node that served it and when it
     /// connected (seconds into the run), for the examples of an unflagged duplicate.
     session_log: Vec<(String, f32)>,
-    /// Highest queue offset received so far.
+    /// Highest queue offset received so far, and the session (1-based) that received it.
     max_offset: u64,
+    max_offset_session: u64,
     sessions: u64,
     ever_connected: bool,
     away_until: Instant,
@@ -682,13 +684,28 @@ async fn session(
                 }
                 if e.offset <= cl.max_offset && !e.possible_duplicate {
                     inc(&stats.offset_unflagged_redelivery);
+                    let served = |session: u64| {
+                        let (node, at) = cl
+                            .session_log
+                            .get((session as usize).wrapping_sub(1))
+                            .cloned()
+                            .unwrap_or_default();
+                        format!("session {session} ({node}, connected at {at:.0} s)")
+                    };
                     stats.example(format!(
-                        "{}: offset {} again (highest seen {}) without possible_duplicate",
-                        cl.id, e.offset, cl.max_offset
+                        "{}: offset {} again without possible_duplicate in {}; highest seen {} in {}",
+                        cl.id,
+                        e.offset,
+                        served(cl.sessions),
+                        cl.max_offset,
+                        served(cl.max_offset_session)
                     ));
                 }
                 prev_offset = Some(e.offset);
-                cl.max_offset = cl.max_offset.max(e.offset);
+                if e.offset > cl.max_offset {
+                    cl.max_offset = e.offset;
+                    cl.max_offset_session = cl.sessions;
+                }
                 let Some(seq) = seq_of(&e) else {
                     inc(&stats.undecodable);
                     stats.example(format!(
@@ -1084,6 +1101,18 @@ async fn main() {
         .collect();
     let mut restarts: Vec<tokio::task::JoinHandle<()>> = Vec::new();
     let mut kills_done = Vec::new();
+    // The victims, in order (1-based node numbers), to replay a run whose kills fell otherwise
+    // (the RNG that picks them also drives the clients, so a seed alone does not fix them).
+    let kill_order: Vec<usize> = match std::env::var("TETHER_SOAK_KILL_ORDER") {
+        Ok(v) => v
+            .split(',')
+            .map(|n| match n.trim().parse::<usize>() {
+                Ok(n) if (1..=n_nodes).contains(&n) => n - 1,
+                _ => panic!("TETHER_SOAK_KILL_ORDER: {n:?} is not a node number 1..={n_nodes}"),
+            })
+            .collect(),
+        Err(_) => Vec::new(),
+    };
 
     // Durable clients.
     let mut slots: Vec<Option<Cl>> = (0..n_clients)
@@ -1098,6 +1127,7 @@ async fn main() {
                 received: Vec::new(),
                 session_log: Vec::new(),
                 max_offset: 0,
+                max_offset_session: 0,
                 sessions: 0,
                 ever_connected: false,
                 away_until: t_start,
@@ -1165,7 +1195,10 @@ async fn main() {
         // One node down at a time: a kill waits for the previous node's restart.
         if restarts.is_empty() && kill_at.front().is_some_and(|&t| Instant::now() >= t) {
             kill_at.pop_front();
-            let victim = rng.below(n_nodes as u64) as usize;
+            let victim = match kill_order.get(kills_done.len()) {
+                Some(&n) => n,
+                None => rng.below(n_nodes as u64) as usize,
+            };
             let t = t_start.elapsed().as_secs_f64();
             println!(
                 "t={t:>4.0}s kill -9 n{} (down for {NODE_DOWN:?})",

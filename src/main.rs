@@ -33,6 +33,13 @@ static GLOBAL: tether::heap::Counting<std::alloc::System> =
 /// may be used, and a second after it was freed: a node's resident memory then rose to 300-400
 /// MB holding 50-100 MB of live data, and kept rising (BENCHMARKS.md, soak run Y). Without
 /// huge pages (64 KiB units) and purging at once, it stayed at 120-190 MB (run Z2).
+///
+/// mimalloc reads its options and reserves its first arena before `main` runs, advising huge
+/// pages for it when they are allowed then: turning `allow_thp` off afterwards only affects
+/// later mappings. So `tune` also does what mimalloc itself does when `MIMALLOC_ALLOW_THP=0`
+/// is set at start: it disables transparent huge pages for the process (`PR_SET_THP_DISABLE`),
+/// which also covers the arena already reserved (run AC: without it, a node's first arena held
+/// 240 MB of huge pages).
 #[cfg(not(feature = "system-alloc"))]
 mod mimalloc_options {
     use std::ffi::{c_int, c_long};
@@ -63,6 +70,25 @@ mod mimalloc_options {
                 unsafe { mi_option_set(option, value) };
             }
         }
+        if std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
+            disable_thp();
+        }
+    }
+
+    /// Disables transparent huge pages for this process (Linux with glibc; a no-op elsewhere).
+    fn disable_thp() {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        {
+            // SAFETY: prctl with PR_SET_THP_DISABLE takes integer arguments only and changes
+            // nothing but this process's huge page policy.
+            let rc = unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) };
+            if rc != 0 {
+                eprintln!(
+                    "warning: cannot disable transparent huge pages: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
     }
 
     #[cfg(test)]
@@ -86,6 +112,12 @@ mod mimalloc_options {
                 && std::env::var_os("MIMALLOC_PURGE_DELAY").is_none()
             {
                 assert_eq!(after, (0, PURGE_DELAY_MS));
+            }
+            #[cfg(all(target_os = "linux", target_env = "gnu"))]
+            if std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
+                // SAFETY: PR_GET_THP_DISABLE only reads the process's flag.
+                let disabled = unsafe { libc::prctl(libc::PR_GET_THP_DISABLE, 0, 0, 0, 0) };
+                assert_eq!(disabled, 1, "transparent huge pages still allowed");
             }
         }
     }
