@@ -395,6 +395,16 @@ struct Cl {
     reached_stream: bool,
 }
 
+impl Cl {
+    /// The node that served session `session` (1-based) and when it connected; empty if unknown.
+    fn served(&self, session: u64) -> (String, f32) {
+        self.session_log
+            .get((session as usize).wrapping_sub(1))
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
 #[derive(Default)]
 struct Stats {
     connects: AtomicU64,
@@ -685,11 +695,7 @@ async fn session(
                 if e.offset <= cl.max_offset && !e.possible_duplicate {
                     inc(&stats.offset_unflagged_redelivery);
                     let served = |session: u64| {
-                        let (node, at) = cl
-                            .session_log
-                            .get((session as usize).wrapping_sub(1))
-                            .cloned()
-                            .unwrap_or_default();
+                        let (node, at) = cl.served(session);
                         format!("session {session} ({node}, connected at {at:.0} s)")
                     };
                     stats.example(format!(
@@ -805,11 +811,7 @@ fn verify(
     let mut got = vec![false; 0];
     got.resize((total_seq - w.hi.min(total_seq)) as usize, false);
     let where_ = |r: &Receipt| {
-        let (node, at) = cl
-            .session_log
-            .get(usize::from(r.session).wrapping_sub(1))
-            .cloned()
-            .unwrap_or_default();
+        let (node, at) = cl.served(u64::from(r.session));
         format!(
             "offset {} session {} ({node}, connected at {at:.0} s{})",
             r.offset,

@@ -57,21 +57,18 @@ mod mimalloc_options {
         fn mi_option_get(option: c_int) -> c_long;
     }
 
-    /// Sets both options, except one the environment sets (`MIMALLOC_ALLOW_THP`,
-    /// `MIMALLOC_PURGE_DELAY`: the operator's choice, which mimalloc reads itself).
+    /// Huge pages off (the option and the process) and purging at once, each unless the
+    /// environment sets it (`MIMALLOC_ALLOW_THP`, `MIMALLOC_PURGE_DELAY`: the operator's
+    /// choice, which mimalloc reads itself).
     pub fn tune() {
-        for (option, env, value) in [
-            (ALLOW_THP, "MIMALLOC_ALLOW_THP", 0),
-            (PURGE_DELAY, "MIMALLOC_PURGE_DELAY", PURGE_DELAY_MS),
-        ] {
-            if std::env::var_os(env).is_none() {
-                // SAFETY: a plain option setter of the linked mimalloc, called before any
-                // thread starts.
-                unsafe { mi_option_set(option, value) };
-            }
-        }
+        // SAFETY (both): a plain option setter of the linked mimalloc, called before any
+        // thread starts.
         if std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
+            unsafe { mi_option_set(ALLOW_THP, 0) };
             disable_thp();
+        }
+        if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+            unsafe { mi_option_set(PURGE_DELAY, PURGE_DELAY_MS) };
         }
     }
 
