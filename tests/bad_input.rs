@@ -1339,6 +1339,7 @@ async fn bad_peer_messages_get_error_answers_and_hurt_nothing() {
             more: false,
             through: Default::default(),
             through_end: 0,
+            placement_epoch: 0,
         })
     };
     match pool

@@ -90,6 +90,12 @@ pub struct ReplicateMsg {
     /// The log end `through` speaks of (at most this message's log end).
     #[serde(default)]
     pub through_end: u64,
+    /// The epoch of the queue's placement as the primary knew it when it shipped (the index of
+    /// the metadata change that last set its replica set): the receiving node is a secondary
+    /// of that placement, so its own metadata must be applied at least that far before it may
+    /// conclude it no longer holds the copy.
+    #[serde(default)]
+    pub placement_epoch: u64,
 }
 
 /// A queue entry as stored: flags and body.

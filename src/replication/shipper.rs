@@ -81,6 +81,11 @@ struct Peer {
     metadata_due: bool,
     /// Pipeline restarts so far (see [`Shipper::pipeline`]).
     restarts: u64,
+    /// The peer answered, in this epoch, with a log end below what it had acknowledged: it lost
+    /// entries it held durably (its copy was dropped and started again). It no longer counts as
+    /// in sync, and the driver must take it out of the replica set (see
+    /// [`Shipper::regressed_peers`]).
+    regressed: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -185,6 +190,19 @@ impl Shipper {
             .is_some_and(|m| m >= needed)
     }
 
+    /// Secondaries that lost entries they had acknowledged in this epoch (a Mismatch whose hint
+    /// lies below what they acknowledged). Metadata still counts them as holding the queue
+    /// (promotable), which is no longer true: the driver takes each one out of the replica set,
+    /// so that it joins again as `syncing`. `replicated_end` is kept (entries below it were
+    /// delivered and every other secondary holds them); the peer counts as holding nothing
+    /// until it acknowledges again.
+    pub fn regressed_peers(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.peers
+            .iter()
+            .filter(|(_, p)| p.regressed)
+            .map(|(&id, _)| id)
+    }
+
     /// Sets the replica set from cluster metadata. Removed secondaries are forgotten; added ones
     /// start with a probe at the log end.
     pub fn set_secondaries(&mut self, secondaries: &[NodeId], _now_ms: u64) {
@@ -198,6 +216,7 @@ impl Shipper {
                 acked_sent: 0,
                 metadata_due: false,
                 restarts: 0,
+                regressed: false,
             });
         }
         self.update_replicated_end();
@@ -268,6 +287,13 @@ impl Shipper {
                 if peer.in_flight.iter().any(|f| f.batch == batch) {
                     peer.in_flight.clear();
                     peer.next = end_hint.min(log_end);
+                    // A copy's end never falls below what it acknowledged in this epoch (acks
+                    // are durable, truncation stops at acknowledged entries): this one lost its
+                    // log. What it acknowledged no longer says anything about what it holds.
+                    if peer.matched.is_some_and(|m| end_hint < m) {
+                        peer.matched = None;
+                        peer.regressed = true;
+                    }
                 }
             }
             Reply::Fenced { .. } => {} // Same epoch: meaningless.

@@ -493,3 +493,54 @@ fn a_pipeline_restart_supersedes_what_was_polled_before_it() {
     pump(&mut p, &mut [(S, &mut r)], RETRANSMIT_MS);
     assert_eq!(p.replicated_end(), 8);
 }
+
+#[test]
+fn a_secondary_that_lost_what_it_acknowledged_is_out_of_sync_and_reported() {
+    let mut p = Shipper::new(1, LogState::empty(), 0, config());
+    p.on_local_append(6);
+    let mut r = Replica::new();
+    p.set_secondaries(&[S], 0);
+    pump(&mut p, &mut [(S, &mut r)], 0);
+    assert!(p.peer_in_sync(S));
+    assert_eq!(p.replicated_end(), 6);
+    assert_eq!(
+        p.regressed_peers().count(),
+        0,
+        "a normal catch-up is no regression"
+    );
+
+    // The secondary's copy is dropped and started again, empty (as a node whose metadata lags
+    // behind may do): the next batch does not attach and its hint lies below what it acked.
+    let mut fresh = Replica::new();
+    p.on_local_append(8);
+    let h = append(p.poll_transmit(1).expect("the new entries"));
+    assert_eq!((h.first, h.last), (6, 8));
+    let Decision::Reply(reply) = fresh.on_append(P, &h) else {
+        panic!("expected a mismatch")
+    };
+    assert!(matches!(reply, Reply::Mismatch { end_hint: 0, .. }));
+    p.on_reply(S, reply, 1);
+    assert!(!p.peer_in_sync(S), "what it acknowledged is gone");
+    assert_eq!(p.regressed_peers().collect::<Vec<_>>(), vec![S]);
+    assert_eq!(p.peer_lag(S), Some(8), "it counts as holding nothing");
+    assert_eq!(
+        p.replicated_end(),
+        6,
+        "delivered entries stay delivered, and nothing more is until it holds them"
+    );
+
+    // It is sent the whole log again; once it acknowledges everything it holds it again (the
+    // driver still takes it out of the replica set: metadata must see it as syncing).
+    pump(&mut p, &mut [(S, &mut fresh)], 1);
+    assert_eq!(fresh.log().end(), 8);
+    assert_eq!(p.replicated_end(), 8);
+    assert_eq!(p.regressed_peers().collect::<Vec<_>>(), vec![S]);
+    // Leaving the replica set forgets it; joining again starts afresh.
+    p.set_secondaries(&[], 2);
+    p.set_secondaries(&[S], 2);
+    assert_eq!(p.regressed_peers().count(), 0);
+    assert!(
+        !p.peer_in_sync(S),
+        "a rejoining secondary must acknowledge again"
+    );
+}

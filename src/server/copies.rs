@@ -44,6 +44,11 @@ pub(crate) struct Copy {
     pub(crate) bytes: QueueBytes,
     /// The first messages of a snapshot sent in several: (sender, snapshot batch) and entries.
     staged: Option<((u64, u64), Vec<ShippedEntry>)>,
+    /// The highest placement epoch its primary shipped under ([`ReplicateMsg::placement_epoch`]):
+    /// this node's metadata must be applied that far before a placement without this node
+    /// means the copy is no longer held (see `failover::copy_not_held`). In memory only: after
+    /// a restart the node's read barrier covers every placement shipped under before.
+    pub(crate) placed_at: u64,
 }
 
 type CopyCell = Arc<tokio::sync::Mutex<Copy>>;
@@ -88,6 +93,7 @@ impl Copies {
                 seen,
                 bytes,
                 staged: None,
+                placed_at: 0,
             };
             map.insert(id, Arc::new(tokio::sync::Mutex::new(copy)));
         }
@@ -161,7 +167,8 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     if info.durable_id.as_deref() != Some(msg.durable_id.as_str()) || info.copy.is_some() {
         return PeerResponse::BadRequest("queue info does not match the queue".into());
     }
-    let cell = match copy_for(shared, &msg.durable_id, &info).await {
+    let placed_at = msg.placement_epoch.max(epoch);
+    let cell = match copy_for(shared, &msg.durable_id, &info, placed_at).await {
         Ok(c) => c,
         Err(e) => {
             tracing::warn!(durable_id = %msg.durable_id, error = %e, "cannot start a copy");
@@ -172,6 +179,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     if copy.gone {
         return PeerResponse::Replicated(None);
     }
+    copy.placed_at = copy.placed_at.max(placed_at);
     let mut msg = msg;
     if let ReplicateHeader::Snapshot(h) = &msg.header {
         // A snapshot in several messages: stage the entries until the last one.
@@ -306,8 +314,14 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     PeerResponse::Replicated(reply)
 }
 
-/// The copy of `id`, started (empty, with a queue id of its own) on the first message.
-async fn copy_for(shared: &Arc<Shared>, id: &str, info: &QueueInfo) -> Result<CopyCell, String> {
+/// The copy of `id`, started (empty, with a queue id of its own) on the first message, which
+/// its primary shipped under placement epoch `placed_at`.
+async fn copy_for(
+    shared: &Arc<Shared>,
+    id: &str,
+    info: &QueueInfo,
+    placed_at: u64,
+) -> Result<CopyCell, String> {
     if let Some(c) = shared.copies.get(id) {
         return Ok(c);
     }
@@ -327,6 +341,7 @@ async fn copy_for(shared: &Arc<Shared>, id: &str, info: &QueueInfo) -> Result<Co
             seen: Default::default(),
             bytes: QueueBytes::default(),
             staged: None,
+            placed_at,
         }))
     });
     let cell = cell.clone();

@@ -735,6 +735,7 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     }
     run_bounded(repairs, REPAIRS_AT_ONCE).await;
     let applied = cluster.applied_index();
+    let caught_up = *shared.meta_caught_up.borrow();
     for id in shared.copies.ids() {
         let Some(cell) = shared.copies.get(&id) else {
             continue;
@@ -743,24 +744,47 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
         if copy.gone {
             continue;
         }
-        match cluster.placement(&id) {
-            // Promoted above (or the promotion failed and is tried again next time).
-            Some(p) if p.primary == me && p.epoch > copy.replica.epoch() => {}
-            Some(p) if p.secondaries.contains(&me) => {}
-            _ if applied >= copy.replica.epoch() => {
-                // Not ours any more (expired, released, or another replica set): drop it.
-                let qid = copy.qid;
-                let mut batch = tether_storage::Batch::new();
-                batch.drop_queue(qid);
-                if shared.apply(|_| Ok(((), batch))).await.is_ok() {
-                    copy.gone = true;
-                    shared.copies.remove(&id);
-                    shared.recent_forwards().copy_gone(&id);
-                    tracing::info!(durable_id = %id, "dropped a copy this node no longer holds");
-                }
-            }
-            _ => {}
+        let placement = cluster.placement(&id);
+        let (epoch, placed_at) = (copy.replica.epoch(), copy.placed_at);
+        if !copy_not_held(placement.as_ref(), me, epoch, placed_at, applied, caught_up) {
+            continue;
         }
+        // Not ours any more (expired, released, or another replica set): drop it.
+        let mut batch = tether_storage::Batch::new();
+        batch.drop_queue(copy.qid);
+        if shared.apply(|_| Ok(((), batch))).await.is_ok() {
+            copy.gone = true;
+            shared.copies.remove(&id);
+            shared.recent_forwards().copy_gone(&id);
+            tracing::info!(durable_id = %id, "dropped a copy this node no longer holds");
+        }
+    }
+}
+
+/// Whether this node no longer holds its copy of a queue (so the copy is dropped), given the
+/// queue's placement in the metadata applied here up to `applied`, the copy's epoch (its
+/// primary's) and `placed_at` (the highest placement epoch its primary shipped under).
+///
+/// A placement without this node is not enough: this node's metadata may lag behind the
+/// primary's, which added this node to the replica set and shipped to it before this node
+/// applied that change. Dropping the copy then would leave the primary counting a copy that is
+/// gone, one the metadata may promote. So the metadata must be applied at least as far as the
+/// placement the copy was shipped under, and, after a restart (when `placed_at` is forgotten),
+/// the node's read barrier must have been applied (`caught_up`): every placement shipped under
+/// before the restart is then known here.
+pub(crate) fn copy_not_held(
+    placement: Option<&Placement>,
+    me: RaftId,
+    copy_epoch: u64,
+    placed_at: u64,
+    applied: u64,
+    caught_up: bool,
+) -> bool {
+    match placement {
+        // To be promoted (or the promotion failed and is tried again next time).
+        Some(p) if p.primary == me && p.epoch > copy_epoch => false,
+        Some(p) if p.secondaries.contains(&me) => false,
+        _ => caught_up && applied >= copy_epoch.max(placed_at),
     }
 }
 
@@ -809,7 +833,26 @@ pub(crate) async fn drop_unplaced(shared: &Arc<Shared>, cluster: &Cluster, id: &
 /// Makes sure a queue this node is primary of ships to its current secondaries (and is capped
 /// accordingly); a queue without secondaries delivers everything committed.
 pub(crate) fn ensure_shipping(shared: &Arc<Shared>, id: &str, p: &Placement) {
-    if shared.shipping.set_secondaries(id, &p.secondaries) {
+    // `p` may have been read before an await (a connection's placement): a newer one wins, and
+    // one that no longer makes this node primary leaves the queue to the reconciler (depose).
+    let fresh = shared.cluster.get().and_then(|c| {
+        c.placement(id)
+            .filter(|f| f.epoch > p.epoch)
+            .map(|f| (f, c.id()))
+    });
+    let p = match &fresh {
+        Some((f, me)) if f.primary == *me => f,
+        Some(_) => {
+            // Nothing more is delivered here until the reconciler deposes the queue.
+            let mut core = shared.core();
+            if let Some((qid, acked)) = core.durable_queue(id).map(|q| (q.id, q.acked_stored)) {
+                core.set_deliver_cap(qid, Some(acked));
+            }
+            return;
+        }
+        None => p,
+    };
+    if shared.shipping.set_secondaries(id, &p.secondaries, p.epoch) {
         return;
     }
     let (qid, shipper) = {
@@ -843,15 +886,64 @@ pub(crate) fn ensure_shipping(shared: &Arc<Shared>, id: &str, p: &Placement) {
             Shipper::new(epoch, log, acked, ShipperConfig::default()),
         )
     };
-    shared
-        .shipping
-        .start(shared, id, qid, shipper, &p.secondaries, Instant::now());
+    shared.shipping.start(
+        shared,
+        id,
+        qid,
+        shipper,
+        &p.secondaries,
+        p.epoch,
+        Instant::now(),
+    );
 }
 
 /// Restores a queue's redundancy: a syncing secondary that caught up is reported (it may be
 /// promoted from then on), and a missing secondary is replaced by a live member.
 async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Placement) {
-    if let Some(sq) = shared.shipping.get(id)
+    let shipped = shared.shipping.get(id);
+    // A secondary that lost what it acknowledged must not stay promotable: out of the replica
+    // set it goes, and the repair below (a later round) adds a member back as syncing.
+    let lost = shipped
+        .as_ref()
+        .map(|sq| sq.regressed())
+        .unwrap_or_default();
+    if lost.iter().any(|n| p.secondaries.contains(n)) {
+        let secondaries: Vec<RaftId> = p
+            .secondaries
+            .iter()
+            .copied()
+            .filter(|n| !lost.contains(n))
+            .collect();
+        let cmd = MetaCommand::SetSecondaries {
+            id: id.to_string(),
+            expected_epoch: p.epoch,
+            secondaries: secondaries.clone(),
+        };
+        match cluster.write(cmd).await {
+            Ok(MetaResponse::Placed(_)) => {
+                metrics::counter!(m::REPLICATION_COPIES_REGRESSED).increment(1);
+                tracing::warn!(
+                    durable_id = %id,
+                    ?lost,
+                    "a secondary lost entries it had acknowledged; taken out of the replica set"
+                )
+            }
+            Ok(r) => tracing::debug!(
+                durable_id = %id,
+                ?lost,
+                result = ?r,
+                "the metadata changed before a secondary that lost its copy was taken out"
+            ),
+            Err(e) => tracing::warn!(
+                durable_id = %id,
+                ?lost,
+                error = %e,
+                "could not take a secondary that lost its copy out of the replica set"
+            ),
+        }
+        return;
+    }
+    if let Some(sq) = shipped
         && let Some(&node) = p.syncing.iter().find(|&&s| sq.in_sync(s))
     {
         let cmd = MetaCommand::Synced {
@@ -1078,9 +1170,15 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
     let shipper = replica.promote(epoch, ShipperConfig::default());
     let deliver_after = Instant::now() + Duration::from_millis(super::shipping::LEASE_MS);
     shared.core().set_deliver_cap(qid, Some(0));
-    shared
-        .shipping
-        .start(shared, id, qid, shipper, &p.secondaries, deliver_after);
+    shared.shipping.start(
+        shared,
+        id,
+        qid,
+        shipper,
+        &p.secondaries,
+        p.epoch,
+        deliver_after,
+    );
     if p.handed_over {
         tracing::info!(
             durable_id = %id,
@@ -1205,6 +1303,75 @@ mod tests {
                 KeptPublish::Logged(_) => 'l',
             })
             .collect()
+    }
+
+    #[test]
+    fn a_copy_is_dropped_only_on_metadata_as_new_as_what_it_was_shipped_under() {
+        let placement = |primary, secondaries: &[RaftId], epoch| Placement {
+            primary,
+            secondaries: secondaries.to_vec(),
+            epoch,
+            redundancy: 1,
+            timeout_ms: 60_000,
+            syncing: Vec::new(),
+            handed_over: false,
+        };
+        // Node 2 holds a copy of a queue its primary 1 promoted at epoch 10 and shipped under the
+        // placement of epoch 40 (the repair that added node 2).
+        let (me, copy_epoch, placed_at) = (2, 10, 40);
+        let mine = placement(1, &[2], 40);
+        let other = placement(1, &[3], 50);
+        // Listed: held, whatever else.
+        assert!(!copy_not_held(
+            Some(&mine),
+            me,
+            copy_epoch,
+            placed_at,
+            60,
+            true
+        ));
+        // Metadata applied here only to 30 (before the repair): the placement it shows is older
+        // than the one the primary shipped under; the copy stays.
+        let before_repair = placement(1, &[], 30);
+        assert!(!copy_not_held(
+            Some(&before_repair),
+            me,
+            copy_epoch,
+            placed_at,
+            30,
+            true
+        ));
+        assert!(!copy_not_held(None, me, copy_epoch, placed_at, 39, true));
+        // Applied past it, this node taken out (or the queue gone): dropped.
+        assert!(copy_not_held(
+            Some(&other),
+            me,
+            copy_epoch,
+            placed_at,
+            50,
+            true
+        ));
+        assert!(copy_not_held(None, me, copy_epoch, placed_at, 60, true));
+        // After a restart (placed_at forgotten), only once the read barrier was applied.
+        assert!(!copy_not_held(
+            Some(&before_repair),
+            me,
+            copy_epoch,
+            0,
+            30,
+            false
+        ));
+        assert!(copy_not_held(Some(&other), me, copy_epoch, 0, 55, true));
+        // Promoted here: kept for the promotion.
+        let promoted = placement(2, &[], 70);
+        assert!(!copy_not_held(
+            Some(&promoted),
+            me,
+            copy_epoch,
+            placed_at,
+            70,
+            true
+        ));
     }
 
     #[test]

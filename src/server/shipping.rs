@@ -64,6 +64,8 @@ pub(crate) struct ShipQueue {
     pub(crate) qid: QueueId,
     shipper: Mutex<Shipper>,
     secondaries: Mutex<Vec<RaftId>>,
+    /// The epoch of the placement these secondaries come from (sent with every message).
+    placement_epoch: std::sync::atomic::AtomicU64,
     /// Per secondary: when the latest message it acknowledged in this epoch was sent.
     acked_at: Mutex<HashMap<RaftId, Instant>>,
     senders: Mutex<HashMap<RaftId, mpsc::UnboundedSender<Outgoing>>>,
@@ -146,6 +148,11 @@ impl ShipQueue {
     /// Whether `peer` holds everything any primary of this queue may have exposed.
     pub(crate) fn in_sync(&self, peer: RaftId) -> bool {
         self.shipper().peer_in_sync(peer)
+    }
+
+    /// Secondaries that lost entries they had acknowledged (see [`Shipper::regressed_peers`]).
+    pub(crate) fn regressed(&self) -> Vec<RaftId> {
+        self.shipper().regressed_peers().collect()
     }
 
     /// Replication lag of each secondary, in entries.
@@ -254,12 +261,29 @@ impl Shipping {
         self.ids().values().cloned().collect()
     }
 
-    /// Updates the secondaries of a shipped queue; false if it is not shipped here.
-    pub(crate) fn set_secondaries(&self, id: &str, secondaries: &[RaftId]) -> bool {
+    /// Updates the secondaries of a shipped queue from its placement at `placement_epoch`; false
+    /// if it is not shipped here.
+    pub(crate) fn set_secondaries(
+        &self,
+        id: &str,
+        secondaries: &[RaftId],
+        placement_epoch: u64,
+    ) -> bool {
         let Some(sq) = self.get(id) else {
             return false;
         };
         let mut current = sq.secondaries.lock().unwrap_or_else(|p| p.into_inner());
+        // Placements read before an await may arrive after a newer one: never go back. (A
+        // secondary dropped and re-added by a stale set would start again from nothing while the
+        // metadata still counts it in sync, and the set without it would deliver everything.)
+        let known = sq
+            .placement_epoch
+            .load(std::sync::atomic::Ordering::Acquire);
+        if placement_epoch < known {
+            return true;
+        }
+        sq.placement_epoch
+            .store(placement_epoch, std::sync::atomic::Ordering::Release);
         if *current != secondaries {
             *current = secondaries.to_vec();
             drop(current);
@@ -271,26 +295,74 @@ impl Shipping {
         true
     }
 
-    /// Starts shipping queue `qid` (durable id `id`) with `shipper`.
+    /// Starts shipping queue `qid` (durable id `id`) with `shipper`, to the `secondaries` of its
+    /// placement at `placement_epoch`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         &self,
         shared: &Arc<Shared>,
         id: &str,
         qid: QueueId,
-        mut shipper: Shipper,
+        shipper: Shipper,
         secondaries: &[RaftId],
+        placement_epoch: u64,
         deliver_after: Instant,
     ) {
         let Some(cluster) = shared.cluster.get().cloned() else {
             return; // Only clustered nodes ship.
         };
+        let sq = Arc::new(ShipQueue::new(
+            id,
+            qid,
+            shipper,
+            secondaries,
+            placement_epoch,
+            deliver_after,
+        ));
+        if self.insert(sq.clone()) {
+            tokio::spawn(ship_loop(Arc::downgrade(shared), cluster, sq));
+        }
+    }
+
+    /// Makes `sq` the shipping state of its queue, replacing (and stopping) the one there,
+    /// unless that one was started from a newer placement meanwhile. Returns whether `sq` is in.
+    fn insert(&self, sq: Arc<ShipQueue>) -> bool {
+        let epoch = |q: &ShipQueue| q.placement_epoch.load(std::sync::atomic::Ordering::Acquire);
+        {
+            let mut ids = self.ids();
+            if ids
+                .get(&sq.durable_id)
+                .is_some_and(|old| epoch(old) > epoch(&sq))
+            {
+                return false;
+            }
+            if let Some(old) = ids.insert(sq.durable_id.clone(), sq.clone()) {
+                self.qids().remove(&old.qid);
+                old.stop();
+            }
+        }
+        self.qids().insert(sq.qid, sq);
+        true
+    }
+}
+
+impl ShipQueue {
+    fn new(
+        id: &str,
+        qid: QueueId,
+        mut shipper: Shipper,
+        secondaries: &[RaftId],
+        placement_epoch: u64,
+        deliver_after: Instant,
+    ) -> Self {
         shipper.set_secondaries(secondaries, mono_ms());
-        let sq = Arc::new(ShipQueue {
+        ShipQueue {
             coverage: Mutex::default(),
             durable_id: id.to_string(),
             qid,
             shipper: Mutex::new(shipper),
             secondaries: Mutex::new(secondaries.to_vec()),
+            placement_epoch: placement_epoch.into(),
             acked_at: Mutex::new(HashMap::new()),
             senders: Mutex::new(HashMap::new()),
             deliver_after,
@@ -299,12 +371,7 @@ impl Shipping {
             replicated: tokio::sync::watch::channel(0).0,
             info_version: Default::default(),
             info_acked: tokio::sync::watch::channel(HashMap::new()).0,
-        });
-        if let Some(old) = self.ids().insert(id.to_string(), sq.clone()) {
-            old.stop();
         }
-        self.qids().insert(qid, sq.clone());
-        tokio::spawn(ship_loop(Arc::downgrade(shared), cluster, sq));
     }
 }
 
@@ -530,6 +597,9 @@ fn build_messages(
         ReplicateHeader::Snapshot(h) => h.log.end(),
     };
     let (through_end, through) = sq.coverage().for_end(log_end).cloned().unwrap_or_default();
+    let placement_epoch = sq
+        .placement_epoch
+        .load(std::sync::atomic::Ordering::Acquire);
     let message = |entries: Vec<ShippedEntry>, more: bool| ReplicateMsg {
         from: cluster.id(),
         durable_id: sq.durable_id.clone(),
@@ -539,6 +609,7 @@ fn build_messages(
         more,
         through: through.clone(),
         through_end,
+        placement_epoch,
     };
     let mut msgs: Vec<ReplicateMsg> = chunks.into_iter().map(|c| message(c, true)).collect();
     msgs.push(message(entries, false));
@@ -685,6 +756,41 @@ fn on_result(
 mod tests {
     use super::*;
     use tether_storage::{Batch, Entry, MemStore};
+
+    #[test]
+    fn a_placement_older_than_the_one_in_force_changes_nothing() {
+        use crate::replication::{EpochStart, LogState, ShipperConfig};
+        let shipping = Shipping::default();
+        let log = LogState::new(0, 5, vec![EpochStart { epoch: 3, first: 0 }]).unwrap();
+        let shipper = || Shipper::new(3, log.clone(), 0, ShipperConfig::default());
+        let secondaries = |sq: &ShipQueue| sq.shipper().secondaries().collect::<Vec<_>>();
+        let sq = Arc::new(ShipQueue::new("q", 7, shipper(), &[2], 40, Instant::now()));
+        assert!(shipping.insert(sq.clone()));
+        // The repair at 50 replaced node 2 by node 3; a connection then applies the placement
+        // it read at 40, before an await: ignored.
+        assert!(shipping.set_secondaries("q", &[3], 50));
+        assert!(shipping.set_secondaries("q", &[2], 40));
+        assert_eq!(secondaries(&sq), vec![3]);
+        assert!(shipping.set_secondaries("q", &[3, 2], 60));
+        assert_eq!(secondaries(&sq), vec![2, 3]);
+        // Starting again from an older placement does not replace the running state...
+        let stale = Arc::new(ShipQueue::new("q", 7, shipper(), &[2], 45, Instant::now()));
+        assert!(!shipping.insert(stale.clone()));
+        assert!(Arc::ptr_eq(&shipping.get("q").unwrap(), &sq));
+        assert!(!stale.is_stopped() && !sq.is_stopped());
+        // ...a newer one does, and stops it.
+        let newer = Arc::new(ShipQueue::new("q", 7, shipper(), &[3], 70, Instant::now()));
+        assert!(shipping.insert(newer.clone()));
+        assert!(sq.is_stopped());
+        assert!(Arc::ptr_eq(
+            &shipping.qids().get(&7).unwrap().clone(),
+            &newer
+        ));
+        assert!(
+            !shipping.set_secondaries("other", &[2], 1),
+            "not shipped here"
+        );
+    }
 
     #[test]
     fn a_ship_read_takes_only_the_contiguous_run_from_the_offset_named() {
