@@ -80,21 +80,33 @@ pub enum Access<'a> {
     Admin,
 }
 
-/// The node's authorization state, built once from the configuration.
+/// The node's authorization state, built from the `[auth]` table (again whenever a node reloads
+/// it: `server/auth_reload.rs`).
 #[derive(Debug)]
 pub struct Authorizer {
-    tokens: HashMap<[u8; 32], String>,
+    tokens: HashMap<TokenDigest, String>,
     admins: HashSet<String>,
     acl: Vec<AclEntry>,
 }
 
-/// The hex SHA-256 of a token, as stored in the configuration.
-pub fn hash_token(token: &str) -> String {
+/// The SHA-256 of a token: how an [`Authorizer`] knows it.
+pub type TokenDigest = [u8; 32];
+
+/// The SHA-256 of a token.
+pub fn token_digest(token: &str) -> TokenDigest {
     let d = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
-    d.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+    d.as_ref().try_into().expect("sha256 is 32 bytes")
 }
 
-fn parse_hash(hex: &str) -> Option<[u8; 32]> {
+/// The hex SHA-256 of a token, as stored in the configuration.
+pub fn hash_token(token: &str) -> String {
+    token_digest(token)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn parse_hash(hex: &str) -> Option<TokenDigest> {
     if hex.len() != 64 {
         return None;
     }
@@ -194,11 +206,9 @@ impl Authorizer {
         if token.len() > TOKEN_BYTES_MAX {
             return Err(unauthenticated("token too long"));
         }
-        let d = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
-        let key: [u8; 32] = d.as_ref().try_into().expect("sha256 is 32 bytes");
         let name = self
             .tokens
-            .get(&key)
+            .get(&token_digest(token))
             .ok_or_else(|| unauthenticated("unknown token"))?;
         Ok(Principal {
             name: name.clone(),
@@ -206,9 +216,16 @@ impl Authorizer {
         })
     }
 
-    /// Whether `principal` may do `access`; the error says what is missing.
+    /// The principal a token (by its [`token_digest`]) authenticates, if it is configured.
+    pub fn token_principal(&self, digest: &TokenDigest) -> Option<&str> {
+        self.tokens.get(digest).map(String::as_str)
+    }
+
+    /// Whether `principal` may do `access`; the error says what is missing. The admin role and
+    /// the ACL are this authorizer's, whatever they were when the principal authenticated (a
+    /// reloaded `[auth]` table applies to the next request of every connection).
     pub fn check(&self, principal: &Principal, access: Access<'_>) -> Result<(), WireError> {
-        if principal.admin {
+        if self.admins.contains(&principal.name) {
             return Ok(());
         }
         let entries = || {
@@ -313,6 +330,42 @@ mod tests {
         assert!(a.authenticate(None, Some("ops")).unwrap().admin);
         let both = a.authenticate(Some("a-secret"), Some("ops")).unwrap();
         assert_eq!(both.name, "alice", "a token wins over a certificate");
+    }
+
+    #[test]
+    fn a_new_table_decides_for_principals_authenticated_under_the_old_one() {
+        let old = authorizer();
+        let ops = old.authenticate(Some("o-secret"), None).unwrap();
+        let alice = old.authenticate(Some("a-secret"), None).unwrap();
+        assert_eq!(
+            old.token_principal(&token_digest("o-secret")),
+            Some("ops"),
+            "a stored hash in upper case is the same token"
+        );
+        // Reloaded: ops loses the admin role and its token, alice keeps hers.
+        let new = Authorizer::new(&AuthConfig {
+            admins: vec![],
+            tokens: vec![TokenEntry {
+                principal: "alice".into(),
+                sha256: hash_token("a-secret"),
+            }],
+            ..AuthConfig::default()
+        })
+        .unwrap();
+        assert!(ops.admin, "as authenticated");
+        assert_eq!(
+            new.check(&ops, Access::Admin).unwrap_err().code,
+            ErrorCode::Forbidden
+        );
+        assert_eq!(new.token_principal(&token_digest("o-secret")), None);
+        assert_eq!(
+            new.token_principal(&token_digest("a-secret")),
+            Some("alice")
+        );
+        assert!(
+            new.check(&alice, Access::Publish("fx-eur")).is_err(),
+            "no ACL entry any more"
+        );
     }
 
     #[test]

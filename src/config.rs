@@ -205,6 +205,10 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// Authentication and authorization; None: an open node.
     pub auth: Option<crate::auth::AuthConfig>,
+    /// The configuration file `auth` was read from: a node with `[auth]` reads the file's
+    /// `[auth]` table again whenever the file changes (tokens, admins, ACLs; see
+    /// `server/auth_reload.rs`). None: `auth` is read once.
+    pub auth_file: Option<PathBuf>,
     /// Cluster members as (node id, QUIC address); empty: a single node. May include this
     /// node itself (so every member can share one list).
     pub peers: Vec<(String, String)>,
@@ -251,6 +255,7 @@ impl Default for ServerConfig {
             tls: None,
             limits: Limits::default(),
             auth: None,
+            auth_file: None,
             peers: Vec::new(),
             node_failure_ms: NODE_FAILURE_MS_DEFAULT,
             rebalance: true,

@@ -213,7 +213,8 @@ struct ServerArgs {
     /// This node's id (default: generated once, kept in the data dir).
     #[arg(long)]
     node_id: Option<String>,
-    /// TOML file with the same settings; flags win over the file.
+    /// TOML file with the same settings; flags win over the file. Its `[auth]` table (tokens,
+    /// admins, ACLs) is read again whenever the file changes.
     #[arg(long)]
     config: Option<PathBuf>,
     /// always, batch (fsync once per group commit) or none.
@@ -628,6 +629,8 @@ async fn server(a: ServerArgs) -> Result<(), Fail> {
     }
     cfg.limits.validate()?;
     cfg.auth = file.auth;
+    // Its [auth] table is read again when the file changes (tokens, admins, ACLs).
+    cfg.auth_file = a.config.clone().filter(|_| cfg.auth.is_some());
     let cluster_file = file.cluster.unwrap_or_default();
     if let Some(r) = cluster_file.rebalance {
         cfg.rebalance = r;

@@ -54,6 +54,9 @@ pub const RECENT_PUBLISH_OPS_DROPPED: &str = "tether_failover_recent_publish_ops
 pub const RECENT_PUBLISH_HELD_BYTES: &str = "tether_failover_recent_publish_held_bytes";
 pub const CLIENT_CRL_RELOADS: &str = "tether_client_crl_reloads_total";
 pub const REVOKED_CONNECTIONS_CLOSED: &str = "tether_revoked_connections_closed_total";
+pub const AUTH_RELOADS: &str = "tether_auth_reloads_total";
+pub const WITHDRAWN_TOKEN_CONNECTIONS_CLOSED: &str =
+    "tether_withdrawn_token_connections_closed_total";
 
 /// Bytes of an HTTP request head the endpoint reads.
 const HTTP_REQUEST_BYTES_MAX: usize = 8 * 1024;
@@ -159,6 +162,14 @@ fn describe() {
     describe_counter!(
         REVOKED_CONNECTIONS_CLOSED,
         "Open client connections closed because their certificate was revoked"
+    );
+    describe_counter!(
+        AUTH_RELOADS,
+        "[auth] tables read again after a change of the configuration file (label result: ok, error)"
+    );
+    describe_counter!(
+        WITHDRAWN_TOKEN_CONNECTIONS_CLOSED,
+        "Open client connections closed because a reloaded [auth] table no longer has their token (or gives it to another principal)"
     );
     describe_counter!(
         FORWARDED,

@@ -813,3 +813,144 @@ async fn ownership_and_acls_hold_on_a_promoted_copy() {
     p.close(false).await.ok();
     c.shutdown().await;
 }
+
+/// The `[auth]` table of a node's configuration file in TOML, with the tokens given as
+/// `(principal, secret)` and alice's publish patterns.
+fn auth_toml(tokens: &[(&str, &str)], alice_publishes: &[&str]) -> String {
+    let mut s = String::from("[auth]\nadmins = [\"ops\"]\n");
+    for (principal, secret) in tokens {
+        s += &format!(
+            "[[auth.tokens]]\nprincipal = \"{principal}\"\nsha256 = \"{}\"\n",
+            hash_token(secret)
+        );
+    }
+    s += &format!(
+        "[[auth.acl]]\nprincipal = \"alice\"\npublish = {alice_publishes:?}\nsubscribe = [\"fx-*\"]\n"
+    );
+    s += "[[auth.acl]]\nprincipal = \"bob\"\nsubscribe = [\"fx-*\"]\n";
+    s
+}
+
+/// Waits until `f` returns true, polling; fails after [`WAIT`].
+async fn eventually<F: std::future::Future<Output = bool>>(what: &str, mut f: impl FnMut() -> F) {
+    let start = std::time::Instant::now();
+    while !f().await {
+        assert!(start.elapsed() < WAIT, "{what}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// Tokens are withdrawn and ACLs changed without a restart: the node reads the `[auth]` table of
+/// its configuration file again when the file changes. A withdrawn token's open connection is
+/// closed with `unauthenticated` ("token withdrawn") and its durable queue stays; an ACL change
+/// applies to the next request of open connections; a damaged file, or one without `[auth]`,
+/// leaves the table in force.
+#[tokio::test]
+async fn a_changed_auth_table_is_reloaded_without_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tether.toml");
+    let everyone = [
+        ("alice", "alice-secret"),
+        ("bob", "bob-secret"),
+        ("ops", "ops-secret"),
+    ];
+    std::fs::write(&file, auth_toml(&everyone, &["fx-*"])).unwrap();
+    let mut config = tether::config::ServerConfig::ephemeral(dir.path().join("data"));
+    config.auth = tether::config::FileConfig::load(&file).unwrap().auth;
+    config.auth_file = Some(file.clone());
+    let n = TestNode {
+        node: Some(tether::server::Node::start(config).await.unwrap()),
+        dir,
+        limits: Default::default(),
+        auth: None,
+    };
+    let bob = n
+        .builder()
+        .token("bob-secret")
+        .durable("bob-dash", 600)
+        .connect()
+        .await
+        .unwrap();
+    bob.region("fx-eur")
+        .register(Interest::all_keys())
+        .await
+        .unwrap();
+    let alice = n.builder().token("alice-secret").connect().await.unwrap();
+    alice.region("fx-eur").put("k", "1").await.unwrap();
+
+    // Bob's token is withdrawn, alice may publish to fx-usd only, carol gets a token.
+    let changed = [
+        ("alice", "alice-secret"),
+        ("carol", "carol-secret"),
+        ("ops", "ops-secret"),
+    ];
+    std::fs::write(&file, auth_toml(&changed, &["fx-usd"])).unwrap();
+    eventually("bob's token is refused after the reload", || async {
+        let e = n.builder().token("bob-secret").connect().await;
+        matches!(e, Err(ClientError::Server(e)) if e.code == ErrorCode::Unauthenticated
+            && e.message == "unknown token")
+    })
+    .await;
+    // His open connection was closed, saying why.
+    let start = std::time::Instant::now();
+    let closed = loop {
+        match bob.region("fx-eur").get("k").await {
+            Ok(_) => {
+                assert!(start.elapsed() < WAIT, "bob's connection was not closed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        format!("{closed:?}").contains("token withdrawn"),
+        "the client learns why: {closed:?}"
+    );
+    // Alice's open connection follows the new ACL at its next request.
+    let e = refusal(alice.region("fx-eur").put("k", "2").await.unwrap_err());
+    assert_eq!(
+        (e.code, e.message.as_str()),
+        (
+            ErrorCode::Forbidden,
+            "alice may not publish to region \"fx-eur\""
+        )
+    );
+    alice.region("fx-usd").put("k", "1").await.unwrap();
+    let carol = n.builder().token("carol-secret").connect().await.unwrap();
+    // Bob's queue stays, away, with the event published before the reload.
+    let ops = n.builder().token("ops-secret").connect().await.unwrap();
+    eventually("bob's queue stays, away, with its event", || async {
+        let queues = ops.queues().await.unwrap();
+        let bob_q = queues
+            .iter()
+            .find(|q| q.durable_id.as_deref() == Some("bob-dash"))
+            .expect("bob's queue stays");
+        bob_q.state == "away" && bob_q.pending == 1
+    })
+    .await;
+
+    // A damaged file and a file without [auth] are refused: the table in force stays.
+    for bad in ["[auth\nadmins = [", "listen = \"127.0.0.1:0\"\n"] {
+        std::fs::write(&file, bad).unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(
+            3 * tether::server::AUTH_RELOAD_INTERVAL_MS,
+        ))
+        .await;
+        let e = refusal(
+            n.builder()
+                .connect()
+                .await
+                .err()
+                .expect("still authenticating"),
+        );
+        assert_eq!(e.code, ErrorCode::Unauthenticated);
+        alice.region("fx-usd").put("k", "2").await.unwrap();
+        alice.region("fx-eur").put("k", "2").await.unwrap_err();
+        // Carol's connection stays open (she has no ACL entry: refused, not closed).
+        let e = refusal(carol.region("fx-usd").get("k").await.unwrap_err());
+        assert_eq!(e.code, ErrorCode::Forbidden, "{e:?}");
+        n.builder().token("carol-secret").connect().await.unwrap();
+        assert!(n.builder().token("bob-secret").connect().await.is_err());
+    }
+    drop((alice, carol, ops));
+}

@@ -198,7 +198,7 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         return Err(());
     }
     // Every connection authenticates anew: the latest credentials are the ones that count.
-    let principal = match &shared.auth {
+    let principal = match shared.authorizer() {
         None => None,
         Some(a) => {
             match a.authenticate(token.as_deref(), tls::peer_common_name(&conn).as_deref()) {
@@ -209,6 +209,11 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
                 }
             }
         }
+    };
+    // Kept with the session so that a reloaded `[auth]` table without it closes the connection.
+    let token_held = match (&principal, token.as_deref()) {
+        (Some(p), Some(t)) => Some((crate::auth::token_digest(t), p.name.clone())),
+        _ => None,
     };
     let owner = principal.as_ref().map(|p| p.name.as_str());
     let mut placed = None;
@@ -255,8 +260,16 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
                 probe: probe_tx,
                 conn: Some(conn.clone()),
                 finished: finished_rx,
+                token: token_held.clone(),
             },
         );
+    // A reload that ran between the authentication and the line above did not see this
+    // session: check the token against the table in force now.
+    if let (Some((digest, name)), Some(a)) = (&token_held, shared.authorizer())
+        && a.token_principal(digest) != Some(name.as_str())
+    {
+        conn.close(ErrorCode::Unauthenticated.varint(), b"token withdrawn");
+    }
     let queue_servers = match (&placed, shared.cluster.get()) {
         (Some(p), Some(cluster)) => queue_servers(cluster, p),
         _ => Vec::new(),
@@ -533,7 +546,7 @@ fn authorize(
     principal: Option<&Principal>,
     body: &RequestBody,
 ) -> Result<(), WireError> {
-    let (Some(auth), Some(p)) = (&shared.auth, principal) else {
+    let (Some(auth), Some(p)) = (shared.authorizer(), principal) else {
         return Ok(());
     };
     match body {

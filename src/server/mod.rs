@@ -11,6 +11,7 @@
 //! [`Node`] is also the embedding API: a host process starts one in-process and feeds it
 //! events through a [`Publisher`] without the network.
 
+mod auth_reload;
 mod conn;
 mod copies;
 mod failover;
@@ -34,6 +35,7 @@ use tether_storage::{Batch, RocksStore, Store};
 use tether_transport::tls::{self, TlsFiles};
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
 
+pub use auth_reload::AUTH_RELOAD_INTERVAL_MS;
 pub use rebalance::REBALANCE_INTERVAL_MS;
 pub use revocation::CRL_RELOAD_INTERVAL_MS;
 pub use writer::{GROUP_COMMIT_REQUESTS_MAX, Writer, WriterThread};
@@ -89,6 +91,9 @@ struct SessionHandle {
     probe: mpsc::Sender<oneshot::Sender<()>>,
     conn: Option<quinn::Connection>,
     finished: watch::Receiver<bool>,
+    /// The token the connection authenticated with (its digest) and the principal it gave:
+    /// a reloaded `[auth]` table that no longer has it closes the connection.
+    token: Option<(crate::auth::TokenDigest, String)>,
 }
 
 /// State shared by the node's tasks.
@@ -107,8 +112,9 @@ pub(crate) struct Shared {
     /// Notified when acks free queue space (publishers blocked by a full queue wait on it).
     pub(crate) space: Notify,
     pub(crate) limits: Limits,
-    /// None: an open node (no `[auth]`).
-    pub(crate) auth: Option<crate::auth::Authorizer>,
+    /// None: an open node (no `[auth]`). Replaced when the `[auth]` table is reloaded
+    /// (`auth_reload.rs`); read through [`Shared::authorizer`].
+    auth: Option<std::sync::RwLock<Arc<crate::auth::Authorizer>>>,
     fatal: watch::Sender<Option<String>>,
     node_id: String,
     /// The metadata group, on a clustered node (set once, before accepting connections).
@@ -743,8 +749,19 @@ impl Node {
         crate::config::validate_node_failure_ms(config.node_failure_ms)
             .map_err(NodeError::Config)?;
         let auth = match &config.auth {
-            Some(a) => Some(crate::auth::Authorizer::new(a).map_err(NodeError::Config)?),
+            Some(a) => Some(std::sync::RwLock::new(Arc::new(
+                crate::auth::Authorizer::new(a).map_err(NodeError::Config)?,
+            ))),
             None => None,
+        };
+        // The file's time before the table in force was read: a change after it is seen.
+        let auth_file = match (&config.auth, &config.auth_file) {
+            (Some(a), Some(path)) => Some((
+                path.clone(),
+                a.clone(),
+                std::fs::metadata(path).and_then(|m| m.modified()).ok(),
+            )),
+            _ => None,
         };
         let data_dir = config.data_dir.clone();
         std::fs::create_dir_all(&data_dir).map_err(|source| NodeError::DataDir {
@@ -946,6 +963,14 @@ impl Node {
             endpoint.clone(),
         )));
         tasks.push(tokio::spawn(tick_loop(shared.clone())));
+        if let Some((path, started, modified)) = auth_file {
+            tasks.push(tokio::spawn(auth_reload::watch(
+                Arc::downgrade(&shared),
+                path,
+                started,
+                modified,
+            )));
+        }
         if let Some(path) = client_crl {
             tasks.push(tokio::spawn(revocation::watch(
                 Arc::downgrade(&shared),
