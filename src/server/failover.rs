@@ -631,8 +631,9 @@ pub const CATCH_UP_WAIT_MS: u64 = 10_000;
 /// ended), and durable clients are served.
 pub(crate) async fn catch_up(weak: Weak<Shared>, cluster: Arc<Cluster>) {
     loop {
-        match cluster.write(MetaCommand::Barrier).await {
-            Ok(_) => {
+        // Applied here, not only on the leader: the local metadata must hold what came before.
+        match cluster.barrier().await {
+            Ok(()) => {
                 if let Some(shared) = weak.upgrade() {
                     shared.meta_caught_up.send_replace(true);
                     tracing::info!(applied = cluster.applied_index(), "metadata caught up");
