@@ -28,10 +28,6 @@ use crate::protocol::ErrorCode;
 /// milliseconds.
 pub const AUTH_RELOAD_INTERVAL_MS: u64 = 1_000;
 
-fn modified(path: &Path) -> Option<SystemTime> {
-    std::fs::metadata(path).and_then(|m| m.modified()).ok()
-}
-
 /// Reads the `[auth]` table of `path` and builds its authorizer.
 fn load(path: &Path) -> Result<(AuthConfig, Authorizer), String> {
     let file = FileConfig::load(path)?;
@@ -49,21 +45,20 @@ pub(super) async fn watch(
     shared: Weak<Shared>,
     path: PathBuf,
     started: AuthConfig,
-    mut seen: Option<SystemTime>,
+    seen: Option<SystemTime>,
 ) {
-    let mut tick = tokio::time::interval(Duration::from_millis(AUTH_RELOAD_INTERVAL_MS));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut file = super::revocation::FileWatch::new(
+        path,
+        seen,
+        Duration::from_millis(AUTH_RELOAD_INTERVAL_MS),
+    );
     loop {
-        tick.tick().await;
-        let now = modified(&path);
-        if now == seen {
-            continue;
-        }
-        seen = now;
+        file.changed().await;
+        let path = file.path();
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        match load(&path) {
+        match load(path) {
             Ok((auth, authorizer)) => {
                 metrics::counter!(crate::metrics::AUTH_RELOADS, "result" => "ok").increment(1);
                 if (&auth.client_ca, &auth.client_crl) != (&started.client_ca, &started.client_crl)

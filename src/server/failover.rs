@@ -887,15 +887,9 @@ pub(crate) fn ensure_shipping(shared: &Arc<Shared>, id: &str, p: &Placement) {
             Shipper::new(epoch, log, acked, ShipperConfig::default()),
         )
     };
-    shared.shipping.start(
-        shared,
-        id,
-        qid,
-        shipper,
-        &p.secondaries,
-        p.epoch,
-        Instant::now(),
-    );
+    shared
+        .shipping
+        .start(shared, (id, qid), shipper, p, Instant::now());
 }
 
 /// Restores a queue's redundancy: a syncing secondary that caught up is reported (it may be
@@ -1171,15 +1165,9 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
     let shipper = replica.promote(epoch, ShipperConfig::default());
     let deliver_after = Instant::now() + Duration::from_millis(super::shipping::LEASE_MS);
     shared.core().set_deliver_cap(qid, Some(0));
-    shared.shipping.start(
-        shared,
-        id,
-        qid,
-        shipper,
-        &p.secondaries,
-        p.epoch,
-        deliver_after,
-    );
+    shared
+        .shipping
+        .start(shared, (id, qid), shipper, p, deliver_after);
     if p.handed_over {
         tracing::info!(
             durable_id = %id,

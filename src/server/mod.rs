@@ -756,11 +756,7 @@ impl Node {
         };
         // The file's time before the table in force was read: a change after it is seen.
         let auth_file = match (&config.auth, &config.auth_file) {
-            (Some(a), Some(path)) => Some((
-                path.clone(),
-                a.clone(),
-                std::fs::metadata(path).and_then(|m| m.modified()).ok(),
-            )),
+            (Some(a), Some(path)) => Some((path.clone(), a.clone(), revocation::modified(path))),
             _ => None,
         };
         let data_dir = config.data_dir.clone();

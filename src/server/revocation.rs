@@ -57,8 +57,41 @@ pub(super) fn load_at_start(path: &Path) -> Result<(Crls, Option<SystemTime>), N
     Ok((crls, modified))
 }
 
-fn modified(path: &Path) -> Option<SystemTime> {
+/// A file's modification time, if it can be read.
+pub(super) fn modified(path: &Path) -> Option<SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+/// Looks at a file every `interval` for a change of its modification time.
+pub(super) struct FileWatch {
+    path: PathBuf,
+    seen: Option<SystemTime>,
+    tick: tokio::time::Interval,
+}
+
+impl FileWatch {
+    /// Watches `path`, whose modification time was `seen` when it was last read.
+    pub(super) fn new(path: PathBuf, seen: Option<SystemTime>, interval: Duration) -> Self {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        FileWatch { path, seen, tick }
+    }
+
+    pub(super) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Returns once the file's modification time differs from the one last seen.
+    pub(super) async fn changed(&mut self) {
+        loop {
+            self.tick.tick().await;
+            let now = modified(&self.path);
+            if now != self.seen {
+                self.seen = now;
+                return;
+            }
+        }
+    }
 }
 
 /// Watches `path` every [`CRL_RELOAD_INTERVAL_MS`]; see the module documentation.
@@ -67,17 +100,15 @@ pub(super) async fn watch(
     endpoint: quinn::Endpoint,
     setup: TlsSetup,
     path: PathBuf,
-    mut seen: Option<SystemTime>,
+    seen: Option<SystemTime>,
 ) {
-    let mut tick = tokio::time::interval(Duration::from_millis(CRL_RELOAD_INTERVAL_MS));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut file = FileWatch::new(
+        path.clone(),
+        seen,
+        Duration::from_millis(CRL_RELOAD_INTERVAL_MS),
+    );
     loop {
-        tick.tick().await;
-        let now = modified(&path);
-        if now == seen {
-            continue;
-        }
-        seen = now;
+        file.changed().await;
         let applied = Crls::load(&path)
             .map_err(|e| e.to_string())
             .and_then(|crls| {

@@ -23,7 +23,7 @@ use tokio::sync::{Notify, mpsc};
 use super::Shared;
 use super::watermark::Coverage;
 use crate::cluster::Cluster;
-use crate::cluster::meta::RaftId;
+use crate::cluster::meta::{Placement, RaftId};
 use crate::cluster::network::{
     PeerRequest, PeerResponse, ReplicateHeader, ReplicateMsg, ShippedEntry,
 };
@@ -295,17 +295,14 @@ impl Shipping {
         true
     }
 
-    /// Starts shipping queue `qid` (durable id `id`) with `shipper`, to the `secondaries` of its
-    /// placement at `placement_epoch`.
-    #[allow(clippy::too_many_arguments)]
+    /// Starts shipping queue `qid` (durable id `id`) with `shipper`, to the secondaries of
+    /// `placement`.
     pub(crate) fn start(
         &self,
         shared: &Arc<Shared>,
-        id: &str,
-        qid: QueueId,
+        (id, qid): (&str, QueueId),
         shipper: Shipper,
-        secondaries: &[RaftId],
-        placement_epoch: u64,
+        placement: &Placement,
         deliver_after: Instant,
     ) {
         let Some(cluster) = shared.cluster.get().cloned() else {
@@ -315,8 +312,8 @@ impl Shipping {
             id,
             qid,
             shipper,
-            secondaries,
-            placement_epoch,
+            &placement.secondaries,
+            placement.epoch,
             deliver_after,
         ));
         if self.insert(sq.clone()) {
