@@ -471,16 +471,7 @@ async fn revoked_client_certificates_are_refused_and_their_connections_closed() 
     let second = revoke(dir.path(), &carol_cert);
     assert_eq!(second["revoked"], 2);
     assert_eq!(second["crl_number"], 2);
-    let start = std::time::Instant::now();
-    let closed = loop {
-        match carol.region("fx-eur").get("k").await {
-            Ok(_) => {
-                assert!(start.elapsed() < WAIT, "carol's connection was not closed");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            }
-            Err(e) => break e,
-        }
-    };
+    let closed = closed_by_the_node(&carol).await;
     assert!(
         format!("{closed:?}").contains("revoked"),
         "the client learns why: {closed:?}"
@@ -831,6 +822,21 @@ fn auth_toml(tokens: &[(&str, &str)], alice_publishes: &[&str]) -> String {
     s
 }
 
+/// Reads from `client` until the node has closed its connection; the error the client got.
+/// Fails after [`WAIT`].
+async fn closed_by_the_node(client: &tether::client::Client) -> ClientError {
+    let start = std::time::Instant::now();
+    loop {
+        match client.region("fx-eur").get("k").await {
+            Ok(_) => {
+                assert!(start.elapsed() < WAIT, "the connection was not closed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Err(e) => return e,
+        }
+    }
+}
+
 /// Waits until `f` returns true, polling; fails after [`WAIT`].
 async fn eventually<F: std::future::Future<Output = bool>>(what: &str, mut f: impl FnMut() -> F) {
     let start = std::time::Instant::now();
@@ -892,16 +898,7 @@ async fn a_changed_auth_table_is_reloaded_without_a_restart() {
     })
     .await;
     // His open connection was closed, saying why.
-    let start = std::time::Instant::now();
-    let closed = loop {
-        match bob.region("fx-eur").get("k").await {
-            Ok(_) => {
-                assert!(start.elapsed() < WAIT, "bob's connection was not closed");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            }
-            Err(e) => break e,
-        }
-    };
+    let closed = closed_by_the_node(&bob).await;
     assert!(
         format!("{closed:?}").contains("token withdrawn"),
         "the client learns why: {closed:?}"

@@ -1307,60 +1307,26 @@ mod tests {
         };
         // Node 2 holds a copy of a queue its primary 1 promoted at epoch 10 and shipped under the
         // placement of epoch 40 (the repair that added node 2).
-        let (me, copy_epoch, placed_at) = (2, 10, 40);
+        let dropped = |p: Option<&Placement>, placed_at, applied, caught_up| {
+            copy_not_held(p, 2, 10, placed_at, applied, caught_up)
+        };
         let mine = placement(1, &[2], 40);
         let other = placement(1, &[3], 50);
         // Listed: held, whatever else.
-        assert!(!copy_not_held(
-            Some(&mine),
-            me,
-            copy_epoch,
-            placed_at,
-            60,
-            true
-        ));
+        assert!(!dropped(Some(&mine), 40, 60, true));
         // Metadata applied here only to 30 (before the repair): the placement it shows is older
         // than the one the primary shipped under; the copy stays.
         let before_repair = placement(1, &[], 30);
-        assert!(!copy_not_held(
-            Some(&before_repair),
-            me,
-            copy_epoch,
-            placed_at,
-            30,
-            true
-        ));
-        assert!(!copy_not_held(None, me, copy_epoch, placed_at, 39, true));
+        assert!(!dropped(Some(&before_repair), 40, 30, true));
+        assert!(!dropped(None, 40, 39, true));
         // Applied past it, this node taken out (or the queue gone): dropped.
-        assert!(copy_not_held(
-            Some(&other),
-            me,
-            copy_epoch,
-            placed_at,
-            50,
-            true
-        ));
-        assert!(copy_not_held(None, me, copy_epoch, placed_at, 60, true));
+        assert!(dropped(Some(&other), 40, 50, true));
+        assert!(dropped(None, 40, 60, true));
         // After a restart (placed_at forgotten), only once the read barrier was applied.
-        assert!(!copy_not_held(
-            Some(&before_repair),
-            me,
-            copy_epoch,
-            0,
-            30,
-            false
-        ));
-        assert!(copy_not_held(Some(&other), me, copy_epoch, 0, 55, true));
+        assert!(!dropped(Some(&before_repair), 0, 30, false));
+        assert!(dropped(Some(&other), 0, 55, true));
         // Promoted here: kept for the promotion.
-        let promoted = placement(2, &[], 70);
-        assert!(!copy_not_held(
-            Some(&promoted),
-            me,
-            copy_epoch,
-            placed_at,
-            70,
-            true
-        ));
+        assert!(!dropped(Some(&placement(2, &[], 70)), 40, 70, true));
     }
 
     #[test]
