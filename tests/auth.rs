@@ -212,7 +212,8 @@ async fn admin_commands_need_the_admin_role() {
 }
 
 /// The command line: `hash-token` prints what the `[auth]` table stores; `--token` (or
-/// TETHER_TOKEN) authenticates; a refusal is one `error:` line naming the reason.
+/// TETHER_TOKEN) authenticates; a refusal is one `error:` line naming the reason; `tether server
+/// --config FILE` reloads the file's `[auth]` table when it changes.
 #[test]
 fn cli_tokens_and_refusals() {
     use std::io::{BufRead, BufReader};
@@ -296,6 +297,33 @@ fn cli_tokens_and_refusals() {
             "{stderr}"
         );
     }
+    // The server reads the [auth] table of its --config file again when the file changes:
+    // alice's token is withdrawn, bob's added, without a restart.
+    std::fs::write(
+        &config,
+        format!(
+            "[auth]\nadmins = []\n[[auth.tokens]]\nprincipal = \"bob\"\nsha256 = \"{}\"\n[[auth.acl]]\nprincipal = \"bob\"\npublish = [\"fx-*\"]\n",
+            hash_token("bob-secret")
+        ),
+    )
+    .unwrap();
+    let start = std::time::Instant::now();
+    loop {
+        let old = put(&["--token", "alice-secret"], None);
+        if !old.status.success() {
+            let stderr = String::from_utf8_lossy(&old.stderr);
+            assert!(stderr.contains("unknown token"), "{stderr}");
+            break;
+        }
+        assert!(start.elapsed() < WAIT, "the --config file was not reloaded");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let bob = put(&["--token", "bob-secret"], None);
+    assert!(
+        bob.status.success(),
+        "{}",
+        String::from_utf8_lossy(&bob.stderr)
+    );
     let _ = server.kill();
     let _ = server.wait();
 }
