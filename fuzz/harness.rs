@@ -13,8 +13,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use tether::core::{ConnectError, NodeCore, SessionId, Step};
 use tether::limits::{
-    DURABLE_ID_BYTES_MAX, DURABLE_TIMEOUT_SECS_MAX, KEY_BYTES_MAX, REGION_NAME_BYTES_MAX,
-    VALUE_BYTES_MAX,
+    DURABLE_ID_BYTES_MAX, DURABLE_TIMEOUT_SECS_MAX, HELLO_BYTES_MAX, KEY_BYTES_MAX,
+    REGION_NAME_BYTES_MAX, VALUE_BYTES_MAX,
 };
 use tether::protocol::{
     ClientMsg, Delivery, DurableHello, EventOp, EventRecord, FLAG_POSSIBLE_DUPLICATE,
@@ -221,7 +221,8 @@ pub fn handshake_outcome(data: &[u8]) -> HandshakeOutcome {
 }
 
 fn handshake_on(core: &mut NodeCore, store: &MemStore, data: &[u8]) -> HandshakeOutcome {
-    let mut d = FrameDecoder::new();
+    // The first frame is read before authentication, under the hello's own limit.
+    let mut d = FrameDecoder::with_max(HELLO_BYTES_MAX);
     d.push(data);
     let first = match d.next::<ClientMsg>() {
         Err(e) => return HandshakeOutcome::Refused(e.code()),

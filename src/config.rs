@@ -340,6 +340,17 @@ pub fn parse_metrics(s: &str) -> Result<Option<SocketAddr>, String> {
     }
 }
 
+/// The warning a node starts with when it is open (no `[auth]`) and listens beyond loopback:
+/// every client that reaches it may publish, subscribe and run admin commands.
+pub fn open_node_warning(listen: SocketAddr, secured: bool) -> Option<String> {
+    if secured || listen.ip().is_loopback() {
+        return None;
+    }
+    Some(format!(
+        "OPEN NODE on {listen}: no [auth] table, so every client that reaches this address may publish, subscribe and run admin commands; configure [auth] (docs/operations.md) or listen on loopback only"
+    ))
+}
+
 /// Validates a node id: 1 to 64 of `[A-Za-z0-9_.-]`.
 pub fn validate_node_id(id: &str) -> Result<(), String> {
     if id.is_empty()
@@ -452,6 +463,13 @@ mod tests {
         assert!(parse_addr("listen", "localhost").is_err());
         assert_eq!(parse_metrics("off"), Ok(None));
         assert!(validate_node_id("n1").is_ok());
+        let addr = |s: &str| s.parse::<SocketAddr>().unwrap();
+        assert_eq!(open_node_warning(addr("127.0.0.1:7400"), false), None);
+        assert_eq!(open_node_warning(addr("[::1]:7400"), false), None);
+        assert_eq!(open_node_warning(addr("0.0.0.0:7400"), true), None);
+        let w = open_node_warning(addr("0.0.0.0:7400"), false).unwrap();
+        assert!(w.contains("OPEN NODE on 0.0.0.0:7400"), "{w}");
+        assert!(open_node_warning(addr("[::]:7400"), false).is_some());
         assert!(validate_node_id("bad id").is_err());
         assert!(validate_node_id("").is_err());
     }

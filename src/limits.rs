@@ -14,12 +14,21 @@ pub const KEY_BYTES_MAX: usize = 1024;
 pub const VALUE_BYTES_MAX: usize = 1024 * 1024;
 /// Longest durable id, in bytes of UTF-8.
 pub const DURABLE_ID_BYTES_MAX: usize = 256;
+/// Largest first frame (the hello) of a client connection, in bytes: it is read before the
+/// client is authenticated, so it is held far below the frame limit.
+pub const HELLO_BYTES_MAX: usize = 16 * 1024;
 /// Longest regex source text, in bytes.
 pub const REGEX_SOURCE_BYTES_MAX: usize = 1024;
 /// Size limit handed to the `regex` crate for one compiled interest regex, in bytes.
 pub const REGEX_COMPILED_BYTES_MAX: usize = 256 * 1024;
 /// Interest registrations one client queue may hold (each key of a key list counts once).
 pub const INTERESTS_PER_QUEUE_MAX: usize = 10_000;
+/// Bytes of interest one client queue may hold: region names plus keys or regex sources, each
+/// registration counted with [`INTEREST_OVERHEAD_BYTES`]. A queue's durable interest travels
+/// with every replication message of its queue, which must fit a peer message.
+pub const INTEREST_BYTES_PER_QUEUE_MAX: usize = 2 * 1024 * 1024;
+/// What one interest registration counts for beyond its text, in bytes.
+pub const INTEREST_OVERHEAD_BYTES: usize = 16;
 /// Operations in one publish request.
 pub const PUBLISH_OPS_PER_REQUEST_MAX: usize = 10_000;
 /// Largest durable timeout a client may present, in seconds (one week).
@@ -67,5 +76,11 @@ const _: () = {
     // One publish of maximal values must fit a frame when sent one op at a time.
     assert!(VALUE_BYTES_MAX + KEY_BYTES_MAX + REGION_NAME_BYTES_MAX < FRAME_BYTES_MAX);
     assert!(DURABLE_TIMEOUT_SECS_DEFAULT <= DURABLE_TIMEOUT_SECS_MAX);
+    // A hello with the longest durable id, token and node name fits its limit with room to
+    // spare (field names, the client's name).
+    assert!(
+        DURABLE_ID_BYTES_MAX + crate::auth::TOKEN_BYTES_MAX + crate::config::NODE_ID_BYTES_MAX
+            < HELLO_BYTES_MAX / 2
+    );
     assert!(LIVENESS_PROBE_TIMEOUT_MS < HANDSHAKE_TIMEOUT_MS);
 };

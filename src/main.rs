@@ -158,8 +158,13 @@ enum Command {
     },
     /// Print the SHA-256 of a token, as the server's [auth] tokens table stores it.
     HashToken {
-        /// The token.
-        token: String,
+        /// The token. Better read from standard input (the default without it) or
+        /// --token-file: a command line is visible to other users (ps, shell history).
+        token: Option<String>,
+        /// Read the token from this file ("-": standard input); one trailing newline is
+        /// removed.
+        #[arg(long, conflicts_with = "token")]
+        token_file: Option<PathBuf>,
     },
     /// Create (if missing) a data directory's dev CA and server certificate, without starting
     /// a server: copy its tls/ca.pem and tls/ca.key to other nodes' data directories to make
@@ -341,6 +346,28 @@ struct SubscribeArgs {
 }
 
 /// A user-facing failure: printed as one `error:` line.
+/// A secret read from `file` (`-` or None: standard input), without one trailing newline.
+fn read_secret(file: Option<&std::path::Path>) -> Result<String, Fail> {
+    use std::io::Read;
+    let mut text = String::new();
+    match file {
+        Some(f) if f != std::path::Path::new("-") => {
+            text = std::fs::read_to_string(f)
+                .map_err(|e| Fail(format!("cannot read {}: {e}", f.display())))?;
+        }
+        _ => {
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .map_err(|e| Fail(format!("cannot read standard input: {e}")))?;
+        }
+    }
+    let trimmed = text
+        .strip_suffix("\r\n")
+        .or_else(|| text.strip_suffix('\n'))
+        .unwrap_or(&text);
+    Ok(trimmed.to_string())
+}
+
 struct Fail(String);
 
 impl<E: std::fmt::Display> From<E> for Fail {
@@ -516,7 +543,14 @@ async fn run(cmd: Command) -> Result<(), Fail> {
             }));
             Ok(())
         }
-        Command::HashToken { token } => {
+        Command::HashToken { token, token_file } => {
+            let token = match token {
+                Some(t) => t,
+                None => read_secret(token_file.as_deref())?,
+            };
+            if token.is_empty() {
+                return Err(Fail("the token is empty".into()));
+            }
             emit(json!({"type":"token-hash","sha256":tether::auth::hash_token(&token)}));
             Ok(())
         }

@@ -57,6 +57,7 @@ pub const REVOKED_CONNECTIONS_CLOSED: &str = "tether_revoked_connections_closed_
 pub const AUTH_RELOADS: &str = "tether_auth_reloads_total";
 pub const WITHDRAWN_TOKEN_CONNECTIONS_CLOSED: &str =
     "tether_withdrawn_token_connections_closed_total";
+pub const PEER_REFUSED: &str = "tether_peer_refused_total";
 
 /// Bytes of an HTTP request head the endpoint reads.
 const HTTP_REQUEST_BYTES_MAX: usize = 8 * 1024;
@@ -170,6 +171,10 @@ fn describe() {
     describe_counter!(
         WITHDRAWN_TOKEN_CONNECTIONS_CLOSED,
         "Open client connections closed because a reloaded [auth] table no longer has their token (or gives it to another principal)"
+    );
+    describe_counter!(
+        PEER_REFUSED,
+        "Peer connections and requests refused for their identity (label reason: not_cluster_ca, no_node_name, several_node_names, not_a_member, sender_mismatch, not_primary, node_cert_as_client)"
     );
     describe_counter!(
         FORWARDED,

@@ -226,6 +226,39 @@ fn cli_tokens_and_refusals() {
     let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(line["type"], "token-hash");
     assert_eq!(line["sha256"], hash_token("alice-secret"));
+    // Kept off the command line: from standard input (one trailing newline removed) or a file.
+    let mut hashing = Command::new(bin)
+        .arg("hash-token")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(hashing.stdin.as_mut().unwrap(), b"alice-secret\n").unwrap();
+    drop(hashing.stdin.take());
+    let out = hashing.wait_with_output().unwrap();
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(line["sha256"], hash_token("alice-secret"));
+    let secret_file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(secret_file.path(), "alice-secret").unwrap();
+    let out = Command::new(bin)
+        .arg("hash-token")
+        .arg("--token-file")
+        .arg(secret_file.path())
+        .output()
+        .unwrap();
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(line["sha256"], hash_token("alice-secret"));
+    let out = Command::new(bin)
+        .arg("hash-token")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "an empty token was hashed");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("the token is empty"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("tether.toml");

@@ -408,17 +408,27 @@ async fn oversize_frame_header_is_refused_at_once() {
     let mut w = Watcher::start(&n).await;
     let too_big = (FRAME_BYTES_MAX + 1) as u32;
 
-    // Only the header, stream left open: the server must not wait for 8 MiB that never come.
-    for (i, size) in [too_big, u32::MAX].into_iter().enumerate() {
+    // Only the header, stream left open: the server must not wait for bytes that never come.
+    // A first frame (the hello, read before authentication) has a limit of its own.
+    let hello_too_big = (HELLO_BYTES_MAX + 1) as u32;
+    for (i, size) in [hello_too_big, too_big, u32::MAX].into_iter().enumerate() {
         let mut raw = Raw::open(&n).await;
         raw.send_raw(&size.to_be_bytes()).await;
         let msg = raw.expect_refusal(ErrorCode::FrameTooLarge).await;
         assert_eq!(
             msg,
-            format!("frame of {size} bytes exceeds the limit of {FRAME_BYTES_MAX} bytes")
+            format!("frame of {size} bytes exceeds the limit of {HELLO_BYTES_MAX} bytes")
         );
         w.still_served(&n, &format!("after-huge-header-{i}")).await;
     }
+    // After the hello, frames up to the frame limit are read.
+    let mut raw = Raw::hello(&n, None).await;
+    raw.send_raw(&too_big.to_be_bytes()).await;
+    let msg = raw.expect_refusal(ErrorCode::FrameTooLarge).await;
+    assert_eq!(
+        msg,
+        format!("frame of {too_big} bytes exceeds the limit of {FRAME_BYTES_MAX} bytes")
+    );
 
     // Header plus the start of a body, after a hello.
     let mut raw = Raw::hello(&n, None).await;
@@ -1187,7 +1197,12 @@ async fn random_bytes_on_the_control_stream() {
         } else {
             0
         };
-        let code = if len >= FRAME_HEADER_BYTES && announced > FRAME_BYTES_MAX {
+        let limit = if after_hello {
+            FRAME_BYTES_MAX
+        } else {
+            HELLO_BYTES_MAX
+        };
+        let code = if len >= FRAME_HEADER_BYTES && announced > limit {
             ErrorCode::FrameTooLarge
         } else {
             ErrorCode::MalformedFrame
@@ -1238,7 +1253,8 @@ async fn huge_unknown_message_name() {
     let n = TestNode::start().await;
     let mut w = Watcher::start(&n).await;
     for (i, len) in [100, 100_000, FRAME_BYTES_MAX - 7].into_iter().enumerate() {
-        let mut raw = if i == 1 {
+        // Past the first frame's own limit only after a hello.
+        let mut raw = if i >= 1 {
             Raw::hello(&n, None).await
         } else {
             Raw::open(&n).await
@@ -1305,19 +1321,17 @@ async fn bad_peer_messages_get_error_answers_and_hurt_nothing() {
             _ => panic!("garbage was not refused as a bad request"),
         }
     }
-    let pool = PeerPool::new(ep.clone(), cfg);
-    let target = addr.to_string();
-    let wrong = pool
-        .call(me ^ 1, &target, PeerRequest::Ping, STEP)
-        .await
-        .unwrap();
+    let wrong = tether::cluster::network::encode_request(me ^ 1, PeerRequest::Ping).unwrap();
     assert!(
-        matches!(wrong, PeerResponse::WrongNode { actual } if actual == me),
+        matches!(answer(conn.clone(), wrong).await, PeerResponse::WrongNode { actual } if actual == me),
         "a request for another node"
     );
+    let pool = PeerPool::new(ep.clone(), cfg);
+    let target = addr.to_string();
     let append = |first, last, entries: usize, info: Vec<u8>| {
         PeerRequest::Replicate(ReplicateMsg {
-            from: me ^ 2,
+            // In the connection's own name (the node's certificate): a member's bad message.
+            from: me,
             durable_id: "victim".into(),
             header: ReplicateHeader::Append(AppendHeader {
                 epoch: 5,

@@ -387,3 +387,42 @@ proptest! {
         prop_assert_eq!(unique, (1..=published).collect::<Vec<_>>());
     }
 }
+
+/// A queue's interest is bounded in bytes as well as in count: it travels with every
+/// replication message of the queue, which must fit a peer message.
+#[test]
+fn interest_bytes_per_queue_are_bounded() {
+    use tether::limits::{INTEREST_BYTES_PER_QUEUE_MAX, KEY_BYTES_MAX};
+    let mut sim = Sim::new();
+    let (s, _, _) = sim.connect(Some("big-interest"), 60);
+    let batch = |n: usize| -> Vec<String> {
+        (0..500)
+            .map(|i| format!("{n:03}-{i:04}-{}", "k".repeat(KEY_BYTES_MAX - 9)))
+            .collect()
+    };
+    let mut accepted = 0;
+    let refused = loop {
+        let spec = InterestSpec::Keys(batch(accepted));
+        match sim.core.register(s, "R", &spec, true, true) {
+            Ok((_, b)) => {
+                sim.apply(b);
+                accepted += 1;
+            }
+            Err(e) => break e,
+        }
+        assert!(accepted < 20, "no byte limit on interest");
+    };
+    assert_eq!(refused.code, tether::protocol::ErrorCode::LimitExceeded);
+    assert!(refused.message.contains("bytes of interest"), "{refused:?}");
+    // Everything accepted is within the limit, and the refused batch changed nothing.
+    assert_eq!(
+        accepted,
+        INTEREST_BYTES_PER_QUEUE_MAX / (500 * (KEY_BYTES_MAX + 1 + 16))
+    );
+    // Registering again what is held costs nothing.
+    let (_, b) = sim
+        .core
+        .register(s, "R", &InterestSpec::Keys(batch(0)), true, true)
+        .unwrap();
+    sim.apply(b);
+}

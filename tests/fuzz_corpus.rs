@@ -430,6 +430,14 @@ fn seeds_handshake() -> Vec<(&'static str, Vec<u8>, HandshakeOutcome)> {
     two.extend(hello_frame(1, None));
     two.extend([0xff, 0xff]);
     s.push(("hello-then-garbage", two, Welcome(QueueStatus::New)));
+    // The first frame is read under the hello's limit, far below the frame limit.
+    s.push((
+        "hello-over-hello-limit",
+        ((tether::limits::HELLO_BYTES_MAX + 1) as u32)
+            .to_be_bytes()
+            .to_vec(),
+        refused(ErrorCode::FrameTooLarge),
+    ));
     s
 }
 

@@ -122,6 +122,51 @@ pub enum MetaCommand {
     Barrier,
 }
 
+impl MetaCommand {
+    /// Checks the command's sizes before it is proposed: a durable id of 1 to
+    /// [`DURABLE_ID_BYTES_MAX`](crate::limits::DURABLE_ID_BYTES_MAX) bytes, at most
+    /// [`REDUNDANCY_MAX`] secondaries. Every command in the log is then small.
+    pub fn validate(&self) -> Result<(), String> {
+        use crate::limits::DURABLE_ID_BYTES_MAX;
+        let (id, secondaries) = match self {
+            MetaCommand::Place {
+                id,
+                secondaries,
+                redundancy,
+                ..
+            } => {
+                if *redundancy > REDUNDANCY_MAX {
+                    return Err(format!(
+                        "redundancy {redundancy} is above the limit of {REDUNDANCY_MAX}"
+                    ));
+                }
+                (id, secondaries.len())
+            }
+            MetaCommand::SetSecondaries {
+                id, secondaries, ..
+            } => (id, secondaries.len()),
+            MetaCommand::Promote { id, .. }
+            | MetaCommand::Handover { id, .. }
+            | MetaCommand::Synced { id, .. }
+            | MetaCommand::Expire { id, .. }
+            | MetaCommand::Release { id, .. } => (id, 0),
+            MetaCommand::NodeFailed { .. } | MetaCommand::Barrier => return Ok(()),
+        };
+        if id.is_empty() || id.len() > DURABLE_ID_BYTES_MAX {
+            return Err(format!(
+                "a durable id of {} bytes (1 to {DURABLE_ID_BYTES_MAX})",
+                id.len()
+            ));
+        }
+        if secondaries > usize::from(REDUNDANCY_MAX) {
+            return Err(format!(
+                "{secondaries} secondaries (at most {REDUNDANCY_MAX})"
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The result of applying one [`MetaCommand`] (openraft's `R`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub enum MetaResponse {
@@ -311,6 +356,37 @@ mod tests {
             redundancy: secondaries.len() as u8,
             timeout_ms: 60_000,
         }
+    }
+
+    #[test]
+    fn oversized_commands_are_refused_before_they_are_proposed() {
+        assert_eq!(place("q", 1, &[2, 3]).validate(), Ok(()));
+        let long = "x".repeat(crate::limits::DURABLE_ID_BYTES_MAX + 1);
+        assert!(
+            place(&long, 1, &[])
+                .validate()
+                .unwrap_err()
+                .contains("durable id")
+        );
+        assert!(place("", 1, &[]).validate().is_err());
+        assert!(
+            place("q", 1, &[2, 3, 4])
+                .validate()
+                .unwrap_err()
+                .contains("redundancy")
+        );
+        let set = MetaCommand::SetSecondaries {
+            id: "q".into(),
+            expected_epoch: 1,
+            secondaries: vec![2, 3, 4],
+        };
+        assert!(set.validate().unwrap_err().contains("secondaries"));
+        let release = MetaCommand::Release {
+            id: long,
+            expected_epoch: 1,
+        };
+        assert!(release.validate().is_err());
+        assert_eq!(MetaCommand::NodeFailed { node: 3 }.validate(), Ok(()));
     }
 
     #[test]

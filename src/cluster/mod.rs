@@ -92,6 +92,12 @@ pub struct Members {
 }
 
 impl Members {
+    /// The raft id of the member named `name`, if it is one.
+    pub fn id_of(&self, name: &str) -> Option<RaftId> {
+        let id = raft_id(name);
+        self.nodes.get(&id).filter(|n| n.name == name).map(|_| id)
+    }
+
     /// The name of member `id` (its raft id in decimal if it is not a configured member).
     pub fn name(&self, id: RaftId) -> String {
         self.nodes
@@ -298,6 +304,8 @@ impl Cluster {
 
     /// [`write`](Self::write), with the log index of the entry that carried the command.
     async fn write_logged(&self, cmd: MetaCommand) -> Result<(MetaResponse, u64), ClusterError> {
+        cmd.validate()
+            .map_err(|e| ClusterError::Config(format!("metadata command refused: {e}")))?;
         let deadline = Instant::now() + Duration::from_millis(network::FORWARD_TIMEOUT_MS);
         loop {
             let leader = match self.raft.client_write(cmd.clone()).await {
@@ -358,8 +366,24 @@ impl Cluster {
 
     /// Serves the RPCs of one verified peer connection (spawned per connection);
     /// forwarded publishes go to `sink`.
-    pub fn serve(&self, conn: quinn::Connection, sink: Option<Arc<dyn network::PublishSink>>) {
-        tokio::spawn(network::serve_peer(conn, self.raft.clone(), self.me, sink));
+    /// Serves the RPCs of member `peer` (identified by its certificate) on `conn`.
+    pub fn serve(
+        &self,
+        conn: quinn::Connection,
+        sink: Option<Arc<dyn network::PublishSink>>,
+        peer: RaftId,
+    ) {
+        let peer = network::PeerIdentity {
+            id: peer,
+            name: self.members.name(peer),
+        };
+        tokio::spawn(network::serve_peer(
+            conn,
+            self.raft.clone(),
+            self.me,
+            peer,
+            sink,
+        ));
     }
 
     /// Sends `request` to member `to` at its configured address.

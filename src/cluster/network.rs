@@ -23,10 +23,10 @@ use openraft::raft::{
     InstallSnapshotResponse, VoteRequest, VoteResponse,
 };
 use serde::{Deserialize, Serialize};
-use tether_transport::codec;
+use tether_transport::{codec, tls};
 use tokio::sync::watch;
 
-use super::meta::{MetaCommand, RaftId};
+use super::meta::{MetaCommand, RaftId, raft_id};
 use super::{PeerNode, Raft, TypeConfig};
 use crate::protocol::PublishOp;
 
@@ -34,7 +34,9 @@ use crate::protocol::PublishOp;
 pub const PEER_MESSAGE_BYTES_MAX: usize = codec::FRAME_BYTES_MAX;
 /// Timeout of a forwarded metadata write, in milliseconds.
 pub const FORWARD_TIMEOUT_MS: u64 = 5_000;
-/// Concurrent RPC streams a peer may open on one connection.
+/// Concurrent RPC streams a peer may open on one connection (a client gets
+/// [`MAX_CONCURRENT_BIDI_STREAMS`](tether_transport::tls::MAX_CONCURRENT_BIDI_STREAMS)): room
+/// for pings and votes beside a burst of replication and forwarding calls.
 pub const PEER_STREAMS_MAX: u32 = 64;
 
 /// A request from one node to another.
@@ -181,6 +183,54 @@ struct Envelope {
     request: PeerRequest,
 }
 
+/// The bytes of a request for node `to` as they travel on a peer stream (for tests and tools
+/// that speak the peer protocol by hand).
+pub fn encode_request(to: RaftId, request: PeerRequest) -> Result<Vec<u8>, codec::CodecError> {
+    codec::encode_body(&Envelope { to, request })
+}
+
+/// The member a peer connection comes from, as its certificate names it
+/// ([`tether_transport::tls::peer_node_name`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerIdentity {
+    pub id: RaftId,
+    pub name: String,
+}
+
+/// Whether `peer` may send `request`: every node a request claims to come from (a Raft
+/// candidate or leader, a publish's origin, a replication message's primary) must be the
+/// connection's own. Metadata writes ([`PeerRequest::Write`]) may come from any member: every
+/// member proposes them. The error says what was claimed.
+pub fn check_sender(peer: &PeerIdentity, request: &PeerRequest) -> Result<(), String> {
+    let claimed = |what: &str, id: Option<RaftId>| {
+        if id == Some(peer.id) {
+            Ok(())
+        } else {
+            Err(format!(
+                "node {} sent {what} in the name of {}",
+                peer.name,
+                id.map_or_else(|| "no node".to_string(), |id| format!("node {id:x}"))
+            ))
+        }
+    };
+    match request {
+        PeerRequest::AppendEntries(r) => {
+            claimed("entries of a leader", r.vote.leader_id().voted_for())
+        }
+        PeerRequest::Vote(r) => claimed("a vote request", r.vote.leader_id().voted_for()),
+        PeerRequest::InstallSnapshot(r) => {
+            claimed("a snapshot of a leader", r.vote.leader_id().voted_for())
+        }
+        PeerRequest::Publish { origin, .. } if *origin == peer.name => Ok(()),
+        PeerRequest::Publish { origin, .. } => Err(format!(
+            "node {} sent publishes of origin {origin:?}",
+            peer.name
+        )),
+        PeerRequest::Replicate(m) => claimed("queue replication", Some(m.from)),
+        PeerRequest::Write(_) | PeerRequest::Ping => Ok(()),
+    }
+}
+
 /// Why an RPC failed before a response arrived.
 #[derive(Debug, thiserror::Error)]
 pub enum PeerError {
@@ -216,13 +266,16 @@ struct PoolState {
     conns: Mutex<HashMap<SocketAddr, PeerConn>>,
 }
 
+/// An established peer connection and the node names its server certificate carries.
+type Dialed = (quinn::Connection, Arc<[String]>);
+
 /// The outcome of a handshake, once known: the connection, or why there is none.
-type Handshake = Option<Result<quinn::Connection, String>>;
+type Handshake = Option<Result<Dialed, String>>;
 
 /// A peer's entry in the pool.
 enum PeerConn {
     /// An established connection (it may have closed since; the next call replaces it).
-    Up(quinn::Connection),
+    Up(Dialed),
     /// A handshake in flight, whose outcome every waiting call receives.
     Connecting(watch::Receiver<Handshake>),
 }
@@ -240,7 +293,7 @@ impl PeerPool {
 
     /// The connection to `addr`: the established one, or the outcome of the handshake in
     /// flight (started now if there is none).
-    async fn connection(&self, addr: SocketAddr) -> Result<quinn::Connection, PeerError> {
+    async fn connection(&self, addr: SocketAddr) -> Result<Dialed, PeerError> {
         let unreachable = |reason: String| PeerError::Unreachable {
             addr: addr.to_string(),
             reason,
@@ -248,7 +301,7 @@ impl PeerPool {
         let mut handshake = {
             let mut conns = self.state.conns.lock().expect("pool lock");
             match conns.get(&addr) {
-                Some(PeerConn::Up(c)) if c.close_reason().is_none() => return Ok(c.clone()),
+                Some(PeerConn::Up(c)) if c.0.close_reason().is_none() => return Ok(c.clone()),
                 // A closed channel: the handshake's task is gone (the runtime is stopping).
                 Some(PeerConn::Connecting(rx)) if rx.has_changed().is_ok() => rx.clone(),
                 _ => {
@@ -287,10 +340,13 @@ impl PeerPool {
         let (tx, rx) = watch::channel(None);
         let state = Arc::downgrade(&self.state);
         tokio::spawn(async move {
-            let outcome = connecting.await.map_err(|e| e.to_string());
+            let outcome = connecting.await.map_err(|e| e.to_string()).map(|conn| {
+                let names: Arc<[String]> = tls::connection_node_names(&conn).into();
+                (conn, names)
+            });
             let outcome = match (state.upgrade(), outcome) {
                 (Some(state), outcome) => state.handshake_done(addr, outcome),
-                (None, Ok(conn)) => {
+                (None, Ok((conn, _))) => {
                     conn.close(0u32.into(), b"node stopping");
                     Err("this node is stopping".into())
                 }
@@ -325,8 +381,18 @@ impl PeerPool {
         // The connection the exchange used, if it got one.
         let used = Mutex::new(None);
         let exchange = async {
-            let conn = self.connection(sock).await?;
+            let (conn, names) = self.connection(sock).await?;
             *used.lock().expect("used lock") = Some(conn.clone());
+            // The node that answers there must be the one called, by its certificate.
+            if !matches!(&names[..], [name] if raft_id(name) == to) {
+                return Err(PeerError::Unreachable {
+                    addr: addr.to_string(),
+                    reason: format!(
+                        "the node there presents a certificate for cluster node(s) {:?}, not for node {to:x}",
+                        &names[..]
+                    ),
+                });
+            }
             let (mut send, mut recv) =
                 conn.open_bi().await.map_err(|e| PeerError::Unreachable {
                     addr: addr.to_string(),
@@ -362,7 +428,7 @@ impl PeerPool {
     pub fn close(&self) {
         self.state.endpoint.lock().expect("pool lock").take();
         for (_, c) in self.state.conns.lock().expect("pool lock").drain() {
-            if let PeerConn::Up(c) = c {
+            if let PeerConn::Up((c, _)) = c {
                 c.close(0u32.into(), b"node stopping");
             }
         }
@@ -374,12 +440,12 @@ impl PoolState {
     fn handshake_done(
         &self,
         addr: SocketAddr,
-        outcome: Result<quinn::Connection, String>,
-    ) -> Result<quinn::Connection, String> {
+        outcome: Result<Dialed, String>,
+    ) -> Result<Dialed, String> {
         let stopping = self.endpoint.lock().expect("pool lock").is_none();
         let mut conns = self.conns.lock().expect("pool lock");
         match outcome {
-            Ok(conn) if stopping => {
+            Ok((conn, _)) if stopping => {
                 // Closed while connecting: do not keep the connection (it holds the socket).
                 conn.close(0u32.into(), b"node stopping");
                 conns.remove(&addr);
@@ -400,7 +466,7 @@ impl PoolState {
     /// call reconnects; a handshake already in flight for `addr` is left alone.
     fn discard(&self, addr: SocketAddr, conn: &quinn::Connection) {
         let mut conns = self.conns.lock().expect("pool lock");
-        if let Some(PeerConn::Up(c)) = conns.get(&addr)
+        if let Some(PeerConn::Up((c, _))) = conns.get(&addr)
             && c.stable_id() == conn.stable_id()
         {
             conns.remove(&addr);
@@ -409,13 +475,17 @@ impl PoolState {
     }
 }
 
-/// Serves RPCs arriving on one verified peer connection until it closes.
+/// Serves RPCs arriving on one verified peer connection (from member `peer`) until it closes.
 pub async fn serve_peer(
     conn: quinn::Connection,
     raft: Raft,
     me: RaftId,
+    peer: PeerIdentity,
     sink: Option<Arc<dyn PublishSink>>,
 ) {
+    let peer = Arc::new(peer);
+    // The endpoint's transport settings are a client's; a peer gets more streams at once.
+    conn.set_max_concurrent_bi_streams(quinn::VarInt::from_u32(PEER_STREAMS_MAX));
     loop {
         let (mut send, mut recv) = match conn.accept_bi().await {
             Ok(s) => s,
@@ -423,13 +493,22 @@ pub async fn serve_peer(
         };
         let raft = raft.clone();
         let sink = sink.clone();
+        let peer = peer.clone();
         tokio::spawn(async move {
             let response = match recv.read_to_end(PEER_MESSAGE_BYTES_MAX).await {
                 Err(e) => PeerResponse::BadRequest(e.to_string()),
                 Ok(body) => match codec::decode_body::<Envelope>(&body) {
                     Err(e) => PeerResponse::BadRequest(e.to_string()),
                     Ok(env) if env.to != me => PeerResponse::WrongNode { actual: me },
-                    Ok(env) => dispatch(&raft, sink.as_deref(), env.request).await,
+                    Ok(env) => match check_sender(&peer, &env.request) {
+                        Ok(()) => dispatch(&raft, sink.as_deref(), env.request).await,
+                        Err(why) => {
+                            metrics::counter!(crate::metrics::PEER_REFUSED, "reason" => "sender_mismatch")
+                                .increment(1);
+                            tracing::warn!(peer = %peer.name, %why, "peer request refused");
+                            PeerResponse::BadRequest(why)
+                        }
+                    },
                 },
             };
             if let Ok(bytes) = codec::encode_body(&response) {
@@ -451,7 +530,10 @@ async fn dispatch(
         PeerRequest::InstallSnapshot(r) => {
             PeerResponse::InstallSnapshot(raft.install_snapshot(r).await)
         }
-        PeerRequest::Write(cmd) => PeerResponse::Write(raft.client_write(cmd).await),
+        PeerRequest::Write(cmd) => match cmd.validate() {
+            Ok(()) => PeerResponse::Write(raft.client_write(cmd).await),
+            Err(e) => PeerResponse::BadRequest(format!("metadata command refused: {e}")),
+        },
         PeerRequest::Publish {
             origin,
             entries,
@@ -614,5 +696,68 @@ impl RaftNetwork<TypeConfig> for PeerClient {
             Ok(_) => Err(unexpected(&self.node.addr)),
             Err(e) => Err(retype(e)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replication::AppendHeader;
+
+    fn replicate(from: RaftId) -> PeerRequest {
+        PeerRequest::Replicate(ReplicateMsg {
+            from,
+            durable_id: "q".into(),
+            header: ReplicateHeader::Append(AppendHeader {
+                epoch: 1,
+                batch: 1,
+                first: 0,
+                last: 0,
+                prev_epoch: None,
+                entries_epoch: 1,
+                log_end: 0,
+                acked: 0,
+            }),
+            info: Vec::new(),
+            entries: Vec::new(),
+            more: false,
+            through: Default::default(),
+            through_end: 0,
+            placement_epoch: 0,
+        })
+    }
+
+    #[test]
+    fn a_peer_speaks_only_in_its_own_name() {
+        let n2 = PeerIdentity {
+            id: raft_id("n2"),
+            name: "n2".into(),
+        };
+        let n3 = raft_id("n3");
+        let vote = |candidate| {
+            PeerRequest::Vote(VoteRequest::new(openraft::Vote::new(7, candidate), None))
+        };
+        let publish = |origin: &str| PeerRequest::Publish {
+            origin: origin.into(),
+            entries: Vec::new(),
+            floor: 0,
+        };
+        assert_eq!(check_sender(&n2, &vote(n2.id)), Ok(()));
+        assert_eq!(check_sender(&n2, &publish("n2")), Ok(()));
+        assert_eq!(check_sender(&n2, &replicate(n2.id)), Ok(()));
+        assert_eq!(check_sender(&n2, &PeerRequest::Ping), Ok(()));
+        assert_eq!(
+            check_sender(&n2, &PeerRequest::Write(MetaCommand::Barrier)),
+            Ok(())
+        );
+        let e = check_sender(&n2, &vote(n3)).unwrap_err();
+        assert!(
+            e.contains("vote request") && e.contains(&format!("{n3:x}")),
+            "{e}"
+        );
+        let e = check_sender(&n2, &publish("n3")).unwrap_err();
+        assert!(e.contains("origin \"n3\""), "{e}");
+        let e = check_sender(&n2, &replicate(n3)).unwrap_err();
+        assert!(e.contains("replication"), "{e}");
     }
 }

@@ -587,6 +587,37 @@ fn invalid(msg: impl Into<String>) -> WireError {
     WireError::new(ErrorCode::InvalidArgument, msg)
 }
 
+/// What one registration counts for against [`INTEREST_BYTES_PER_QUEUE_MAX`].
+fn interest_bytes(region: &str, sel: &Selector) -> usize {
+    let text = match sel {
+        Selector::Key(k) => k.len(),
+        Selector::Regex(r) => r.len(),
+        Selector::All => 0,
+    };
+    region.len() + text + INTEREST_OVERHEAD_BYTES
+}
+
+/// Validates the durable part of a hello against its limits: checked before anything is done
+/// for it (on a cluster, before the id is placed through consensus).
+pub fn validate_durable_hello(hello: &DurableHello) -> Result<(), WireError> {
+    if hello.id.is_empty() || hello.id.len() > DURABLE_ID_BYTES_MAX {
+        return Err(invalid(format!(
+            "durable id must be 1 to {DURABLE_ID_BYTES_MAX} bytes"
+        )));
+    }
+    if hello.timeout_secs > DURABLE_TIMEOUT_SECS_MAX {
+        return Err(invalid(format!(
+            "durable timeout {} s exceeds the limit of {DURABLE_TIMEOUT_SECS_MAX} s",
+            hello.timeout_secs
+        )));
+    }
+    if let Some(node) = &hello.failed_primary {
+        crate::config::validate_node_id(node)
+            .map_err(|e| invalid(format!("failed primary: {e}")))?;
+    }
+    Ok(())
+}
+
 /// Validates a region name against its limits.
 pub fn validate_region(region: &str) -> Result<(), WireError> {
     if region.is_empty() {
@@ -1039,17 +1070,7 @@ impl NodeCore {
                 batch,
             });
         };
-        if hello.id.is_empty() || hello.id.len() > DURABLE_ID_BYTES_MAX {
-            return Err(ConnectError::Invalid(invalid(format!(
-                "durable id must be 1 to {DURABLE_ID_BYTES_MAX} bytes"
-            ))));
-        }
-        if hello.timeout_secs > DURABLE_TIMEOUT_SECS_MAX {
-            return Err(ConnectError::Invalid(invalid(format!(
-                "durable timeout {} s exceeds the limit of {DURABLE_TIMEOUT_SECS_MAX} s",
-                hello.timeout_secs
-            ))));
-        }
+        validate_durable_hello(hello).map_err(ConnectError::Invalid)?;
         if let Some(&qid) = self.durable.get(&hello.id) {
             let q = self
                 .queues
@@ -1213,6 +1234,27 @@ impl NodeCore {
                 ErrorCode::LimitExceeded,
                 format!(
                     "a queue may hold at most {INTERESTS_PER_QUEUE_MAX} interest registrations"
+                ),
+            ));
+        }
+        let held: usize = q
+            .interests
+            .keys()
+            .map(|(r, sel)| interest_bytes(r, sel))
+            .sum();
+        let added: usize = selectors
+            .iter()
+            .filter(|sel| {
+                !q.interests
+                    .contains_key(&(region.to_string(), (*sel).clone()))
+            })
+            .map(|sel| interest_bytes(region, sel))
+            .sum();
+        if held + added > INTEREST_BYTES_PER_QUEUE_MAX {
+            return Err(WireError::new(
+                ErrorCode::LimitExceeded,
+                format!(
+                    "a queue may hold at most {INTEREST_BYTES_PER_QUEUE_MAX} bytes of interest ({held} held, {added} more asked)"
                 ),
             ));
         }

@@ -107,18 +107,38 @@ fn serve_peer(shared: &Arc<Shared>, conn: quinn::Connection) -> Result<(), ()> {
         );
         return Err(());
     };
-    if !tls::peer_issued_by_ca(&conn, &shared.cluster_ca) {
-        tracing::warn!(remote = %conn.remote_address(), "peer connection without a cluster certificate");
-        conn.close(
-            ErrorCode::Unauthenticated.varint(),
-            b"peer connections need a certificate from the cluster CA",
-        );
-        return Err(());
-    }
-    let inbox: Arc<dyn crate::cluster::network::PublishSink> =
-        Arc::new(super::forward::PeerInbox(Arc::downgrade(shared)));
-    cluster.serve(conn, Some(inbox));
-    Ok(())
+    // A peer is the member its certificate names, never just any holder of a certificate
+    // from the cluster CA (client certificates may come from it too).
+    let refused = match tls::peer_node_name(&conn, &shared.cluster_ca) {
+        Ok(name) => match cluster.members().id_of(&name) {
+            Some(id) => {
+                let inbox: Arc<dyn crate::cluster::network::PublishSink> =
+                    Arc::new(super::forward::PeerInbox(Arc::downgrade(shared)));
+                cluster.serve(conn, Some(inbox), id);
+                return Ok(());
+            }
+            None => (
+                "not_a_member",
+                format!("node {name:?} is not a member of this cluster"),
+            ),
+        },
+        Err(e) => {
+            let reason = match e {
+                tls::PeerIdentityError::NotClusterCa => "not_cluster_ca",
+                tls::PeerIdentityError::NoNodeName => "no_node_name",
+                tls::PeerIdentityError::SeveralNodeNames(_) => "several_node_names",
+            };
+            (reason, e.to_string())
+        }
+    };
+    let (reason, message) = refused;
+    metrics::counter!(m::PEER_REFUSED, "reason" => reason).increment(1);
+    tracing::warn!(remote = %conn.remote_address(), %message, "peer connection refused");
+    conn.close(
+        ErrorCode::Unauthenticated.varint(),
+        printable_message(&message).as_bytes(),
+    );
+    Err(())
 }
 
 async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> Result<(), ()> {
@@ -149,7 +169,8 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
             return Err(());
         }
     };
-    let mut reader = FrameReader::new(recv);
+    // The hello is read before authentication: a small limit (nothing else is decoded).
+    let mut reader = FrameReader::with_max(recv, HELLO_BYTES_MAX);
     let hello = match tokio::time::timeout(deadline, reader.next::<ClientMsg>()).await {
         Err(_) => {
             refuse(
@@ -167,6 +188,7 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         Ok(Ok(None)) => return Err(()),
         Ok(Ok(Some(m))) => m,
     };
+    reader.set_max(codec::FRAME_BYTES_MAX);
     let ClientMsg::Hello {
         version,
         durable,
@@ -197,6 +219,20 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         .await;
         return Err(());
     }
+    // A cluster node's certificate identifies a peer, never a client (whatever its CN says).
+    if !tls::connection_node_names(&conn).is_empty() {
+        metrics::counter!(m::PEER_REFUSED, "reason" => "node_cert_as_client").increment(1);
+        refuse(
+            &conn,
+            &mut send,
+            WireError::new(
+                ErrorCode::Unauthenticated,
+                "a cluster node's certificate cannot authenticate a client",
+            ),
+        )
+        .await;
+        return Err(());
+    }
     // Every connection authenticates anew: the latest credentials are the ones that count.
     let principal = match shared.authorizer() {
         None => None,
@@ -216,9 +252,14 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         _ => None,
     };
     let owner = principal.as_ref().map(|p| p.name.as_str());
+    // Checked before anything is done for the hello: a bad one never reaches consensus.
+    if let Some(Err(e)) = durable.as_ref().map(crate::core::validate_durable_hello) {
+        refuse(&conn, &mut send, e).await;
+        return Err(());
+    }
     let mut placed = None;
     if let (Some(d), Some(cluster)) = (durable.as_ref(), shared.cluster.get()) {
-        match super::placement::place_durable(shared, cluster, d).await {
+        match super::placement::place_durable(shared, cluster, d, owner).await {
             Ok(super::placement::Placed::Here(p)) => placed = Some(p),
             Ok(super::placement::Placed::Elsewhere { node_id, addr }) => {
                 let _ = codec::write_frame(&mut send, &ServerMsg::Redirect { node_id, addr }).await;

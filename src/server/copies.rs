@@ -130,6 +130,25 @@ impl Copies {
 
 /// Handles one replication message from a primary (see the module docs).
 pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerResponse {
+    if let Some(cluster) = shared.cluster.get() {
+        let placement = cluster.placement(&msg.durable_id);
+        if super::failover::shipped_by_non_primary(
+            placement.as_ref(),
+            msg.from,
+            msg.placement_epoch,
+            cluster.applied_index(),
+        ) {
+            metrics::counter!(m::PEER_REFUSED, "reason" => "not_primary").increment(1);
+            let why = format!(
+                "node {} is not the primary of queue {:?} at placement epoch {}",
+                cluster.members().name(msg.from),
+                msg.durable_id,
+                msg.placement_epoch
+            );
+            tracing::warn!(%why, "replication message refused");
+            return PeerResponse::BadRequest(why);
+        }
+    }
     let epoch = match &msg.header {
         ReplicateHeader::Append(h) => h.epoch,
         ReplicateHeader::Snapshot(h) => h.epoch,

@@ -789,6 +789,23 @@ pub(crate) fn copy_not_held(
     }
 }
 
+/// Whether a replication message from node `from`, shipped under placement epoch
+/// `shipped_under` ([`ReplicateMsg::placement_epoch`](crate::cluster::network::ReplicateMsg)),
+/// contradicts the metadata applied here (up to `applied`): the placement in force at that
+/// epoch is known here (applied that far, and `placement` not changed since) and names another
+/// primary. A primary ships under the placement that made it primary, so this never holds for
+/// one; a member shipping a queue it does not own is refused. Metadata applied less far here
+/// cannot tell (the copy's epochs then fence a stale primary, as before).
+pub(crate) fn shipped_by_non_primary(
+    placement: Option<&Placement>,
+    from: RaftId,
+    shipped_under: u64,
+    applied: u64,
+) -> bool {
+    placement
+        .is_some_and(|p| applied >= shipped_under && p.epoch <= shipped_under && p.primary != from)
+}
+
 /// Drops this node's queue of `id` if the cluster placed it (epoch above 0) and the metadata,
 /// applied past that placement, no longer places it: the queue moved while this node was down
 /// and then expired or was released on its new primary. Without this, a killed primary that
@@ -1327,6 +1344,34 @@ mod tests {
         assert!(dropped(Some(&other), 0, 55, true));
         // Promoted here: kept for the promotion.
         assert!(!dropped(Some(&placement(2, &[], 70)), 40, 70, true));
+    }
+
+    #[test]
+    fn only_the_primary_of_the_placement_shipped_under_may_replicate() {
+        let placement = |primary, epoch| Placement {
+            primary,
+            secondaries: vec![2],
+            epoch,
+            redundancy: 1,
+            timeout_ms: 60_000,
+            syncing: Vec::new(),
+            handed_over: false,
+        };
+        let at_40 = placement(1, 40);
+        // The primary of the placement it ships under: never refused.
+        assert!(!shipped_by_non_primary(Some(&at_40), 1, 40, 40));
+        assert!(!shipped_by_non_primary(Some(&at_40), 1, 40, 90));
+        // Another member claiming that placement, once the metadata here is applied that far.
+        assert!(shipped_by_non_primary(Some(&at_40), 3, 40, 40));
+        // Or claiming a later epoch that never changed this queue (applied past it here).
+        assert!(shipped_by_non_primary(Some(&at_40), 3, 45, 50));
+        // The metadata here not applied as far as the claim: it cannot tell.
+        assert!(!shipped_by_non_primary(Some(&at_40), 3, 45, 44));
+        // A primary deposed since (the placement here is newer): left to the epochs' fencing.
+        assert!(!shipped_by_non_primary(Some(&placement(3, 60)), 1, 40, 60));
+        // No placement known here, or a message without an epoch (0): no claim to check.
+        assert!(!shipped_by_non_primary(None, 3, 40, 90));
+        assert!(!shipped_by_non_primary(Some(&at_40), 3, 0, 90));
     }
 
     #[test]

@@ -683,6 +683,20 @@ impl Drop for Publisher {
     }
 }
 
+/// Refuses to start a cluster node whose certificate does not name it: its peers identify it by
+/// the certificate's node name ([`tls::NODE_URI_PREFIX`]), never by the CA alone.
+fn check_node_certificate(cert: &Path, node: &str) -> Result<(), NodeError> {
+    let names = tls::file_node_names(cert)?;
+    if names == [node] {
+        return Ok(());
+    }
+    Err(NodeError::Config(format!(
+        "the certificate {} names cluster node(s) {names:?}, not {node:?}: a cluster node's certificate carries exactly one URI subject alternative name {} (see docs/operations.md, security)",
+        cert.display(),
+        tls::node_uri(node)
+    )))
+}
+
 fn node_id_for(data_dir: &Path, configured: Option<&str>) -> Result<String, NodeError> {
     let file = data_dir.join("node-id");
     let io = |source| NodeError::DataDir {
@@ -746,6 +760,9 @@ impl Node {
     ) -> Result<Node, NodeError> {
         tls::install_crypto_provider();
         config.limits.validate().map_err(NodeError::Config)?;
+        if let Some(w) = crate::config::open_node_warning(config.listen, config.auth.is_some()) {
+            tracing::warn!("{w}");
+        }
         crate::config::validate_node_failure_ms(config.node_failure_ms)
             .map_err(NodeError::Config)?;
         let auth = match &config.auth {
@@ -765,20 +782,25 @@ impl Node {
             source,
         })?;
         let node_id = node_id_for(&data_dir, config.node_id.as_deref())?;
-        let tls_files = match &config.tls {
-            Some(t) => TlsFiles {
-                ca: t.ca.clone(),
-                cert: t.cert.clone(),
-                key: t.key.clone(),
-            },
-            None => tls::ensure_dev_certs(&data_dir.join("tls"))?,
-        };
         let clustered = !config.peers.is_empty();
         if clustered && config.node_id.is_none() {
             return Err(NodeError::Config(
                 "a clustered node needs an explicit node id (--node-id), the name its peers know it by"
                     .into(),
             ));
+        }
+        // A cluster node's certificate names it: that is how its peers know who it is.
+        let cluster_node = config.node_id.as_deref().filter(|_| clustered);
+        let tls_files = match &config.tls {
+            Some(t) => TlsFiles {
+                ca: t.ca.clone(),
+                cert: t.cert.clone(),
+                key: t.key.clone(),
+            },
+            None => tls::ensure_dev_node_certs(&data_dir.join("tls"), cluster_node)?,
+        };
+        if let Some(node) = cluster_node {
+            check_node_certificate(&tls_files.cert, node)?;
         }
         let client_ca = config.auth.as_ref().and_then(|a| a.client_ca.clone());
         let client_crl = config.auth.as_ref().and_then(|a| a.client_crl.clone());

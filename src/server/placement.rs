@@ -29,6 +29,7 @@ pub(crate) async fn place_durable(
     shared: &Arc<Shared>,
     cluster: &Cluster,
     d: &DurableHello,
+    principal: Option<&str>,
 ) -> Result<Placed, WireError> {
     let me = cluster.id();
     if d.redundancy > REDUNDANCY_MAX {
@@ -78,6 +79,10 @@ pub(crate) async fn place_durable(
     };
     let mut placement = placement;
     let lost = d.failed_primary.as_deref();
+    if lost.is_some() {
+        // Only the queue's owner may have its copy promoted here: checked before, not after.
+        check_copy_owner(shared, &d.id, principal).await?;
+    }
     if placement.primary != me
         && placement.secondaries.contains(&me)
         && !placement.syncing.contains(&me)
@@ -107,6 +112,30 @@ pub(crate) async fn place_durable(
             ErrorCode::Unavailable,
             "the node holding this durable queue is not a configured member",
         )),
+    }
+}
+
+/// Refuses `principal` a durable id whose copy held here belongs to another principal (the
+/// owner travels with the queue's info to its copies). Nothing to check on an open node or
+/// without a copy here.
+async fn check_copy_owner(
+    shared: &Arc<Shared>,
+    id: &str,
+    principal: Option<&str>,
+) -> Result<(), WireError> {
+    if shared.authorizer().is_none() {
+        return Ok(());
+    }
+    let Some(copy) = shared.copies.get(id) else {
+        return Ok(());
+    };
+    let owner = copy.lock().await.info.owner.clone();
+    match owner {
+        Some(o) if Some(o.as_str()) != principal => Err(WireError::new(
+            ErrorCode::Forbidden,
+            format!("durable id {id:?} belongs to another principal"),
+        )),
+        _ => Ok(()),
     }
 }
 

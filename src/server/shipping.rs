@@ -42,6 +42,12 @@ pub const REPLICATE_TIMEOUT_MS: u64 = 5_000;
 pub const REPLICATE_RETRY_MS: u64 = 200;
 /// Most entry bytes read for one append batch (the batch is cut short beyond it).
 pub const REPLICATE_BATCH_BYTES_MAX: usize = 4 << 20;
+// A batch and the queue's info (its interest at most INTEREST_BYTES_PER_QUEUE_MAX, with room
+// for encoding) fit one peer message.
+const _: () = assert!(
+    REPLICATE_BATCH_BYTES_MAX + 2 * crate::limits::INTEREST_BYTES_PER_QUEUE_MAX
+        <= crate::cluster::network::PEER_MESSAGE_BYTES_MAX
+);
 /// Most entry bytes in one message of a snapshot (a larger snapshot is sent in several).
 pub const REPLICATE_SNAPSHOT_CHUNK_BYTES_MAX: usize = 4 << 20;
 /// Most entry bytes of a whole snapshot (it is read at once on the primary and staged in memory

@@ -72,7 +72,7 @@ impl TestCluster {
         Self::start_full(n, tether::config::Limits::default(), None, tweak).await
     }
 
-    async fn start_full(
+    pub async fn start_full(
         n: usize,
         limits: tether::config::Limits,
         auth: Option<tether::auth::AuthConfig>,

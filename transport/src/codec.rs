@@ -181,6 +181,12 @@ impl FrameDecoder {
         }
     }
 
+    /// Changes the body limit for the frames still to come (a connection's first frame may be
+    /// held to a smaller limit than the rest).
+    pub fn set_max(&mut self, max: usize) {
+        self.max = max;
+    }
+
     /// Appends received bytes. Ignored once the decoder has failed.
     pub fn push(&mut self, data: &[u8]) {
         if self.failed.is_none() {
@@ -223,7 +229,10 @@ impl FrameDecoder {
         }
         let need = FRAME_HEADER_BYTES + size;
         if self.buf.len() < need {
-            self.buf.reserve(need - self.buf.len());
+            // Room for what comes next, but never for more than one read ahead of the data:
+            // a header alone must not make the decoder hold the size it announces.
+            self.buf
+                .reserve((need - self.buf.len()).min(READ_CHUNK_BYTES_MAX));
             return Ok(None);
         }
         let mut frame = self.buf.split_to(need);
@@ -282,6 +291,21 @@ impl FrameReader {
         }
     }
 
+    /// Wraps a receive stream whose frames may be at most `max` bytes (see
+    /// [`set_max`](Self::set_max)).
+    pub fn with_max(recv: quinn::RecvStream, max: usize) -> Self {
+        Self {
+            recv,
+            decoder: FrameDecoder::with_max(max),
+            ended: false,
+        }
+    }
+
+    /// Changes the body limit for the frames still to come.
+    pub fn set_max(&mut self, max: usize) {
+        self.decoder.set_max(max);
+    }
+
     /// The underlying stream (e.g. to `stop` it with an error code).
     pub fn get_mut(&mut self) -> &mut quinn::RecvStream {
         &mut self.recv
@@ -326,6 +350,29 @@ impl FrameReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_header_alone_does_not_reserve_the_size_it_announces() {
+        let mut d = FrameDecoder::new();
+        d.push(&((FRAME_BYTES_MAX as u32).to_be_bytes()));
+        assert!(d.next_raw().unwrap().is_none());
+        assert!(
+            d.buf.capacity() <= 2 * READ_CHUNK_BYTES_MAX,
+            "{} bytes held for a header",
+            d.buf.capacity()
+        );
+        // A smaller limit for what comes next (a hello) refuses a big header at once.
+        let mut d = FrameDecoder::new();
+        d.set_max(1024);
+        d.push(&(2048u32.to_be_bytes()));
+        assert!(matches!(
+            d.next_raw(),
+            Err(CodecError::TooLarge {
+                size: 2048,
+                max: 1024
+            })
+        ));
+    }
 
     #[test]
     fn roundtrip_single() {

@@ -59,6 +59,11 @@ pub const SERVER_KEY_FILE: &str = "server.key";
 pub const KEY_FILE_MODE: u32 = 0o600;
 /// Subject alternative names of the dev server certificate.
 pub const DEV_SERVER_SANS: [&str; 3] = [SERVER_NAME, "127.0.0.1", "::1"];
+/// Start of the URI subject alternative name that names a cluster node in its certificate:
+/// `urn:tether:node:<node-id>`. Peers are identified by it, never by the CA alone: a client
+/// certificate (which never carries one) cannot open a peer connection, and a certificate that
+/// carries one cannot authenticate a client.
+pub const NODE_URI_PREFIX: &str = "urn:tether:node:";
 /// Common name of the dev CA, followed by a suffix unique to each CA (from its key), so that
 /// two dev CAs never share a name: revocation lists are matched to certificates by issuer
 /// name.
@@ -445,16 +450,93 @@ pub fn negotiated_alpn(conn: &quinn::Connection) -> Option<Vec<u8>> {
 /// tells which one: a peer must hold a cluster-CA certificate, not a client-CA one, even when
 /// the two CAs have the same name (dev CAs made before names were unique all do).
 pub fn peer_issued_by_ca(conn: &quinn::Connection, ca_pem: &Path) -> bool {
-    let Some(identity) = conn.peer_identity() else {
+    let Some((leaf, intermediates)) = peer_leaf(conn) else {
         return false;
     };
-    let Some(chain) = identity.downcast_ref::<Vec<CertificateDer<'static>>>() else {
-        return false;
+    roots_from(ca_pem).is_ok_and(|roots| chains_to(&leaf, &intermediates, roots))
+}
+
+/// The URI subject alternative name naming cluster node `node` (see [`NODE_URI_PREFIX`]).
+pub fn node_uri(node: &str) -> String {
+    format!("{NODE_URI_PREFIX}{node}")
+}
+
+/// The cluster node names (URI SANs under [`NODE_URI_PREFIX`]) a DER certificate carries;
+/// empty for an unparseable certificate.
+pub fn cert_node_names(cert: &CertificateDer<'_>) -> Vec<String> {
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(cert.as_ref()) else {
+        return Vec::new();
     };
-    let Some(leaf) = chain.first() else {
-        return false;
+    let Ok(Some(san)) = cert.subject_alternative_name() else {
+        return Vec::new();
     };
-    roots_from(ca_pem).is_ok_and(|roots| chains_to(leaf, &chain[1..], roots))
+    san.value
+        .general_names
+        .iter()
+        .filter_map(|n| match n {
+            x509_parser::extensions::GeneralName::URI(uri) => uri.strip_prefix(NODE_URI_PREFIX),
+            _ => None,
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+/// The cluster node names the leaf certificate of PEM file `cert` carries (the first
+/// certificate of the chain).
+pub fn file_node_names(cert: &Path) -> Result<Vec<String>, TlsError> {
+    let chain = parse_certs(&read_file(cert)?, cert)?;
+    Ok(cert_node_names(&chain[0]))
+}
+
+/// The leaf certificate the other side of `conn` presented (verified by the handshake).
+fn peer_leaf(
+    conn: &quinn::Connection,
+) -> Option<(CertificateDer<'static>, Vec<CertificateDer<'static>>)> {
+    let identity = conn.peer_identity()?;
+    let chain = identity.downcast_ref::<Vec<CertificateDer<'static>>>()?;
+    let (leaf, rest) = chain.split_first()?;
+    Some((leaf.clone(), rest.to_vec()))
+}
+
+/// The cluster node names in the certificate the other side of `conn` presented (none without
+/// a certificate). A node's server certificate as seen by a peer dialing it, or a client
+/// certificate that must not carry one.
+pub fn connection_node_names(conn: &quinn::Connection) -> Vec<String> {
+    peer_leaf(conn).map_or_else(Vec::new, |(leaf, _)| cert_node_names(&leaf))
+}
+
+/// Why a peer connection's certificate does not identify a cluster node.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerIdentityError {
+    /// No certificate, or one not issued by the cluster CA.
+    #[error("peer connections need a certificate from the cluster CA")]
+    NotClusterCa,
+    /// A cluster-CA certificate that names no node (a client certificate).
+    #[error(
+        "the certificate names no cluster node (a node's certificate carries the SAN {NODE_URI_PREFIX}<node-id>)"
+    )]
+    NoNodeName,
+    /// A certificate naming more than one node.
+    #[error("the certificate names several cluster nodes: {0:?}")]
+    SeveralNodeNames(Vec<String>),
+}
+
+/// The cluster node a peer connection comes from: its certificate chains to the CA in the PEM
+/// file `ca_pem` (see [`peer_issued_by_ca`]) and carries exactly one node name
+/// ([`NODE_URI_PREFIX`]). Whether that name is a member is the caller's to check.
+pub fn peer_node_name(
+    conn: &quinn::Connection,
+    ca_pem: &Path,
+) -> Result<String, PeerIdentityError> {
+    if !peer_issued_by_ca(conn, ca_pem) {
+        return Err(PeerIdentityError::NotClusterCa);
+    }
+    let mut names = connection_node_names(conn);
+    match names.len() {
+        0 => Err(PeerIdentityError::NoNodeName),
+        1 => Ok(names.remove(0)),
+        _ => Err(PeerIdentityError::SeveralNodeNames(names)),
+    }
 }
 
 /// Whether the end-entity certificate `leaf` (with the `intermediates` it came with) was issued
@@ -594,9 +676,15 @@ pub(crate) fn dev_ca_issuer(
     Ok(rcgen::Issuer::from_ca_cert_pem(&pem, key)?)
 }
 
-fn server_params() -> Result<rcgen::CertificateParams, TlsError> {
+/// Parameters of a dev server certificate; `node`: the cluster node it names
+/// ([`NODE_URI_PREFIX`]), for a clustered node.
+fn server_params(node: Option<&str>) -> Result<rcgen::CertificateParams, TlsError> {
     let sans: Vec<String> = DEV_SERVER_SANS.iter().map(|s| s.to_string()).collect();
     let mut p = rcgen::CertificateParams::new(sans)?;
+    if let Some(node) = node {
+        let uri = rcgen::string::Ia5String::try_from(node_uri(node))?;
+        p.subject_alt_names.push(rcgen::SanType::URI(uri));
+    }
     p.distinguished_name = rcgen::DistinguishedName::new();
     p.distinguished_name
         .push(rcgen::DnType::CommonName, SERVER_NAME);
@@ -636,6 +724,14 @@ pub(crate) fn write_file(path: &Path, contents: &[u8], mode: Option<u32>) -> Res
 /// files are missing, a new server certificate is signed by the existing CA. Key files get
 /// mode [`KEY_FILE_MODE`].
 pub fn ensure_dev_certs(dir: &Path) -> Result<TlsFiles, TlsError> {
+    ensure_dev_node_certs(dir, None)
+}
+
+/// [`ensure_dev_certs`] for cluster node `node` (if given): its server certificate also carries
+/// the node's name ([`node_uri`]), the identity its peers know it by. An existing server
+/// certificate that does not name `node` (made before node names were carried, or for another
+/// node) is signed again by the dev CA; without the CA's key that is an error.
+pub fn ensure_dev_node_certs(dir: &Path, node: Option<&str>) -> Result<TlsFiles, TlsError> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     let ca_cert = dir.join(CA_CERT_FILE);
     let ca_key = dir.join(CA_KEY_FILE);
@@ -645,7 +741,25 @@ pub fn ensure_dev_certs(dir: &Path) -> Result<TlsFiles, TlsError> {
         key: dir.join(SERVER_KEY_FILE),
     };
     if files.cert.exists() && files.key.exists() && ca_cert.exists() {
-        return Ok(files);
+        let names = match node {
+            Some(_) => file_node_names(&files.cert)?,
+            None => Vec::new(),
+        };
+        match node {
+            None => return Ok(files),
+            Some(n) if names == [n] => return Ok(files),
+            Some(n) if !ca_key.exists() => {
+                return Err(TlsError::Pem {
+                    path: files.cert.clone(),
+                    message: format!(
+                        "does not name cluster node {n:?} (SAN {}), and there is no dev CA key ({}) to sign one that does",
+                        node_uri(n),
+                        ca_key.display()
+                    ),
+                });
+            }
+            Some(_) => {}
+        }
     }
 
     if !(ca_cert.exists() && ca_key.exists()) {
@@ -658,14 +772,14 @@ pub fn ensure_dev_certs(dir: &Path) -> Result<TlsFiles, TlsError> {
     let issuer = dev_ca_issuer(dir)?;
 
     let server_kp = rcgen::KeyPair::generate()?;
-    let server_cert = server_params()?.signed_by(&server_kp, &issuer)?;
+    let server_cert = server_params(node)?.signed_by(&server_kp, &issuer)?;
     write_file(
         &files.key,
         server_kp.serialize_pem().as_bytes(),
         Some(KEY_FILE_MODE),
     )?;
     write_file(&files.cert, server_cert.pem().as_bytes(), None)?;
-    tracing::info!(dir = %dir.display(), "generated dev server certificate");
+    tracing::info!(dir = %dir.display(), node, "generated dev server certificate");
     Ok(files)
 }
 
@@ -740,6 +854,38 @@ mod tests {
             &[],
             roots_from(&files.ca).unwrap()
         ));
+    }
+
+    #[test]
+    fn a_cluster_node_certificate_names_its_node_and_a_client_certificate_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let plain = ensure_dev_certs(dir.path()).unwrap();
+        assert!(file_node_names(&plain.cert).unwrap().is_empty());
+        // The same data directory started as cluster node n1: signed again, naming n1.
+        let n1 = ensure_dev_node_certs(dir.path(), Some("n1")).unwrap();
+        assert_eq!(file_node_names(&n1.cert).unwrap(), ["n1"]);
+        let before = std::fs::read(&n1.cert).unwrap();
+        ensure_dev_node_certs(dir.path(), Some("n1")).unwrap();
+        assert_eq!(
+            std::fs::read(&n1.cert).unwrap(),
+            before,
+            "a fitting certificate is kept"
+        );
+        // Renamed to n2: a certificate naming n2 only.
+        let n2 = ensure_dev_node_certs(dir.path(), Some("n2")).unwrap();
+        assert_eq!(file_node_names(&n2.cert).unwrap(), ["n2"]);
+        // Client certificates from the same CA name no node.
+        let (alice, _) = issue_dev_client_cert(dir.path(), "alice", dir.path()).unwrap();
+        assert!(file_node_names(&alice).unwrap().is_empty());
+        // Without the CA's key, a certificate for another node cannot be made: a clear error.
+        std::fs::remove_file(dir.path().join(CA_KEY_FILE)).unwrap();
+        let e = ensure_dev_node_certs(dir.path(), Some("n3"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("does not name cluster node \"n3\"") && e.contains(CA_KEY_FILE),
+            "{e}"
+        );
     }
 
     #[test]

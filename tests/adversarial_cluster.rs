@@ -1,0 +1,647 @@
+//! Adversarial tests of a cluster's trust boundaries (security review, issue 22): who may be a
+//! peer. Real nodes in one process over QUIC with mutual TLS on loopback, RocksDB in temp dirs;
+//! the attacker speaks the peer protocol with real certificates from the cluster CA.
+//!
+//! - A client certificate (issued by the same CA, as `tether issue-client-cert` does) never
+//!   opens a peer connection: a vote, a metadata write, a publish and a replication message
+//!   are each refused, and the cluster is unaffected.
+//! - A member speaks only in its own name: a vote for another candidate, publishes of another
+//!   origin, replication in another primary's name or of a queue it does not own are refused.
+//! - A node certificate is never a client, a node dialing a peer checks that the certificate
+//!   there names the node it called, and a node whose own certificate does not name it does
+//!   not start.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use common::cluster::TestCluster;
+use common::{keys, take_events, until_live};
+use tether::client::{Client, ClientBuilder, EventStream, Interest};
+use tether::cluster::meta::{MetaCommand, raft_id};
+use tether::cluster::network::{
+    ForwardedPublish, PeerPool, PeerRequest, PeerResponse, ReplicateHeader, ReplicateMsg,
+    ShippedEntry,
+};
+use tether::protocol::{ClientMsg, DurableHello, ErrorCode, PublishOp, ServerMsg};
+use tether::replication::AppendHeader;
+use tether_transport::{codec, endpoint, tls};
+
+/// Deadline of one peer call or client step.
+const STEP: Duration = Duration::from_secs(10);
+/// The region the watching durable client follows.
+const REGION: &str = "adv";
+/// The durable id of the watching client (redundancy 1: a primary and a copy).
+const WATCHER: &str = "watcher";
+/// A term far above any the test cluster reaches by itself.
+const FORGED_TERM_ABOVE: u64 = 1_000;
+
+/// The peer-protocol client configuration of one presenting `cert`/`key`.
+fn peer_config(ca: &Path, cert: &Path, key: &Path) -> quinn::ClientConfig {
+    let files = tls::TlsFiles {
+        ca: ca.to_path_buf(),
+        cert: cert.to_path_buf(),
+        key: key.to_path_buf(),
+    };
+    tls::peer_client_config(&files).expect("peer client config")
+}
+
+/// A peer-protocol client presenting `cert`/`key` (a real QUIC endpoint of its own).
+fn pool_with(ca: &Path, cert: &Path, key: &Path, towards: SocketAddr) -> PeerPool {
+    let cfg = peer_config(ca, cert, key);
+    let ep = endpoint::client_endpoint(cfg.clone(), towards).expect("endpoint");
+    PeerPool::new(ep, cfg)
+}
+
+/// A raw peer-protocol connection to `addr` presenting `cert`/`key`.
+async fn peer_connection(
+    ca: &Path,
+    cert: &Path,
+    key: &Path,
+    addr: SocketAddr,
+) -> quinn::Connection {
+    let ep = endpoint::client_endpoint(peer_config(ca, cert, key), addr).expect("endpoint");
+    tokio::time::timeout(STEP, ep.connect(addr, tls::SERVER_NAME).expect("connect"))
+        .await
+        .expect("a handshake in time")
+        .expect("the TLS handshake itself succeeds: the certificate is from the cluster CA")
+}
+
+fn addrs(c: &TestCluster) -> Vec<SocketAddr> {
+    (0..c.names.len()).map(|i| c.node(i).addr()).collect()
+}
+
+fn ca(c: &TestCluster) -> std::path::PathBuf {
+    c.dirs[0].path().join("tls").join(tls::CA_CERT_FILE)
+}
+
+/// A durable client with redundancy 1 following [`REGION`], live.
+async fn watcher(c: &TestCluster) -> (Client, EventStream) {
+    let d = ClientBuilder::new()
+        .servers(addrs(c))
+        .ca_file(ca(c))
+        .durable(WATCHER, 600)
+        .redundancy(1)
+        .connect()
+        .await
+        .expect("the watcher connects");
+    d.region(REGION)
+        .register(Interest::all_keys())
+        .await
+        .expect("register");
+    d.ready_for_events().await.expect("ready");
+    let mut ev = d.events().expect("events");
+    until_live(&mut ev, REGION).await;
+    (d, ev)
+}
+
+/// A publish of `key` forged in the name of `origin`.
+fn forged_publish(origin: &str, key: &str) -> PeerRequest {
+    PeerRequest::Publish {
+        origin: origin.into(),
+        entries: vec![(
+            1 << 40,
+            ForwardedPublish {
+                session: 77,
+                first_seq: 1,
+                ops: vec![PublishOp::Put {
+                    region: REGION.into(),
+                    key: key.into(),
+                    value: b"forged".to_vec(),
+                }],
+            },
+        )],
+        floor: 0,
+    }
+}
+
+/// A replication message for `queue` in the name of `from`, shipped under `placement_epoch`.
+fn forged_replicate(from: u64, queue: &str, placement_epoch: u64) -> PeerRequest {
+    PeerRequest::Replicate(ReplicateMsg {
+        from,
+        durable_id: queue.into(),
+        header: ReplicateHeader::Append(AppendHeader {
+            epoch: 1 << 30,
+            batch: 1,
+            first: 0,
+            last: 1,
+            prev_epoch: None,
+            entries_epoch: 1 << 30,
+            log_end: 1,
+            acked: 0,
+        }),
+        info: Vec::new(),
+        entries: vec![ShippedEntry {
+            flags: 0,
+            body: b"forged".to_vec(),
+        }],
+        more: false,
+        through: Default::default(),
+        through_end: 0,
+        placement_epoch,
+    })
+}
+
+/// A vote request of candidate `candidate` at `term`.
+fn forged_vote(candidate: u64, term: u64) -> PeerRequest {
+    PeerRequest::Vote(openraft::raft::VoteRequest::new(
+        openraft::Vote::new(term, candidate),
+        None,
+    ))
+}
+
+/// No member took the term of a forged vote.
+fn no_forged_term(c: &TestCluster) {
+    for i in 0..c.names.len() {
+        let term = c.node(i).cluster().unwrap().term();
+        assert!(term < FORGED_TERM_ABOVE, "n{} took a forged term", i + 1);
+    }
+}
+
+/// The watcher still receives what is published, and nothing forged came before it.
+async fn still_delivers(c: &TestCluster, ev: &mut EventStream, key: &str) {
+    let p = ClientBuilder::new()
+        .server(c.node(0).addr())
+        .ca_file(ca(c))
+        .connect()
+        .await
+        .expect("a publisher connects");
+    p.region(REGION)
+        .put(key, b"real".to_vec())
+        .await
+        .expect("a real put");
+    assert_eq!(keys(&take_events(ev, 1).await), [key]);
+    assert_eq!(
+        p.region(REGION).get("forged").await.expect("get"),
+        None,
+        "a forged publish was applied"
+    );
+    p.close(false).await.ok();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_certificate_is_never_a_peer() {
+    let c = TestCluster::start(3).await;
+    let leader = c.leader().await;
+    let (d, mut ev) = watcher(&c).await;
+    let cluster = c.node(0).cluster().expect("clustered");
+    let placed = cluster.placement(WATCHER).expect("the watcher is placed");
+    // A client certificate from the cluster CA, as `tether issue-client-cert` makes them.
+    let out = tempfile::tempdir().unwrap();
+    let (cert, key) =
+        tls::issue_dev_client_cert(&c.dirs[0].path().join("tls"), "mallory", out.path())
+            .expect("a client certificate");
+    for (i, addr) in addrs(&c).into_iter().enumerate() {
+        let target = raft_id(&c.names[i]);
+        let attacks = [
+            (
+                "a vote",
+                forged_vote(raft_id("n2"), cluster.term() + FORGED_TERM_ABOVE),
+            ),
+            (
+                "a metadata write",
+                PeerRequest::Write(MetaCommand::NodeFailed {
+                    node: placed.primary,
+                }),
+            ),
+            ("a publish", forged_publish("n2", "forged")),
+            (
+                "a replication message",
+                forged_replicate(placed.primary, "victim", 0),
+            ),
+            (
+                "a replication message of a real queue",
+                forged_replicate(placed.primary, WATCHER, placed.epoch),
+            ),
+        ];
+        for (what, request) in attacks {
+            // A fresh connection each time: the node closes the attacker's after the handshake.
+            let conn = peer_connection(&ca(&c), &cert, &key, addr).await;
+            let bytes = tether::cluster::network::encode_request(target, request).unwrap();
+            let answered = async {
+                let (mut send, mut recv) = conn.open_bi().await.ok()?;
+                send.write_all(&bytes).await.ok()?;
+                send.finish().ok()?;
+                recv.read_to_end(1 << 20).await.ok()
+            }
+            .await;
+            assert!(
+                answered.is_none(),
+                "{what} from a client certificate was answered by n{}",
+                i + 1
+            );
+            match tokio::time::timeout(STEP, conn.closed()).await {
+                Ok(quinn::ConnectionError::ApplicationClosed(close)) => {
+                    assert_eq!(close.error_code, ErrorCode::Unauthenticated.varint());
+                    let reason = String::from_utf8_lossy(&close.reason);
+                    assert!(reason.contains("names no cluster node"), "{what}: {reason}");
+                }
+                other => panic!("{what} to n{}: the node did not refuse: {other:?}", i + 1),
+            }
+        }
+    }
+    // The cluster is unaffected: the same leader, no forged term, the queue where it was (no
+    // failure declared), nothing forged delivered, and no copy of "victim" anywhere.
+    assert_eq!(c.leader().await, leader);
+    no_forged_term(&c);
+    for i in 0..3 {
+        let now = c
+            .node(i)
+            .cluster()
+            .unwrap()
+            .placement(WATCHER)
+            .expect("still placed");
+        assert_eq!((now.primary, now.epoch), (placed.primary, placed.epoch));
+    }
+    still_delivers(&c, &mut ev, "after-mallory").await;
+    for addr in addrs(&c) {
+        let admin = ClientBuilder::new()
+            .server(addr)
+            .ca_file(ca(&c))
+            .connect()
+            .await
+            .expect("an admin connects");
+        let queues = admin.queues().await.expect("queues");
+        assert!(
+            queues
+                .iter()
+                .all(|q| q.durable_id.as_deref() != Some("victim")),
+            "a forged replication message made a copy on {addr}: {queues:?}"
+        );
+        admin.close(false).await.ok();
+    }
+    drop(ev);
+    d.close(false).await.ok();
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_speaks_only_in_its_own_name() {
+    let c = TestCluster::start(3).await;
+    c.leader().await;
+    let (d, mut ev) = watcher(&c).await;
+    let cluster = c.node(0).cluster().expect("clustered");
+    let placed = cluster.placement(WATCHER).expect("the watcher is placed");
+    let index = |id| c.index_of(id);
+    // A member that is neither the watcher's primary nor its copy: its certificate is real.
+    let other = (0..3)
+        .map(|i| raft_id(&c.names[i]))
+        .find(|id| *id != placed.primary && !placed.secondaries.contains(id))
+        .expect("a third member");
+    let secondary = placed.secondaries[0];
+    let tls_dir = c.dirs[index(other)].path().join("tls");
+    let (cert, key) = (
+        tls_dir.join(tls::SERVER_CERT_FILE),
+        tls_dir.join(tls::SERVER_KEY_FILE),
+    );
+    let other_name = c.names[index(other)].clone();
+    let primary_name = c.names[index(placed.primary)].clone();
+    let sec_addr = c.node(index(secondary)).addr();
+    let pool = pool_with(&ca(&c), &cert, &key, sec_addr);
+    let term = cluster.term() + FORGED_TERM_ABOVE;
+    let attacks = [
+        (
+            "a vote for another candidate",
+            forged_vote(placed.primary, term),
+            "vote request",
+        ),
+        (
+            "publishes of another origin",
+            forged_publish(&primary_name, "forged"),
+            "origin",
+        ),
+        (
+            "replication in the primary's name",
+            forged_replicate(placed.primary, WATCHER, placed.epoch),
+            "replication",
+        ),
+        (
+            "replication of a queue it is not primary of",
+            forged_replicate(other, WATCHER, placed.epoch),
+            "is not the primary",
+        ),
+    ];
+    for (what, request, expected) in attacks {
+        let answer = pool
+            .call(secondary, &sec_addr.to_string(), request, STEP)
+            .await
+            .unwrap_or_else(|e| panic!("{what}: no answer: {e}"));
+        match answer {
+            PeerResponse::BadRequest(why) => {
+                assert!(why.contains(expected), "{what}: {why}");
+                if expected != "is not the primary" {
+                    assert!(why.contains(&other_name), "{what}: {why}");
+                }
+            }
+            _ => panic!("{what} from {other_name} was not refused"),
+        }
+    }
+    // Its own requests are still served: a ping.
+    assert!(matches!(
+        pool.call(secondary, &sec_addr.to_string(), PeerRequest::Ping, STEP)
+            .await,
+        Ok(PeerResponse::Pong)
+    ));
+    // Dialing: the node at the secondary's address is not the primary; calling the primary
+    // there fails, naming the certificate found.
+    let Err(e) = pool
+        .call(
+            placed.primary,
+            &sec_addr.to_string(),
+            PeerRequest::Ping,
+            STEP,
+        )
+        .await
+    else {
+        panic!("a call was answered by another node's certificate");
+    };
+    assert!(
+        e.to_string()
+            .contains("presents a certificate for cluster node(s)"),
+        "{e}"
+    );
+    pool.close();
+    no_forged_term(&c);
+    assert_eq!(
+        cluster.placement(WATCHER).map(|p| (p.primary, p.epoch)),
+        Some((placed.primary, placed.epoch))
+    );
+    still_delivers(&c, &mut ev, "after-member").await;
+
+    // A node certificate is not a client's, whatever its common name.
+    let node_tls = c.dirs[0].path().join("tls");
+    let refused = ClientBuilder::new()
+        .server(c.node(0).addr())
+        .ca_file(ca(&c))
+        .identity(
+            node_tls.join(tls::SERVER_CERT_FILE),
+            node_tls.join(tls::SERVER_KEY_FILE),
+        )
+        .connect()
+        .await
+        .err()
+        .expect("a node certificate authenticates no client");
+    assert!(
+        refused
+            .to_string()
+            .contains("a cluster node's certificate cannot authenticate a client"),
+        "{refused}"
+    );
+    drop(ev);
+    d.close(false).await.ok();
+    c.shutdown().await;
+}
+
+/// A cluster node whose configured certificate does not name it does not start, with an error
+/// naming the SAN it needs; the dev certificate of a data directory made before node names
+/// were carried is signed again at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_certificate_must_name_its_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = tls::ensure_dev_certs(&dir.path().join("own")).unwrap();
+    let peers = vec![
+        ("n1".to_string(), "127.0.0.1:9".to_string()),
+        ("n2".to_string(), "127.0.0.1:10".to_string()),
+    ];
+    let mut cfg = common::cluster::node_config(dir.path(), "n1", 0, &peers);
+    cfg.tls = Some(tether::config::TlsConfig {
+        cert: plain.cert.clone(),
+        key: plain.key.clone(),
+        ca: plain.ca.clone(),
+    });
+    let e = tether::server::Node::start(cfg)
+        .await
+        .err()
+        .expect("a node whose certificate does not name it");
+    let e = e.to_string();
+    assert!(e.contains("urn:tether:node:n1"), "{e}");
+    // Dev certificates: signed again, naming the node.
+    let data = dir.path().join("data");
+    let old = tls::ensure_dev_certs(&data.join("tls")).unwrap();
+    assert!(tls::file_node_names(&old.cert).unwrap().is_empty());
+    let port = common::cluster::free_ports(1)[0];
+    let alone = [("n1".to_string(), format!("127.0.0.1:{port}"))];
+    let cfg = common::cluster::node_config(&data, "n1", port, &alone);
+    let node = tether::server::Node::start(cfg).await.expect("starts");
+    assert_eq!(tls::file_node_names(&old.cert).unwrap(), ["n1"]);
+    node.shutdown().await;
+}
+
+/// Sends a hello with `durable` to `addr` by hand and returns the server's first answer.
+async fn raw_hello(addr: SocketAddr, ca: &Path, durable: DurableHello) -> ServerMsg {
+    raw_hello_as(addr, ca, durable, None).await
+}
+
+/// [`raw_hello`] with a bearer token.
+async fn raw_hello_as(
+    addr: SocketAddr,
+    ca: &Path,
+    durable: DurableHello,
+    token: Option<&str>,
+) -> ServerMsg {
+    let cfg = tls::client_config(ca).expect("client tls config");
+    let ep = endpoint::client_endpoint(cfg, addr).expect("client endpoint");
+    let conn = tokio::time::timeout(STEP, ep.connect(addr, tls::SERVER_NAME).expect("connect"))
+        .await
+        .expect("handshake in time")
+        .expect("handshake");
+    let (mut send, recv) = conn.open_bi().await.expect("control stream");
+    let hello = ClientMsg::Hello {
+        version: tether_transport::PROTOCOL_VERSION,
+        durable: Some(durable),
+        token: token.map(str::to_string),
+        client: "adversarial".into(),
+    };
+    codec::write_frame(&mut send, &hello)
+        .await
+        .expect("hello sent");
+    let mut reader = codec::FrameReader::new(recv);
+    tokio::time::timeout(STEP, reader.next::<ServerMsg>())
+        .await
+        .expect("an answer in time")
+        .expect("a frame")
+        .expect("an answer")
+}
+
+/// A durable hello is validated before its id is placed through consensus: an id past the
+/// limit, a timeout past the limit or a bad failed-primary name is refused with
+/// invalid_argument, and no member's metadata holds a placement for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_durable_hello_never_reaches_consensus() {
+    let c = TestCluster::start(3).await;
+    c.leader().await;
+    let long_id = "x".repeat(tether::limits::DURABLE_ID_BYTES_MAX * 40);
+    let bad = [
+        DurableHello {
+            id: long_id.clone(),
+            timeout_secs: 60,
+            redundancy: 1,
+            failed_primary: None,
+        },
+        DurableHello {
+            id: "timeout-too-long".into(),
+            timeout_secs: tether::limits::DURABLE_TIMEOUT_SECS_MAX + 1,
+            redundancy: 1,
+            failed_primary: None,
+        },
+        DurableHello {
+            id: "bad-failed-primary".into(),
+            timeout_secs: 60,
+            redundancy: 1,
+            failed_primary: Some("n1 and more ".repeat(100)),
+        },
+    ];
+    for hello in bad {
+        let id = hello.id.clone();
+        match raw_hello(c.node(0).addr(), &ca(&c), hello).await {
+            ServerMsg::Error(e) => assert_eq!(e.code, ErrorCode::InvalidArgument, "{e:?}"),
+            other => panic!("a bad durable hello was answered {other:?}"),
+        }
+        for i in 0..3 {
+            assert!(
+                c.node(i).cluster().unwrap().placement(&id).is_none(),
+                "n{} holds a placement for a refused hello ({} bytes of id)",
+                i + 1,
+                id.len()
+            );
+        }
+    }
+    // A good hello is placed as usual.
+    let (d, ev) = watcher(&c).await;
+    assert!(c.node(0).cluster().unwrap().placement(WATCHER).is_some());
+    drop(ev);
+    d.close(false).await.ok();
+    c.shutdown().await;
+}
+
+/// Client-managed failover asks a secondary to promote its copy when the client lost the
+/// primary. Only the queue's owner may: another principal naming the lost primary is refused
+/// before any promotion, and the placement stays as it was; the owner's own failover then
+/// promotes the copy and resumes the queue. (Failure detection is slowed down so that only
+/// the hellos can promote.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_owner_can_have_a_copy_promoted() {
+    use tether::auth::{AuthConfig, TokenEntry, hash_token};
+    let token = |principal: &str| TokenEntry {
+        principal: principal.into(),
+        sha256: hash_token(&format!("{principal}-secret")),
+    };
+    let auth = AuthConfig {
+        client_ca: None,
+        client_crl: None,
+        admins: vec![],
+        tokens: vec![token("alice"), token("bob")],
+        acl: vec![tether::auth::AclEntry {
+            principal: "*".into(),
+            publish: vec![REGION.into()],
+            subscribe: vec![REGION.into()],
+        }],
+    };
+    let mut c = TestCluster::start_full(3, tether::config::Limits::default(), Some(auth), |cfg| {
+        cfg.node_failure_ms = tether::config::NODE_FAILURE_MS_MAX
+    })
+    .await;
+    c.leader().await;
+    let a = ClientBuilder::new()
+        .server(c.node(0).addr())
+        .ca_file(ca(&c))
+        .token("alice-secret")
+        .durable("owned", 600)
+        .redundancy(1)
+        .connect()
+        .await
+        .expect("alice connects");
+    assert_eq!(a.node_id(), "n1");
+    a.region(REGION)
+        .register(Interest::all_keys())
+        .await
+        .expect("register");
+    a.close(true).await.expect("away");
+    let placed = c.node(1).cluster().unwrap().placement("owned").unwrap();
+    let copy = c.index_of(placed.secondaries[0]);
+    // The copy holds the owner once its primary shipped the queue's info.
+    c.nodes[0].take().unwrap().shutdown().await;
+    let hello = |id: &str| DurableHello {
+        id: id.into(),
+        timeout_secs: 600,
+        redundancy: 1,
+        failed_primary: Some("n1".into()),
+    };
+    let (copy_addr, ca_file) = (c.node(copy).addr(), ca(&c));
+    let failover_as =
+        |token: &'static str| raw_hello_as(copy_addr, &ca_file, hello("owned"), Some(token));
+    match failover_as("bob-secret").await {
+        ServerMsg::Error(e) => {
+            assert_eq!(e.code, ErrorCode::Forbidden, "{e:?}");
+            assert!(e.message.contains("belongs to another principal"), "{e:?}");
+        }
+        other => panic!("bob's failover hello was answered {other:?}"),
+    }
+    let now = c.node(copy).cluster().unwrap().placement("owned").unwrap();
+    assert_eq!(
+        (now.primary, now.epoch),
+        (placed.primary, placed.epoch),
+        "a non-owner's hello promoted the copy"
+    );
+    // Alice's own failover promotes the copy and resumes her queue there.
+    match failover_as("alice-secret").await {
+        ServerMsg::Welcome { queue, .. } => {
+            assert_eq!(queue, tether::protocol::QueueStatus::Resumed)
+        }
+        other => panic!("alice's failover hello was answered {other:?}"),
+    }
+    let now = c.node(copy).cluster().unwrap().placement("owned").unwrap();
+    assert_eq!(now.primary, placed.secondaries[0]);
+    c.shutdown().await;
+}
+
+/// A peer's RPCs each take a stream; a connection holding many calls at once (a replication
+/// burst) still has room for a ping: peers get `PEER_STREAMS_MAX` concurrent streams, not a
+/// client's eight. Twenty streams are held open (requests never finished) while a ping is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_rpc_streams_leave_room_for_a_ping() {
+    use tether::cluster::network::PEER_STREAMS_MAX;
+    const HELD_STREAMS: usize = 20;
+    const _: () = assert!(HELD_STREAMS < PEER_STREAMS_MAX as usize);
+    let c = TestCluster::start(1).await;
+    c.leader().await;
+    let me = raft_id("n1");
+    let tls_dir = c.dirs[0].path().join("tls");
+    let conn = peer_connection(
+        &tls_dir.join(tls::CA_CERT_FILE),
+        &tls_dir.join(tls::SERVER_CERT_FILE),
+        &tls_dir.join(tls::SERVER_KEY_FILE),
+        c.node(0).addr(),
+    )
+    .await;
+    let mut held = Vec::new();
+    for _ in 0..HELD_STREAMS {
+        let (mut send, recv) = tokio::time::timeout(STEP, conn.open_bi())
+            .await
+            .expect("a stream within the peer's budget")
+            .expect("a stream");
+        // Half a request: the node waits for the rest on this stream.
+        send.write_all(&[0xa2]).await.unwrap();
+        held.push((send, recv));
+    }
+    let ping = tether::cluster::network::encode_request(me, PeerRequest::Ping).unwrap();
+    let (mut send, mut recv) = tokio::time::timeout(STEP, conn.open_bi())
+        .await
+        .expect("room for a ping beside the held calls")
+        .unwrap();
+    send.write_all(&ping).await.unwrap();
+    send.finish().unwrap();
+    let reply = tokio::time::timeout(STEP, recv.read_to_end(1 << 16))
+        .await
+        .expect("a pong in time")
+        .unwrap();
+    assert!(matches!(
+        codec::decode_body::<PeerResponse>(&reply).unwrap(),
+        PeerResponse::Pong
+    ));
+    drop(held);
+    conn.close(0u32.into(), b"done");
+    c.shutdown().await;
+}
