@@ -37,7 +37,6 @@
 //! ```
 
 pub mod auth;
-pub mod client;
 pub mod cluster;
 pub mod config;
 pub mod core;
@@ -45,10 +44,14 @@ pub mod heap;
 pub mod interest;
 pub mod limits;
 pub mod metrics;
-pub mod protocol;
 pub mod replication;
 pub mod server;
 
+/// The client library (the `tether-client` crate, which applications that only subscribe or
+/// publish depend on alone).
+pub use tether_client as client;
+/// Messages and types of the wire protocol (from the `tether-client` crate).
+pub use tether_client::protocol;
 pub use tether_storage as storage;
 pub use tether_transport as transport;
 

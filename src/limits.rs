@@ -6,6 +6,9 @@
 
 use tether_transport::codec::FRAME_BYTES_MAX;
 
+/// Client-side defaults, defined by the client crate.
+pub use tether_client::{ACK_INTERVAL_MS_DEFAULT, DURABLE_TIMEOUT_SECS_DEFAULT};
+
 /// Longest region name, in bytes of UTF-8.
 pub const REGION_NAME_BYTES_MAX: usize = 256;
 /// Longest key, in bytes of UTF-8.
@@ -33,8 +36,6 @@ pub const INTEREST_OVERHEAD_BYTES: usize = 16;
 pub const PUBLISH_OPS_PER_REQUEST_MAX: usize = 10_000;
 /// Largest durable timeout a client may present, in seconds (one week).
 pub const DURABLE_TIMEOUT_SECS_MAX: u64 = 7 * 24 * 3600;
-/// Durable timeout used when a client presents none, in seconds.
-pub const DURABLE_TIMEOUT_SECS_DEFAULT: u64 = 300;
 /// Entries waiting in one queue before publishes that match it are rejected.
 pub const QUEUE_ENTRIES_MAX: u64 = 50_000_000;
 /// Bytes of stored events waiting in one queue before publishes that match it are refused
@@ -64,8 +65,6 @@ pub const DELIVERY_FRAME_BODY_BYTES_MAX: usize = 256 * 1024;
 pub const EXPIRED_IDS_REMEMBERED_MAX: usize = 100_000;
 /// How often the node looks for away queues whose durable timeout has passed, in milliseconds.
 pub const EXPIRY_TICK_MS: u64 = 200;
-/// Client-side default acknowledgement interval, in milliseconds.
-pub const ACK_INTERVAL_MS_DEFAULT: u64 = 100;
 /// Publish operations and acks waiting for the storage writer before new ones wait.
 pub const WRITER_QUEUE_REQUESTS_MAX: usize = 4_096;
 

@@ -187,6 +187,23 @@ enum Command {
         #[arg(long, default_value = ".")]
         out: PathBuf,
     },
+    /// Issue a server certificate signed by a data directory's dev CA for the host names or IP
+    /// addresses clients and peers reach a node by (set it with [tls] cert/key/ca).
+    IssueServerCert {
+        /// A host name or IP address the certificate is valid for (repeat for more; the first
+        /// names the files).
+        #[arg(long = "name", required = true)]
+        names: Vec<String>,
+        /// The cluster node the certificate belongs to (its --node-id), for a cluster node.
+        #[arg(long)]
+        node_id: Option<String>,
+        /// The data directory whose tls/ca.pem and tls/ca.key sign it.
+        #[arg(long, default_value = "data")]
+        data_dir: PathBuf,
+        /// Where to write <name>.pem and <name>.key.
+        #[arg(long, default_value = ".")]
+        out: PathBuf,
+    },
     /// Revoke a client certificate: add it to a certificate revocation list signed by a data
     /// directory's dev CA. A node whose `[auth] client-crl` names the list reloads it within a
     /// second, refuses the certificate and closes the connections using it.
@@ -259,6 +276,11 @@ struct Conn {
     /// region key in every command, so the certificate's key has this name.)
     #[arg(long, requires = "cert")]
     cert_key: Option<PathBuf>,
+    /// The name the servers' certificates must be valid for. Default: the host of the first
+    /// --server entry when it is a name (not an IP address), else localhost (the name of the
+    /// dev certificates).
+    #[arg(long)]
+    server_name: Option<String>,
 }
 
 #[derive(Args)]
@@ -543,6 +565,36 @@ async fn run(cmd: Command) -> Result<(), Fail> {
             }));
             Ok(())
         }
+        Command::IssueServerCert {
+            names,
+            node_id,
+            data_dir,
+            out,
+        } => {
+            for n in &names {
+                let ok = !n.is_empty()
+                    && n.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "-.:".contains(c));
+                if !ok {
+                    return Err(Fail(format!(
+                        "invalid name {n:?}: a host name or an IP address"
+                    )));
+                }
+            }
+            if let Some(id) = &node_id {
+                validate_node_id(id)?;
+            }
+            let (cert, key) = tether::transport::tls::issue_dev_server_cert(
+                &data_dir.join("tls"),
+                &names,
+                node_id.as_deref(),
+                &out,
+            )?;
+            emit(json!({"type":"server-cert","names":names,"node_id":node_id,
+                "cert":cert.display().to_string(),"key":key.display().to_string(),
+                "ca":data_dir.join("tls").join("ca.pem").display().to_string()}));
+            Ok(())
+        }
         Command::HashToken { token, token_file } => {
             let token = match token {
                 Some(t) => t,
@@ -567,17 +619,47 @@ async fn run(cmd: Command) -> Result<(), Fail> {
 fn parse_servers(list: &str) -> Result<Vec<SocketAddr>, Fail> {
     let mut out = Vec::new();
     for part in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let addrs = part.to_socket_addrs().map_err(|_| {
-            Fail(format!(
+        let port_ok = part
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        if !port_ok {
+            return Err(Fail(format!(
                 "invalid server address {part:?} (expected HOST:PORT)"
-            ))
-        })?;
-        out.extend(addrs.take(1));
+            )));
+        }
+        let mut addrs = part
+            .to_socket_addrs()
+            .map_err(|e| Fail(format!("cannot resolve server {part:?}: {e}")))?;
+        match addrs.next() {
+            Some(a) => out.push(a),
+            None => return Err(Fail(format!("server {part:?} resolves to no address"))),
+        }
     }
     if out.is_empty() {
         return Err(Fail("no server address given".into()));
     }
     Ok(out)
+}
+
+/// The name server certificates are verified against: `--server-name`, else the host of the
+/// first `--server` entry when it is a DNS name (an IP address keeps the dev certificates'
+/// `localhost`).
+fn server_name(conn: &Conn) -> Option<String> {
+    if let Some(n) = &conn.server_name {
+        return Some(n.clone());
+    }
+    let first = conn
+        .server
+        .split(',')
+        .map(str::trim)
+        .find(|s| !s.is_empty())?;
+    let (host, _) = first.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.parse::<std::net::IpAddr>().is_ok() {
+        None
+    } else {
+        Some(host.to_string())
+    }
 }
 
 fn ca_path(conn: &Conn) -> Result<PathBuf, Fail> {
@@ -611,6 +693,9 @@ async fn connect(conn: &Conn, durable: Option<DurableArgs>, ack_ms: u64) -> Resu
         .name("tether-cli");
     if let Some(t) = &conn.token {
         b = b.token(t.clone());
+    }
+    if let Some(name) = server_name(conn) {
+        b = b.server_name(name);
     }
     if let Some(cert) = &conn.cert {
         let key = conn.cert_key.as_ref().unwrap_or(cert);

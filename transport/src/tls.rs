@@ -599,21 +599,34 @@ pub fn issue_dev_client_cert(
     common_name: &str,
     out_dir: &Path,
 ) -> Result<(PathBuf, PathBuf), TlsError> {
-    let issuer = dev_ca_issuer(tls_dir)?;
     let mut p = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    sign_dev_leaf(tls_dir, p, common_name, out_dir, common_name)
+}
+
+/// Signs a leaf certificate with `params` (its common name `common_name`, key usage digital
+/// signature, not a CA) by the dev CA in `tls_dir`, into `out_dir` as `<stem>.pem` and
+/// `<stem>.key` (mode [`KEY_FILE_MODE`]). Returns the two paths.
+fn sign_dev_leaf(
+    tls_dir: &Path,
+    mut p: rcgen::CertificateParams,
+    common_name: &str,
+    out_dir: &Path,
+    stem: &str,
+) -> Result<(PathBuf, PathBuf), TlsError> {
+    let issuer = dev_ca_issuer(tls_dir)?;
     p.distinguished_name = rcgen::DistinguishedName::new();
     p.distinguished_name
         .push(rcgen::DnType::CommonName, common_name);
     p.is_ca = rcgen::IsCa::ExplicitNoCa;
     p.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature];
-    p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
     p.use_authority_key_identifier_extension = true;
     let kp = rcgen::KeyPair::generate()?;
     let cert = p.signed_by(&kp, &issuer)?;
     std::fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
     let (cert_path, key_path) = (
-        out_dir.join(format!("{common_name}.pem")),
-        out_dir.join(format!("{common_name}.key")),
+        out_dir.join(format!("{stem}.pem")),
+        out_dir.join(format!("{stem}.key")),
     );
     write_file(
         &key_path,
@@ -622,6 +635,35 @@ pub fn issue_dev_client_cert(
     )?;
     write_file(&cert_path, cert.pem().as_bytes(), None)?;
     Ok((cert_path, key_path))
+}
+
+/// Issues a server certificate for the host names or IP addresses `names` (its subject
+/// alternative names; the first is also its common name), and, for a cluster node, naming node
+/// `node` ([`node_uri`]), signed by the dev CA in `tls_dir`, into `out_dir` as `<first
+/// name>.pem` and `<first name>.key`. Returns the two paths. For nodes reached by their real
+/// host names (clients verify the name they dial, or `--server-name`).
+pub fn issue_dev_server_cert(
+    tls_dir: &Path,
+    names: &[String],
+    node: Option<&str>,
+    out_dir: &Path,
+) -> Result<(PathBuf, PathBuf), TlsError> {
+    let Some(first) = names.first() else {
+        return Err(TlsError::Pem {
+            path: out_dir.to_path_buf(),
+            message: "a server certificate needs at least one name".into(),
+        });
+    };
+    let mut p = rcgen::CertificateParams::new(names.to_vec())?;
+    p.extended_key_usages = vec![
+        rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+        rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    if let Some(node) = node {
+        let uri = rcgen::string::Ia5String::try_from(node_uri(node))?;
+        p.subject_alt_names.push(rcgen::SanType::URI(uri));
+    }
+    sign_dev_leaf(tls_dir, p, first, out_dir, &first.replace(':', "_"))
 }
 
 /// Client configuration trusting only the CA certificate(s) in the PEM file `ca_pem`.

@@ -1,4 +1,6 @@
-//! The client library a service embeds.
+//! Tether's client library: what a service embeds to subscribe to durable queues and publish,
+//! without the server (this crate does not build RocksDB or the consensus crates; the `tether`
+//! crate re-exports it as `tether::client`, and its [`protocol`] as `tether::protocol`).
 //!
 //! [`ClientBuilder`] connects to the first reachable server of its list over QUIC+TLS and
 //! learns the queue status ([`Client::queue_status`], [`Client::pending`]) before any event.
@@ -24,8 +26,14 @@ use tether_transport::codec::{self, FrameReader};
 use tether_transport::{PROTOCOL_VERSION, tls};
 use tokio::sync::{Mutex as AsyncMutex, mpsc, oneshot};
 
-use crate::limits::{ACK_INTERVAL_MS_DEFAULT, DURABLE_TIMEOUT_SECS_DEFAULT};
+pub mod protocol;
+
 use crate::protocol::*;
+
+/// Client-side default acknowledgement interval, in milliseconds.
+pub const ACK_INTERVAL_MS_DEFAULT: u64 = 100;
+/// Durable timeout used when a client presents none, in seconds.
+pub const DURABLE_TIMEOUT_SECS_DEFAULT: u64 = 300;
 
 /// Most redirects a connection attempt follows.
 pub const REDIRECTS_MAX: usize = 3;
@@ -215,6 +223,8 @@ pub struct ClientBuilder {
     /// Shared with an earlier client only when set explicitly: clones of a builder must not
     /// share one (each durable id has its own processed offsets).
     dedup: Option<DedupState>,
+    /// The name server certificates are verified against (None: [`tls::SERVER_NAME`]).
+    server_name: Option<String>,
 }
 
 impl Default for ClientBuilder {
@@ -238,6 +248,7 @@ impl ClientBuilder {
             ack_interval: Duration::from_millis(ACK_INTERVAL_MS_DEFAULT),
             name: "tether-client".into(),
             dedup: None,
+            server_name: None,
         }
     }
 
@@ -249,6 +260,14 @@ impl ClientBuilder {
 
     pub fn servers(mut self, addrs: impl IntoIterator<Item = SocketAddr>) -> Self {
         self.servers.extend(addrs);
+        self
+    }
+
+    /// The name every server's certificate must be valid for (a DNS name or an IP address),
+    /// for servers whose certificates name their real host. Default: `localhost`
+    /// ([`tls::SERVER_NAME`]), the name of the dev certificates.
+    pub fn server_name(mut self, name: impl Into<String>) -> Self {
+        self.server_name = Some(name.into());
         self
     }
 
@@ -408,6 +427,8 @@ impl ClientBuilder {
                         errors.push(format!("{addr}: too many redirects (last to {to})"));
                     }
                     Ok(Err(ClientError::Server(e))) => return Err(ClientError::Server(e)),
+                    // Said once: "cannot reach any server" wraps the whole list.
+                    Ok(Err(ClientError::Connect(e))) => errors.push(format!("{addr}: {e}")),
                     Ok(Err(e)) => errors.push(format!("{addr}: {e}")),
                     Err(_) => errors.push(format!("{addr}: timed out")),
                 }
@@ -424,8 +445,9 @@ impl ClientBuilder {
     ) -> Result<Attempt, ClientError> {
         let endpoint = tether_transport::endpoint::client_endpoint(config, addr)
             .map_err(|e| ClientError::Connect(e.to_string()))?;
+        let name = self.server_name.as_deref().unwrap_or(tls::SERVER_NAME);
         let conn = endpoint
-            .connect(addr, tls::SERVER_NAME)
+            .connect(addr, name)
             .map_err(|e| ClientError::Connect(e.to_string()))?
             .await
             .map_err(|e| ClientError::Connect(e.to_string()))?;
