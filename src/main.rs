@@ -644,15 +644,11 @@ fn parse_servers(list: &str) -> Result<Vec<SocketAddr>, Fail> {
 /// The name server certificates are verified against: `--server-name`, else the host of the
 /// first `--server` entry when it is a DNS name (an IP address keeps the dev certificates'
 /// `localhost`).
-fn server_name(conn: &Conn) -> Option<String> {
-    if let Some(n) = &conn.server_name {
-        return Some(n.clone());
+fn server_name(explicit: Option<&str>, servers: &str) -> Option<String> {
+    if let Some(n) = explicit {
+        return Some(n.to_string());
     }
-    let first = conn
-        .server
-        .split(',')
-        .map(str::trim)
-        .find(|s| !s.is_empty())?;
+    let first = servers.split(',').map(str::trim).find(|s| !s.is_empty())?;
     let (host, _) = first.rsplit_once(':')?;
     let host = host.trim_start_matches('[').trim_end_matches(']');
     if host.parse::<std::net::IpAddr>().is_ok() {
@@ -694,7 +690,7 @@ async fn connect(conn: &Conn, durable: Option<DurableArgs>, ack_ms: u64) -> Resu
     if let Some(t) = &conn.token {
         b = b.token(t.clone());
     }
-    if let Some(name) = server_name(conn) {
+    if let Some(name) = server_name(conn.server_name.as_deref(), &conn.server) {
         b = b.server_name(name);
     }
     if let Some(cert) = &conn.cert {
@@ -1008,4 +1004,26 @@ async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
     c.close(keepalive).await?;
     emit(json!({"type":"closed","keepalive":keepalive}));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::server_name;
+
+    #[test]
+    fn certificates_are_verified_against_the_name_dialed_unless_told_otherwise() {
+        // A host name: that name.
+        assert_eq!(
+            server_name(None, "tether-1.example.com:7400,10.0.0.2:7400").as_deref(),
+            Some("tether-1.example.com")
+        );
+        // An IP address (v4 or v6): the dev certificates' localhost (None).
+        assert_eq!(server_name(None, "127.0.0.1:7400,tether-2:7400"), None);
+        assert_eq!(server_name(None, "[::1]:7400"), None);
+        // --server-name wins.
+        assert_eq!(
+            server_name(Some("tether-1.test"), "127.0.0.1:7400").as_deref(),
+            Some("tether-1.test")
+        );
+    }
 }

@@ -1222,13 +1222,15 @@ impl NodeCore {
                 .queue = q;
         }
         let (s, q) = session_queue(&mut self.sessions, &mut self.queues, session)?;
-        let new = selectors
+        // The selectors not registered yet: what counts against the queue's limits.
+        let fresh: Vec<&Selector> = selectors
             .iter()
             .filter(|sel| {
                 !q.interests
                     .contains_key(&(region.to_string(), (*sel).clone()))
             })
-            .count();
+            .collect();
+        let new = fresh.len();
         if q.interests.len() + new > INTERESTS_PER_QUEUE_MAX {
             return Err(WireError::new(
                 ErrorCode::LimitExceeded,
@@ -1242,14 +1244,7 @@ impl NodeCore {
             .keys()
             .map(|(r, sel)| interest_bytes(r, sel))
             .sum();
-        let added: usize = selectors
-            .iter()
-            .filter(|sel| {
-                !q.interests
-                    .contains_key(&(region.to_string(), (*sel).clone()))
-            })
-            .map(|sel| interest_bytes(region, sel))
-            .sum();
+        let added: usize = fresh.iter().map(|sel| interest_bytes(region, sel)).sum();
         if held + added > INTEREST_BYTES_PER_QUEUE_MAX {
             return Err(WireError::new(
                 ErrorCode::LimitExceeded,

@@ -98,7 +98,7 @@ fn codec_error(e: &CodecError) -> WireError {
 }
 
 /// A node-to-node connection: served by the metadata group if this node is clustered and
-/// the peer's certificate comes from the cluster CA; closed with an error otherwise.
+/// the peer's certificate, from the cluster CA, names a member; closed with an error otherwise.
 fn serve_peer(shared: &Arc<Shared>, conn: quinn::Connection) -> Result<(), ()> {
     let Some(cluster) = shared.cluster.get() else {
         conn.close(
@@ -109,29 +109,25 @@ fn serve_peer(shared: &Arc<Shared>, conn: quinn::Connection) -> Result<(), ()> {
     };
     // A peer is the member its certificate names, never just any holder of a certificate
     // from the cluster CA (client certificates may come from it too).
-    let refused = match tls::peer_node_name(&conn, &shared.cluster_ca) {
-        Ok(name) => match cluster.members().id_of(&name) {
-            Some(id) => {
-                let inbox: Arc<dyn crate::cluster::network::PublishSink> =
-                    Arc::new(super::forward::PeerInbox(Arc::downgrade(shared)));
-                cluster.serve(conn, Some(inbox), id);
-                return Ok(());
-            }
-            None => (
-                "not_a_member",
-                format!("node {name:?} is not a member of this cluster"),
-            ),
-        },
-        Err(e) => {
-            let reason = match e {
-                tls::PeerIdentityError::NotClusterCa => "not_cluster_ca",
-                tls::PeerIdentityError::NoNodeName => "no_node_name",
-                tls::PeerIdentityError::SeveralNodeNames(_) => "several_node_names",
-            };
-            (reason, e.to_string())
+    let member = tls::peer_node_name(&conn, &shared.cluster_ca)
+        .map_err(|e| (e.label(), e.to_string()))
+        .and_then(|name| {
+            cluster.members().id_of(&name).ok_or_else(|| {
+                (
+                    "not_a_member",
+                    format!("node {name:?} is not a member of this cluster"),
+                )
+            })
+        });
+    let (reason, message) = match member {
+        Ok(id) => {
+            let inbox: Arc<dyn crate::cluster::network::PublishSink> =
+                Arc::new(super::forward::PeerInbox(Arc::downgrade(shared)));
+            cluster.serve(conn, Some(inbox), id);
+            return Ok(());
         }
+        Err(refused) => refused,
     };
-    let (reason, message) = refused;
     metrics::counter!(m::PEER_REFUSED, "reason" => reason).increment(1);
     tracing::warn!(remote = %conn.remote_address(), %message, "peer connection refused");
     conn.close(

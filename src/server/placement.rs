@@ -116,16 +116,13 @@ pub(crate) async fn place_durable(
 }
 
 /// Refuses `principal` a durable id whose copy held here belongs to another principal (the
-/// owner travels with the queue's info to its copies). Nothing to check on an open node or
-/// without a copy here.
+/// owner travels with the queue's info to its copies), by the rule `NodeCore::connect_as`
+/// applies to a queue. Nothing to check without a copy here.
 async fn check_copy_owner(
     shared: &Arc<Shared>,
     id: &str,
     principal: Option<&str>,
 ) -> Result<(), WireError> {
-    if shared.authorizer().is_none() {
-        return Ok(());
-    }
     let Some(copy) = shared.copies.get(id) else {
         return Ok(());
     };

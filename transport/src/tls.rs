@@ -521,6 +521,17 @@ pub enum PeerIdentityError {
     SeveralNodeNames(Vec<String>),
 }
 
+impl PeerIdentityError {
+    /// A short label for metrics and logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            PeerIdentityError::NotClusterCa => "not_cluster_ca",
+            PeerIdentityError::NoNodeName => "no_node_name",
+            PeerIdentityError::SeveralNodeNames(_) => "several_node_names",
+        }
+    }
+}
+
 /// The cluster node a peer connection comes from: its certificate chains to the CA in the PEM
 /// file `ca_pem` (see [`peer_issued_by_ca`]) and carries exactly one node name
 /// ([`NODE_URI_PREFIX`]). Whether that name is a member is the caller's to check.
