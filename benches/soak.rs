@@ -626,6 +626,9 @@ async fn session(
             Ok(Some(ev)) => ev,
         };
         match ev {
+            other @ (ClientEvent::Disconnected { .. } | ClientEvent::Reconnected { .. }) => {
+                panic!("a session's stream yielded {other:?}")
+            }
             ClientEvent::Live { regions } => {
                 if live || !regions.iter().any(|r| r == REGION) {
                     inc(&stats.flag_violations);

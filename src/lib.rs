@@ -30,6 +30,7 @@
 //!     match ev {
 //!         ClientEvent::Event(e) => println!("{} {} replayed={}", e.key, e.op.as_str(), e.replayed),
 //!         ClientEvent::Live { regions } => println!("live: {regions:?}"),
+//!         _ => {} // Disconnected and Reconnected come only from a `Subscription`.
 //!     }
 //! }
 //! client.close(true).await?;

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use serde_json::{Value, json};
-use tether::client::{Client, ClientBuilder, ClientEvent, Interest};
+use tether::client::{
+    Client, ClientBuilder, ClientEvent, EventStream, Interest, ReconnectPolicy, Subscription,
+};
 use tether::config::{
     FileConfig, ServerConfig, SyncMode, parse_addr, parse_metrics, parse_peer, validate_node_id,
 };
@@ -365,6 +367,17 @@ struct SubscribeArgs {
     crash: bool,
     #[arg(long, default_value_t = 100)]
     ack_interval_ms: u64,
+    /// Reconnect by itself when the connection is lost (with backoff, across every server it
+    /// knows), resuming the durable queue and registering the interest again. Default: exit.
+    #[arg(long, conflicts_with_all = ["no_ready", "ready_delay_ms"])]
+    reconnect: bool,
+    /// With --reconnect: give up after this many seconds without a connection (0: never).
+    #[arg(long, default_value_t = tether::client::RECONNECT_GIVE_UP_SECS_DEFAULT, requires = "reconnect")]
+    reconnect_max_secs: u64,
+    /// How long the server may stay silent before the connection counts as lost, in
+    /// milliseconds (the QUIC idle timeout). Default 30000.
+    #[arg(long)]
+    failure_timeout_ms: Option<u64>,
 }
 
 /// A user-facing failure: printed as one `error:` line.
@@ -681,7 +694,21 @@ fn ca_path(conn: &Conn) -> Result<PathBuf, Fail> {
 /// A durable identity for [`connect`]: id, timeout in seconds, redundancy.
 type DurableArgs = (String, u64, u8);
 
+/// Bounds of `--failure-timeout-ms`: above a keep-alive round trip, below a QUIC idle timeout
+/// that still detects a dead server.
+const FAILURE_TIMEOUT_MS_MIN: u64 = 300;
+const FAILURE_TIMEOUT_MS_MAX: u64 = 600_000;
+
 async fn connect(conn: &Conn, durable: Option<DurableArgs>, ack_ms: u64) -> Result<Client, Fail> {
+    Ok(client_builder(conn, durable, ack_ms)?.connect().await?)
+}
+
+/// The builder of a client of `conn` (checked and loaded before anything is sent).
+fn client_builder(
+    conn: &Conn,
+    durable: Option<DurableArgs>,
+    ack_ms: u64,
+) -> Result<ClientBuilder, Fail> {
     let mut b = ClientBuilder::new()
         .servers(parse_servers(&conn.server)?)
         .ca_file(ca_path(conn)?)
@@ -705,7 +732,7 @@ async fn connect(conn: &Conn, durable: Option<DurableArgs>, ack_ms: u64) -> Resu
     if let Some((id, timeout, redundancy)) = durable {
         b = b.durable(id, timeout).redundancy(redundancy);
     }
-    Ok(b.connect().await?)
+    Ok(b)
 }
 
 async fn server(a: ServerArgs) -> Result<(), Fail> {
@@ -855,6 +882,61 @@ async fn put(a: PutArgs) -> Result<(), Fail> {
     Ok(())
 }
 
+/// Where `tether subscribe` reads its events from: one session, or a subscription that
+/// reconnects by itself (`--reconnect`). One per process: its size does not matter.
+#[allow(clippy::large_enum_variant)]
+enum Feed {
+    Session { client: Client, events: EventStream },
+    Reconnecting(Subscription),
+}
+
+impl Feed {
+    async fn next(&mut self) -> Option<ClientEvent> {
+        match self {
+            Feed::Session { events, .. } => events.next().await,
+            Feed::Reconnecting(s) => s.next().await,
+        }
+    }
+
+    /// Why the feed ended by itself.
+    fn lost(&self) -> Fail {
+        match self {
+            Feed::Session { .. } => Fail("the connection to the server was lost".into()),
+            Feed::Reconnecting(s) => Fail(match s.ended() {
+                Some(e) => format!("the connection to the server was lost: {e}"),
+                None => "the connection to the server was lost".into(),
+            }),
+        }
+    }
+
+    fn crash(self) {
+        match self {
+            Feed::Session { client, .. } => client.crash(),
+            Feed::Reconnecting(s) => drop(s),
+        }
+    }
+
+    async fn close(self, keepalive: bool) -> Result<(), tether::client::ClientError> {
+        match self {
+            Feed::Session { client, mut events } => {
+                events.commit();
+                client.close(keepalive).await
+            }
+            Feed::Reconnecting(s) => s.close(keepalive).await,
+        }
+    }
+}
+
+fn print_initial(region: &str, policy: ResultPolicy, entry: tether::protocol::InitialEntry) {
+    let value = match policy {
+        ResultPolicy::Keys => None,
+        _ => entry
+            .value
+            .map(|v| String::from_utf8_lossy(&v).into_owned()),
+    };
+    emit(json!({"type":"initial","region":region,"key":entry.key,"value":value}));
+}
+
 async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
     let policy: ResultPolicy = a.policy.parse()?;
     let durable = a.durable_id.is_some();
@@ -878,52 +960,78 @@ async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
             tether::cluster::meta::REDUNDANCY_MAX
         )));
     }
-    let c = connect(
+    let mut builder = client_builder(
         &a.conn,
         a.durable_id.clone().map(|id| (id, a.timeout, a.redundancy)),
         a.ack_interval_ms,
-    )
-    .await?;
-    emit(json!({
-        "type": "connected",
-        "durable_id": a.durable_id,
-        "queue": c.queue_status().as_str(),
-        "pending": c.pending(),
-        "primary": c.server_addr().to_string(),
-    }));
-    let region = c.region(&a.region);
+    )?;
+    if let Some(ms) = a.failure_timeout_ms {
+        if !(FAILURE_TIMEOUT_MS_MIN..=FAILURE_TIMEOUT_MS_MAX).contains(&ms) {
+            return Err(Fail(format!(
+                "--failure-timeout-ms {ms} is outside {FAILURE_TIMEOUT_MS_MIN} to {FAILURE_TIMEOUT_MS_MAX}"
+            )));
+        }
+        builder = builder.failure_timeout(Duration::from_millis(ms));
+    }
     let mut interests: Vec<Interest> = a.key.iter().map(Interest::key).collect();
     interests.extend(a.regex.iter().map(Interest::regex));
     if a.all_keys {
         interests.push(Interest::all_keys());
     }
+    let interests: Vec<Interest> = interests
+        .into_iter()
+        .map(|i| {
+            i.durable(durable && !a.non_durable)
+                .policy(policy)
+                .receive_values(!a.no_values)
+        })
+        .collect();
     // A non-durable client has nothing to replay: with no interest to register it is live at
     // once (with interest, the server's marker follows the registration).
     let announce_live = interests.is_empty() && !durable;
-    let mut events = c.events()?;
-    for i in interests {
-        let i = i
-            .durable(durable && !a.non_durable)
-            .policy(policy)
-            .receive_values(!a.no_values);
-        for entry in region.register(i).await? {
-            let value = match policy {
-                ResultPolicy::Keys => None,
-                _ => entry
-                    .value
-                    .map(|v| String::from_utf8_lossy(&v).into_owned()),
-            };
-            emit(json!({"type":"initial","region":a.region,"key":entry.key,"value":value}));
+    let connected = |c: &Client| {
+        emit(json!({
+            "type": "connected",
+            "durable_id": a.durable_id,
+            "queue": c.queue_status().as_str(),
+            "pending": c.pending(),
+            "primary": c.server_addr().to_string(),
+        }));
+    };
+    let mut feed = if a.reconnect {
+        let give_up = (a.reconnect_max_secs > 0).then(|| Duration::from_secs(a.reconnect_max_secs));
+        let mut sub = builder
+            .reconnect(ReconnectPolicy {
+                give_up_after: give_up,
+                ..ReconnectPolicy::default()
+            })
+            .subscribe(interests.into_iter().map(|i| (a.region.clone(), i)))
+            .await?;
+        connected(sub.client().expect("a new subscription is connected"));
+        for (region, entry) in sub.take_initial() {
+            print_initial(&region, policy, entry);
         }
-    }
-    if !a.no_ready {
-        if a.ready_delay_ms > 0 {
-            tokio::time::sleep(Duration::from_millis(a.ready_delay_ms)).await;
+        Feed::Reconnecting(sub)
+    } else {
+        let c = builder.connect().await?;
+        connected(&c);
+        let region = c.region(&a.region);
+        let events = c.events()?;
+        for i in interests {
+            for entry in region.register(i).await? {
+                print_initial(&a.region, policy, entry);
+            }
         }
-        if durable {
-            c.ready_for_events().await?;
+        if !a.no_ready {
+            if a.ready_delay_ms > 0 {
+                tokio::time::sleep(Duration::from_millis(a.ready_delay_ms)).await;
+            }
+            if durable {
+                c.ready_for_events().await?;
+            }
         }
-    }
+        Feed::Session { client: c, events }
+    };
     let idle = a.idle_exit_ms.map(Duration::from_millis);
     let mut printed = 0u64;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -942,8 +1050,8 @@ async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
             }
             let next = async {
                 match idle {
-                    Some(d) => tokio::time::timeout(d, events.next()).await.ok(),
-                    None => Some(events.next().await),
+                    Some(d) => tokio::time::timeout(d, feed.next()).await.ok(),
+                    None => Some(feed.next().await),
                 }
             };
             let ev = tokio::select! {
@@ -970,6 +1078,12 @@ async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
                         break;
                     }
                 }
+                Some(Some(ClientEvent::Disconnected { error })) => {
+                    emit(json!({"type":"disconnected","error":error}));
+                }
+                Some(Some(ClientEvent::Reconnected { queue, pending })) => {
+                    emit(json!({"type":"reconnected","queue":queue.as_str(),"pending":pending}));
+                }
                 Some(Some(ClientEvent::Event(e))) => {
                     let value = match e.op {
                         EventOp::Create | EventOp::Update => {
@@ -994,14 +1108,13 @@ async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
         }
     }
     if a.crash {
-        c.crash();
+        feed.crash();
         return Ok(());
     }
     if lost {
-        return Err(Fail("the connection to the server was lost".into()));
+        return Err(feed.lost());
     }
-    events.commit();
-    c.close(keepalive).await?;
+    feed.close(keepalive).await?;
     emit(json!({"type":"closed","keepalive":keepalive}));
     Ok(())
 }

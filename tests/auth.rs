@@ -660,6 +660,7 @@ async fn revocation_applies_on_every_cluster_node() {
         {
             Some(ClientEvent::Event(e)) => break e,
             Some(ClientEvent::Live { .. }) => continue,
+            Some(other) => panic!("a session's stream yielded {other:?}"),
             None => panic!("stream ended"),
         }
     };

@@ -1316,6 +1316,63 @@ fn subscribe_sigkill_then_immediate_restart_resumes() {
 }
 
 #[test]
+fn subscribe_reconnect_resumes_across_a_server_restart() {
+    // The server stops (SIGTERM) under a `--reconnect` subscriber and starts again on the same
+    // port and data directory: the subscriber says so, resumes its queue, and keeps printing.
+    let tmp = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", common::ports::free_ports(1)[0]);
+    let mut args = strings(&[
+        "server",
+        "--metrics",
+        "off",
+        "--listen",
+        &listen,
+        "--data-dir",
+    ]);
+    args.push(tmp.path().display().to_string());
+    let s = server_with_args(args.clone(), tmp.path());
+    let mut sub = s.spawn(
+        "subscribe",
+        &[
+            "--region",
+            "R",
+            "--durable-id",
+            "rc",
+            "--all-keys",
+            "--reconnect",
+            "--ack-interval-ms",
+            "20",
+        ],
+    );
+    assert_connected(&sub.line(), Some("rc"), "new", None, &s);
+    assert_live(&sub.line(), "R");
+    s.put("R", "a", "1");
+    assert_event(&sub.line(), "R", "a", "create", Some("1"));
+    std::thread::sleep(Duration::from_millis(200)); // the ack goes out
+    s.stop();
+    let lost = sub.expect("disconnected");
+    assert_fields(&lost, &["type", "error"]);
+    std::thread::sleep(Duration::from_secs(1));
+    let s = server_with_args(args, tmp.path());
+    let back = sub.expect("reconnected");
+    assert_fields(&back, &["type", "queue", "pending"]);
+    assert_eq!(
+        (&back["queue"], &back["pending"]),
+        (&"resumed".into(), &0.into())
+    );
+    s.put("R", "b", "2");
+    // No second live line: the session goes on.
+    let ev = sub.line();
+    assert_event(&ev, "R", "b", "create", Some("2"));
+    assert_eq!(ev["replayed"], false);
+    sub.sigterm();
+    assert_closed(&sub.line(), true);
+    assert!(sub.wait().success());
+    assert_eq!(s.queue("rc").expect("kept")["pending"], 0);
+    s.stop();
+}
+
+#[test]
 fn second_live_subscriber_refused_and_close_durable() {
     let s = start_server(&[]);
     let sub = s.spawn(

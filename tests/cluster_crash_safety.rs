@@ -343,6 +343,11 @@ async fn sub_session(
                 return (Ended::Lost, false);
             }
             Some(Some(ClientEvent::Live { .. })) => {}
+            Some(Some(
+                other @ (ClientEvent::Disconnected { .. } | ClientEvent::Reconnected { .. }),
+            )) => {
+                panic!("a session's stream yielded {other:?}")
+            }
             Some(Some(ClientEvent::Event(e))) => {
                 record_event(world, i, &e, &mut last);
                 n += 1;
@@ -585,6 +590,9 @@ async fn check_queue(
             .unwrap_or_else(|| panic!("{}: stream ended during the replay", spec.id));
         match e {
             ClientEvent::Live { .. } => break,
+            other @ (ClientEvent::Disconnected { .. } | ClientEvent::Reconnected { .. }) => {
+                panic!("a session's stream yielded {other:?}")
+            }
             ClientEvent::Event(e) => {
                 check!(
                     world,

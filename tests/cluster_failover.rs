@@ -346,6 +346,7 @@ async fn g4_online_client_fails_over_on_kill_9_of_its_primary() {
                     }
                 }
                 Ok(Some(ClientEvent::Live { .. })) => lives += 1,
+                Ok(Some(other)) => panic!("a session's stream yielded {other:?}"),
                 Ok(None) => {
                     eprintln!(
                         "stream ended after {} fresh events, last offset {last_offset}",
@@ -820,6 +821,7 @@ async fn client_promotes_a_copy_when_its_primary_dies() {
                     }
                 }
                 Ok(Some(ClientEvent::Live { .. })) => lives += 1,
+                Ok(Some(other)) => panic!("a session's stream yielded {other:?}"),
                 Ok(None) => break, // The connection died: fail over.
                 Err(_) => panic!("no event for {FAILOVER_WAIT:?}"),
             }

@@ -262,6 +262,9 @@ async fn resume_sub(
             .unwrap_or_else(|_| panic!("{}: no live marker after {replayed} events", spec.id))
             .unwrap_or_else(|| panic!("{}: stream ended during the replay", spec.id));
         match e {
+            other @ (ClientEvent::Disconnected { .. } | ClientEvent::Reconnected { .. }) => {
+                panic!("a session's stream yielded {other:?}")
+            }
             ClientEvent::Live { regions } => {
                 check!(
                     world,

@@ -470,6 +470,7 @@ async fn b7_reconnect_after_closing_from_the_live_callback() {
         {
             ClientEvent::Live { regions } => regions.iter().for_each(|r| l.after_region_live(r)),
             ClientEvent::Event(_) => {}
+            other => panic!("a session's stream yielded {other:?}"),
         }
     }
     c.close(true).await.unwrap();

@@ -757,6 +757,7 @@ async fn live_latency(
                 got += 1;
             }
             ClientEvent::Live { .. } => {}
+            other => panic!("a session's stream yielded {other:?}"),
         }
     }
     assert_eq!(publishing.await.unwrap(), expect);

@@ -27,8 +27,13 @@ use tether_transport::{PROTOCOL_VERSION, tls};
 use tokio::sync::{Mutex as AsyncMutex, mpsc, oneshot};
 
 pub mod protocol;
+mod reconnect;
 
 use crate::protocol::*;
+pub use crate::reconnect::{
+    Backoff, RECONNECT_ATTEMPT_TIMEOUT_MS_DEFAULT, RECONNECT_DELAY_INITIAL_MS_DEFAULT,
+    RECONNECT_DELAY_MAX_MS_DEFAULT, RECONNECT_GIVE_UP_SECS_DEFAULT, ReconnectPolicy, Subscription,
+};
 
 /// Client-side default acknowledgement interval, in milliseconds.
 pub const ACK_INTERVAL_MS_DEFAULT: u64 = 100;
@@ -97,6 +102,18 @@ pub enum ClientEvent {
     Live {
         regions: Vec<String>,
     },
+    /// Only from a [`Subscription`]: the connection was lost (`error` says why); the
+    /// subscription is reconnecting. Events processed before it are not shown again.
+    Disconnected {
+        error: String,
+    },
+    /// Only from a [`Subscription`]: connected again, with the queue status and pending count
+    /// of the new session's welcome (`resumed`: nothing was lost; `expired` or `new`: the queue
+    /// did not survive the outage, and its events are gone).
+    Reconnected {
+        queue: QueueStatus,
+        pending: Option<u64>,
+    },
 }
 
 /// Callbacks for events, as in Geode's `CacheListener`.
@@ -106,6 +123,10 @@ pub trait Listener: Send {
     fn after_destroy(&mut self, _event: &Event) {}
     fn after_invalidate(&mut self, _event: &Event) {}
     fn after_region_live(&mut self, _region: &str) {}
+    /// A [`Subscription`] lost its connection and is reconnecting.
+    fn after_disconnect(&mut self, _error: &str) {}
+    /// A [`Subscription`] is connected again.
+    fn after_reconnect(&mut self, _queue: QueueStatus, _pending: Option<u64>) {}
 }
 
 /// What this process has already processed of one durable queue, so events redelivered
@@ -225,6 +246,10 @@ pub struct ClientBuilder {
     dedup: Option<DedupState>,
     /// The name server certificates are verified against (None: [`tls::SERVER_NAME`]).
     server_name: Option<String>,
+    /// How long one server may take to welcome us.
+    attempt_timeout: Duration,
+    /// How a [`Subscription`] reconnects.
+    reconnect: ReconnectPolicy,
 }
 
 impl Default for ClientBuilder {
@@ -249,6 +274,8 @@ impl ClientBuilder {
             name: "tether-client".into(),
             dedup: None,
             server_name: None,
+            attempt_timeout: Duration::from_millis(CONNECT_TIMEOUT_MS),
+            reconnect: ReconnectPolicy::default(),
         }
     }
 
@@ -354,6 +381,13 @@ impl ClientBuilder {
         self
     }
 
+    /// How a [`Subscription`] made by [`subscribe`](Self::subscribe) reconnects (default:
+    /// [`ReconnectPolicy::default`]).
+    pub fn reconnect(mut self, policy: ReconnectPolicy) -> Self {
+        self.reconnect = policy;
+        self
+    }
+
     /// Connects to the first server that answers with a welcome.
     ///
     /// With the [`DedupState`] of a durable session that was lost (its connection died; the
@@ -412,7 +446,7 @@ impl ClientBuilder {
             // does (a bounded number of hops: the placement can move while we follow it).
             for hop in 0..=REDIRECTS_MAX {
                 match tokio::time::timeout(
-                    Duration::from_millis(CONNECT_TIMEOUT_MS),
+                    this.attempt_timeout,
                     this.connect_one(addr, config.clone()),
                 )
                 .await
@@ -875,12 +909,21 @@ impl Client {
     /// Vanishes like a killed process: no acks flushed, no close request.
     pub fn crash(self) {
         self.dedup.forget_live();
+        self.abandon(ErrorCode::Crashed, b"crashed");
+    }
+
+    /// Stops this client's tasks and closes its connection (if still open) with `code`,
+    /// leaving the [`DedupState`] as it is: a lost session's next session resumes it.
+    fn abandon(&self, code: ErrorCode, reason: &[u8]) {
         for t in &self.tasks {
             t.abort();
         }
-        self.inner
-            .conn
-            .close(ErrorCode::Crashed.varint(), b"crashed");
+        self.inner.conn.close(code.varint(), reason);
+    }
+
+    /// Why the connection closed, as the server said it (or [`ClientError::Closed`]).
+    fn closed_error(&self) -> ClientError {
+        self.inner.closed_error()
     }
 }
 
@@ -1072,20 +1115,27 @@ impl EventStream {
     /// Drives a listener until the stream ends.
     pub async fn run_listener(mut self, listener: &mut dyn Listener) {
         while let Some(ev) = self.next().await {
-            match &ev {
-                ClientEvent::Live { regions } => {
-                    for r in regions {
-                        listener.after_region_live(r);
-                    }
-                }
-                ClientEvent::Event(e) => match e.op {
-                    EventOp::Create => listener.after_create(e),
-                    EventOp::Update => listener.after_update(e),
-                    EventOp::Destroy => listener.after_destroy(e),
-                    EventOp::Invalidate => listener.after_invalidate(e),
-                },
+            dispatch(listener, &ev);
+        }
+    }
+}
+
+/// Calls the listener callback for one event.
+fn dispatch(listener: &mut dyn Listener, ev: &ClientEvent) {
+    match ev {
+        ClientEvent::Live { regions } => {
+            for r in regions {
+                listener.after_region_live(r);
             }
         }
+        ClientEvent::Event(e) => match e.op {
+            EventOp::Create => listener.after_create(e),
+            EventOp::Update => listener.after_update(e),
+            EventOp::Destroy => listener.after_destroy(e),
+            EventOp::Invalidate => listener.after_invalidate(e),
+        },
+        ClientEvent::Disconnected { error } => listener.after_disconnect(error),
+        ClientEvent::Reconnected { queue, pending } => listener.after_reconnect(*queue, *pending),
     }
 }
 

@@ -253,6 +253,18 @@ impl ServerProc {
         self.child.kill().expect("SIGKILL");
         self.child.wait().expect("reap");
     }
+
+    /// SIGTERM, and waits for the clean exit (status 0).
+    pub fn sigterm(mut self) {
+        let st = std::process::Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("kill");
+        assert!(st.success());
+        let st = self.child.wait().expect("reap");
+        assert!(st.success(), "server exit after SIGTERM: {st}");
+    }
 }
 
 impl Drop for ServerProc {
