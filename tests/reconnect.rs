@@ -8,11 +8,11 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use common::ServerProc;
-use tether::client::{ClientBuilder, ClientEvent, Event, Interest, Subscription};
+use tether::client::{AckMode, ClientBuilder, ClientEvent, Event, Interest, Subscription};
 use tether::protocol::QueueStatus;
 
 /// Bound on waiting for one event across an outage (detection, down time, backoff).
@@ -275,4 +275,77 @@ async fn a_subscription_gives_up_after_its_time_limit() {
     let why = sub.ended().expect("says why").to_string();
     assert!(why.contains("gave up reconnecting"), "{why}");
     assert!(sub.close(true).await.is_err());
+}
+
+/// Manual acks across a restart: events the application still works on are not shown again
+/// when the queue redelivers them, and their acks, made after the reconnect, count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manual_acks_held_across_a_restart_count_and_work_in_progress_is_not_shown_twice() {
+    let mut server = Server::start();
+    let mut sub = server
+        .builder()
+        .durable("manual", 300)
+        .ack_mode(AckMode::Manual)
+        .subscribe([(REGION.to_string(), Interest::all_keys())])
+        .await
+        .unwrap();
+    server.put_range(0..BEFORE).await;
+    let mut shown = BTreeSet::new();
+    let mut in_progress = Vec::new();
+    for i in 0..BEFORE {
+        let e = next_entry(&mut sub, common::WAIT).await;
+        assert!(shown.insert(e.key.clone()), "{e:?}");
+        // Every other event's work is still running (offsets 2, 4, ...): the acked prefix
+        // stops at offset 1.
+        if i % 2 == 0 {
+            assert_eq!(sub.ack(e.offset).unwrap(), 1);
+        } else {
+            in_progress.push(e.offset);
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await; // the ack of offset 1 goes out
+    server.stop(Stop::Term);
+    assert!(matches!(
+        next(&mut sub, OUTAGE_WAIT).await,
+        ClientEvent::Disconnected { .. }
+    ));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    server.restart();
+    match next(&mut sub, OUTAGE_WAIT).await {
+        ClientEvent::Reconnected { queue, pending } => {
+            assert_eq!(
+                (queue, pending),
+                (QueueStatus::Resumed, Some(u64::from(BEFORE) - 1))
+            );
+        }
+        other => panic!("expected a reconnect, got {other:?}"),
+    }
+    // The work finishes now, after the reconnect.
+    let mut through = 0;
+    for o in in_progress {
+        through = sub.ack(o).unwrap();
+    }
+    assert_eq!(through, u64::from(BEFORE));
+    server.put_range(BEFORE..BEFORE + AFTER).await;
+    for i in BEFORE..BEFORE + AFTER {
+        let e = next_entry(&mut sub, common::WAIT).await;
+        assert_eq!(e.key, format!("k-{i}"), "a redelivery was shown: {e:?}");
+        assert!(shown.insert(e.key.clone()));
+        sub.ack(e.offset).unwrap();
+    }
+    if let Ok(Some(ev)) = tokio::time::timeout(common::QUIET, sub.next()).await {
+        panic!("unexpected {ev:?}");
+    }
+    sub.close(true).await.unwrap();
+    // Every ack reached the server: the queue is empty.
+    let admin = server.builder().connect().await.unwrap();
+    let q = admin
+        .queues()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|q| q.durable_id.as_deref() == Some("manual"))
+        .expect("kept");
+    assert_eq!((q.pending, q.acked_offset), (0, u64::from(BEFORE + AFTER)));
+    admin.close(false).await.unwrap();
 }

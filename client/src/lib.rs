@@ -9,9 +9,12 @@
 //! [`Listener`] driven by [`EventStream::run_listener`].
 //!
 //! Acknowledgements are cumulative and periodic: an event counts as processed once the
-//! application asks the stream for the next one (or closes the client), and the highest
-//! processed offset is acked every `ack_interval`. Events whose id was already processed are
-//! dropped ([`DedupState`], shareable across reconnects in one process).
+//! application asks the stream for the next one (or closes the client), or, with
+//! [`AckMode::Manual`], once the application acks it and everything shown before it; the
+//! highest processed offset is acked every `ack_interval`. Events already processed are
+//! dropped ([`DedupState`], shareable across reconnects in one process; across a restart of
+//! the process, through the application's [`ClientBuilder::checkpoint`]). A [`Subscription`]
+//! reconnects by itself.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -26,9 +29,11 @@ use tether_transport::codec::{self, FrameReader};
 use tether_transport::{PROTOCOL_VERSION, tls};
 use tokio::sync::{Mutex as AsyncMutex, mpsc, oneshot};
 
+mod acks;
 pub mod protocol;
 mod reconnect;
 
+pub use crate::acks::{AckError, AckMode, AckTracker};
 use crate::protocol::*;
 pub use crate::reconnect::{
     Backoff, RECONNECT_ATTEMPT_TIMEOUT_MS_DEFAULT, RECONNECT_DELAY_INITIAL_MS_DEFAULT,
@@ -145,7 +150,8 @@ pub struct DedupState(Arc<Mutex<DedupInner>>);
 #[derive(Default)]
 struct DedupInner {
     durable_id: Option<String>,
-    processed_through: u64,
+    /// What is processed (cumulatively) and, with manual acks, what is in progress.
+    acks: AckTracker,
     /// Whether the queue's live marker was shown, and for which regions: a resumed session
     /// (after a reconnect or a failover) announces only regions not announced before.
     live_shown: bool,
@@ -156,14 +162,26 @@ struct DedupInner {
 }
 
 impl DedupState {
-    /// Binds the state to the session that just connected.
-    fn attach(&self, durable_id: Option<&str>, status: QueueStatus, servers: &[QueueServer]) {
+    /// Binds the state to the session that just connected; a `checkpoint` (the application's
+    /// own record of what it processed) counts for a resumed queue.
+    fn attach(
+        &self,
+        durable_id: Option<&str>,
+        status: QueueStatus,
+        servers: &[QueueServer],
+        checkpoint: Option<u64>,
+    ) {
         let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if d.durable_id.as_deref() != durable_id || status != QueueStatus::Resumed {
             d.durable_id = durable_id.map(str::to_string);
-            d.processed_through = 0;
+            d.acks.reset(0);
             d.live_shown = false;
             d.live_regions.clear();
+        }
+        if let Some(c) = checkpoint
+            && status == QueueStatus::Resumed
+        {
+            d.acks.processed(c);
         }
         d.queue_servers = servers.to_vec();
     }
@@ -216,14 +234,34 @@ impl DedupState {
 
     fn processed(&self, offset: u64) {
         let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        d.processed_through = d.processed_through.max(offset);
+        d.acks.processed(offset);
     }
 
     fn processed_through(&self) -> u64 {
         self.0
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .processed_through
+            .acks
+            .through()
+    }
+
+    /// Whether `offset` was shown and is still being worked on (manual acks).
+    fn in_progress(&self, offset: u64) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .acks
+            .in_progress(offset)
+    }
+
+    fn shown(&self, offset: u64) {
+        let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        d.acks.shown(offset);
+    }
+
+    fn ack(&self, offset: u64) -> Result<u64, AckError> {
+        let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        d.acks.ack(offset)
     }
 }
 
@@ -250,6 +288,8 @@ pub struct ClientBuilder {
     attempt_timeout: Duration,
     /// How a [`Subscription`] reconnects.
     reconnect: ReconnectPolicy,
+    ack_mode: AckMode,
+    checkpoint: Option<u64>,
 }
 
 impl Default for ClientBuilder {
@@ -276,6 +316,8 @@ impl ClientBuilder {
             server_name: None,
             attempt_timeout: Duration::from_millis(CONNECT_TIMEOUT_MS),
             reconnect: ReconnectPolicy::default(),
+            ack_mode: AckMode::Auto,
+            checkpoint: None,
         }
     }
 
@@ -378,6 +420,25 @@ impl ClientBuilder {
     /// Shares processed-event ids with an earlier client of this process.
     pub fn dedup_state(mut self, state: DedupState) -> Self {
         self.dedup = Some(state);
+        self
+    }
+
+    /// When an event counts as processed: [`AckMode::Auto`] (default: when the application
+    /// asks for the next one) or [`AckMode::Manual`] (when the application acks its offset,
+    /// in any order; see [`EventStream::ack`]). With manual acks, an application that never
+    /// acks stops receiving once the server's in-flight window is full.
+    pub fn ack_mode(mut self, mode: AckMode) -> Self {
+        self.ack_mode = mode;
+        self
+    }
+
+    /// The application's checkpoint for its durable queue: every offset up to `offset` is
+    /// processed (kept by the application with its own data, so it survives a restart of the
+    /// client process). Entries at or below it are acked and never shown; applied only when
+    /// the queue is `resumed` (a `new` or `expired` queue numbers its entries from 1 again).
+    /// [`Client::ready_for_events`] refuses a checkpoint beyond the queue's end.
+    pub fn checkpoint(mut self, offset: u64) -> Self {
+        self.checkpoint = Some(offset);
         self
     }
 
@@ -529,20 +590,23 @@ impl ClientBuilder {
                 });
             }
         };
-        let inner = Arc::new(Inner {
-            send: AsyncMutex::new(send),
-            pending: Mutex::new(HashMap::new()),
-            next_id: AtomicU64::new(1),
-            processed: AtomicU64::new(0),
-            acked: AtomicU64::new(0),
-            conn: conn.clone(),
-        });
         let dedup = self.dedup.clone().unwrap_or_default();
         dedup.attach(
             self.durable.as_ref().map(|d| d.id.as_str()),
             status,
             &queue_servers,
+            self.checkpoint,
         );
+        let inner = Arc::new(Inner {
+            send: AsyncMutex::new(send),
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            processed: AtomicU64::new(0),
+            received: AtomicU64::new(0),
+            acked: AtomicU64::new(0),
+            conn: conn.clone(),
+            dedup: dedup.clone(),
+        });
         let (events_tx, events_rx) = mpsc::channel(CLIENT_BUFFERED_FRAMES_MAX);
         let control = tokio::spawn(control_task(inner.clone(), reader));
         let delivery = tokio::spawn(delivery_task(
@@ -564,6 +628,8 @@ impl ClientBuilder {
             events: Mutex::new(Some(events_rx)),
             dedup,
             publish_ack: self.publish_ack,
+            ack_mode: self.ack_mode,
+            checkpoint: self.checkpoint.filter(|_| status == QueueStatus::Resumed),
             tasks: vec![control, delivery, acker],
         })))
     }
@@ -573,9 +639,15 @@ struct Inner {
     send: AsyncMutex<quinn::SendStream>,
     pending: Mutex<HashMap<u64, oneshot::Sender<Result<ResponseBody, WireError>>>>,
     next_id: AtomicU64,
+    /// Processed through, as this session saw it (dropped redeliveries included).
     processed: AtomicU64,
+    /// The highest offset this session was sent: no ack may pass it.
+    received: AtomicU64,
     acked: AtomicU64,
     conn: quinn::Connection,
+    /// What this process processed of the queue, over every session (manual acks, a
+    /// checkpoint, earlier sessions).
+    dedup: DedupState,
 }
 
 impl Inner {
@@ -622,7 +694,13 @@ impl Inner {
     }
 
     async fn flush_ack(&self) -> Result<(), ClientError> {
-        let p = self.processed.load(Ordering::Acquire);
+        // Never beyond what this session was sent (the server refuses that): what an earlier
+        // session or a checkpoint covers is acked as this session is sent it again.
+        let p = self
+            .processed
+            .load(Ordering::Acquire)
+            .max(self.dedup.processed_through())
+            .min(self.received.load(Ordering::Acquire));
         if p > self.acked.load(Ordering::Acquire) {
             self.send(&ClientMsg::Ack { offset: p }).await?;
             self.acked.fetch_max(p, Ordering::AcqRel);
@@ -695,11 +773,19 @@ async fn delivery_task(
                 let seen = dedup.processed_through();
                 let mut out = Vec::with_capacity(entries.len());
                 for e in entries {
+                    inner.received.fetch_max(e.offset, Ordering::AcqRel);
                     let dup = e.flags & FLAG_POSSIBLE_DUPLICATE != 0;
-                    if dup && e.offset <= seen {
-                        // Processed by this process before: not shown again, but acked. Such
-                        // entries form a prefix of the replay, so acking them skips nothing.
+                    if e.offset <= seen {
+                        // Processed by this process before (or under its checkpoint): not
+                        // shown again, but acked. Offsets are never reused within a resumed
+                        // queue's life, so the offset alone says it; such entries form a
+                        // prefix of the replay, so acking them skips nothing.
                         inner.processed.fetch_max(e.offset, Ordering::AcqRel);
+                        continue;
+                    }
+                    if dedup.in_progress(e.offset) {
+                        // Shown to the application, which is still working on it (manual
+                        // acks): its ack will count; showing it again would run it twice.
                         continue;
                     }
                     let Ok(rec) = codec::decode_body::<EventRecord>(e.record) else {
@@ -768,6 +854,9 @@ pub struct Client {
     events: Mutex<Option<mpsc::Receiver<Vec<ClientEvent>>>>,
     dedup: DedupState,
     publish_ack: PublishAck,
+    ack_mode: AckMode,
+    /// The checkpoint presented, if the queue was resumed (checked at ready).
+    checkpoint: Option<u64>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -819,7 +908,13 @@ impl Client {
     /// marker per region, then live events. Returns the offset replay ends at.
     pub async fn ready_for_events(&self) -> Result<u64, ClientError> {
         match self.inner.call(RequestBody::Ready).await? {
-            ResponseBody::Ready { replay_end } => Ok(replay_end),
+            ResponseBody::Ready { replay_end } => match self.checkpoint {
+                Some(c) if c > replay_end => Err(ClientError::Usage(format!(
+                    "checkpoint {c} is beyond the end of the queue (offset {replay_end}): it \
+                     belongs to another queue or to another durable id"
+                ))),
+                _ => Ok(replay_end),
+            },
             other => Err(unexpected(other)),
         }
     }
@@ -838,6 +933,7 @@ impl Client {
             inner: self.inner.clone(),
             dedup: self.dedup.clone(),
             last: None,
+            mode: self.ack_mode,
         })
     }
 
@@ -1076,9 +1172,45 @@ pub struct EventStream {
     dedup: DedupState,
     /// Offset of the event yielded last: processed once the next one is asked for.
     last: Option<u64>,
+    mode: AckMode,
+}
+
+/// Acks events of a client in [`AckMode::Manual`]; cheap to clone and to send to the tasks
+/// that process events (see [`EventStream::acker`]).
+#[derive(Clone)]
+pub struct Acker {
+    dedup: DedupState,
+}
+
+impl Acker {
+    /// The application processed the event at `offset`. Acks are cumulative on the wire: an
+    /// offset above one still being processed is held until the gap closes. Returns the
+    /// offset everything is processed through (the checkpoint to keep with the
+    /// application's data). Refused for an offset never shown to this process.
+    pub fn ack(&self, offset: u64) -> Result<u64, ClientError> {
+        self.dedup
+            .ack(offset)
+            .map_err(|e| ClientError::Usage(e.to_string()))
+    }
 }
 
 impl EventStream {
+    /// The processed offset is sent to the server every `ack_interval`, and at a clean close.
+    /// See [`Acker::ack`]. Refused in [`AckMode::Auto`].
+    pub fn ack(&self, offset: u64) -> Result<u64, ClientError> {
+        self.acker()?.ack(offset)
+    }
+
+    /// A handle to ack from other tasks ([`AckMode::Manual`]).
+    pub fn acker(&self) -> Result<Acker, ClientError> {
+        match self.mode {
+            AckMode::Manual => Ok(Acker {
+                dedup: self.dedup.clone(),
+            }),
+            AckMode::Auto => Err(ClientError::Usage(AckError::NotManual.to_string())),
+        }
+    }
+
     fn mark_processed(&mut self) {
         if let Some(o) = self.last.take() {
             self.inner.processed.fetch_max(o, Ordering::AcqRel);
@@ -1102,7 +1234,10 @@ impl EventStream {
         }
         let ev = self.buffered.pop_front();
         if let Some(ClientEvent::Event(e)) = &ev {
-            self.last = Some(e.offset);
+            match self.mode {
+                AckMode::Auto => self.last = Some(e.offset),
+                AckMode::Manual => self.dedup.shown(e.offset),
+            }
         }
         Poll::Ready(ev)
     }

@@ -20,7 +20,8 @@ use tokio::time::Instant;
 
 use crate::protocol::{ErrorCode, InitialEntry};
 use crate::{
-    Client, ClientBuilder, ClientError, ClientEvent, DedupState, EventStream, Interest, Listener,
+    AckError, AckMode, Acker, Client, ClientBuilder, ClientError, ClientEvent, DedupState,
+    EventStream, Interest, Listener,
 };
 
 /// First wait before reconnecting, in milliseconds (doubled after each failed attempt).
@@ -342,6 +343,22 @@ impl Subscription {
     /// What this process processed of the queue (shared by every session).
     pub fn dedup_state(&self) -> DedupState {
         self.dedup.clone()
+    }
+
+    /// Acks the event at `offset` ([`AckMode::Manual`]; see [`Acker::ack`]). Acks made while
+    /// reconnecting count: they are sent once the next session is sent that offset again.
+    pub fn ack(&self, offset: u64) -> Result<u64, ClientError> {
+        self.acker()?.ack(offset)
+    }
+
+    /// A handle to ack from other tasks ([`AckMode::Manual`]); valid across reconnects.
+    pub fn acker(&self) -> Result<Acker, ClientError> {
+        match self.builder.ack_mode {
+            AckMode::Manual => Ok(Acker {
+                dedup: self.dedup.clone(),
+            }),
+            AckMode::Auto => Err(ClientError::Usage(AckError::NotManual.to_string())),
+        }
     }
 
     /// Marks the last yielded event processed without waiting for the next one.
