@@ -218,6 +218,11 @@ pub struct ServerConfig {
     /// Whether this node hands durable queues over to members holding fewer primaries
     /// (`server/rebalance.rs`). TOML `[cluster] rebalance`, default true.
     pub rebalance: bool,
+    /// Host names or IP addresses clients reach this node by, besides `localhost`, the
+    /// loopback addresses and the machine's host name: the dev server certificate carries
+    /// them (`--advertise`, TOML `advertise`). Unused with `[tls]` (the operator's certificate
+    /// names what it names).
+    pub advertise: Vec<String>,
 }
 
 /// Default of [`ServerConfig::node_failure_ms`], in milliseconds.
@@ -259,6 +264,7 @@ impl Default for ServerConfig {
             peers: Vec::new(),
             node_failure_ms: NODE_FAILURE_MS_DEFAULT,
             rebalance: true,
+            advertise: Vec::new(),
         }
     }
 }
@@ -288,6 +294,8 @@ pub struct FileConfig {
     pub limits: Option<Limits>,
     pub auth: Option<crate::auth::AuthConfig>,
     pub cluster: Option<ClusterFileConfig>,
+    /// See [`ServerConfig::advertise`].
+    pub advertise: Option<Vec<String>>,
 }
 
 /// The `[cluster]` table of the TOML file.
@@ -322,6 +330,23 @@ impl FileConfig {
             .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
         toml::from_str(&text).map_err(|e| format!("invalid config file {}: {e}", path.display()))
     }
+}
+
+/// Checks a name a node is advertised by: a DNS name or an IP address a certificate can carry.
+pub fn validate_advertise(name: &str) -> Result<(), String> {
+    match rustls::pki_types::ServerName::try_from(name) {
+        Ok(_) => Ok(()),
+        Err(_) => Err(format!(
+            "invalid advertised name {name:?} (expected a DNS name or an IP address, e.g. tether-1.example.com)"
+        )),
+    }
+}
+
+/// The machine's host name, if it is a valid DNS name (the dev server certificate carries it).
+pub fn machine_host_name() -> Option<String> {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
+    let name = name.trim().to_ascii_lowercase();
+    (!name.is_empty() && validate_advertise(&name).is_ok()).then_some(name)
 }
 
 /// Parses a socket address, with a message naming the setting.

@@ -228,6 +228,10 @@ struct ServerArgs {
     /// Where RocksDB, TLS material and the node id live.
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// A host name or IP address clients reach this node by (repeatable): the dev server
+    /// certificate carries it, besides localhost, 127.0.0.1, ::1 and the machine's host name.
+    #[arg(long, value_name = "NAME")]
+    advertise: Vec<String>,
     /// QUIC address for clients and peers; port 0 picks a free port.
     #[arg(long)]
     listen: Option<String>,
@@ -629,7 +633,9 @@ async fn run(cmd: Command) -> Result<(), Fail> {
     }
 }
 
-fn parse_servers(list: &str) -> Result<Vec<SocketAddr>, Fail> {
+/// The `--server` list: each entry's address, and its host when it is a name (its certificate
+/// is verified against that name).
+fn parse_servers(list: &str) -> Result<Vec<(SocketAddr, Option<String>)>, Fail> {
     let mut out = Vec::new();
     for part in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let port_ok = part
@@ -644,7 +650,7 @@ fn parse_servers(list: &str) -> Result<Vec<SocketAddr>, Fail> {
             .to_socket_addrs()
             .map_err(|e| Fail(format!("cannot resolve server {part:?}: {e}")))?;
         match addrs.next() {
-            Some(a) => out.push(a),
+            Some(a) => out.push((a, host_name_of(part))),
             None => return Err(Fail(format!("server {part:?} resolves to no address"))),
         }
     }
@@ -654,17 +660,12 @@ fn parse_servers(list: &str) -> Result<Vec<SocketAddr>, Fail> {
     Ok(out)
 }
 
-/// The name server certificates are verified against: `--server-name`, else the host of the
-/// first `--server` entry when it is a DNS name (an IP address keeps the dev certificates'
-/// `localhost`).
-fn server_name(explicit: Option<&str>, servers: &str) -> Option<String> {
-    if let Some(n) = explicit {
-        return Some(n.to_string());
-    }
-    let first = servers.split(',').map(str::trim).find(|s| !s.is_empty())?;
-    let (host, _) = first.rsplit_once(':')?;
+/// The host of a `HOST:PORT` entry when it is a DNS name: the name that server's certificate
+/// is verified against (an IP address keeps the dev certificates' `localhost`).
+fn host_name_of(entry: &str) -> Option<String> {
+    let (host, _) = entry.trim().rsplit_once(':')?;
     let host = host.trim_start_matches('[').trim_end_matches(']');
-    if host.parse::<std::net::IpAddr>().is_ok() {
+    if host.is_empty() || host.parse::<std::net::IpAddr>().is_ok() {
         None
     } else {
         Some(host.to_string())
@@ -709,16 +710,22 @@ fn client_builder(
     durable: Option<DurableArgs>,
     ack_ms: u64,
 ) -> Result<ClientBuilder, Fail> {
-    let mut b = ClientBuilder::new()
-        .servers(parse_servers(&conn.server)?)
+    let mut b = ClientBuilder::new();
+    for (addr, host) in parse_servers(&conn.server)? {
+        b = match host {
+            Some(h) => b.server_named(addr, h),
+            None => b.server(addr),
+        };
+    }
+    let mut b = b
         .ca_file(ca_path(conn)?)
         .ack_interval(Duration::from_millis(ack_ms.max(1)))
         .name("tether-cli");
     if let Some(t) = &conn.token {
         b = b.token(t.clone());
     }
-    if let Some(name) = server_name(conn.server_name.as_deref(), &conn.server) {
-        b = b.server_name(name);
+    if let Some(name) = &conn.server_name {
+        b = b.server_name(name.clone());
     }
     if let Some(cert) = &conn.cert {
         let key = conn.cert_key.as_ref().unwrap_or(cert);
@@ -753,6 +760,14 @@ async fn server(a: ServerArgs) -> Result<(), Fail> {
     if let Some(id) = a.node_id.or(file.node_id) {
         validate_node_id(&id)?;
         cfg.node_id = Some(id);
+    }
+    cfg.advertise = if a.advertise.is_empty() {
+        file.advertise.clone().unwrap_or_default()
+    } else {
+        a.advertise.clone()
+    };
+    for name in &cfg.advertise {
+        tether::config::validate_advertise(name)?;
     }
     cfg.sync = match a.sync {
         Some(s) => s.parse::<SyncMode>()?,
@@ -1121,22 +1136,18 @@ async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
 
 #[cfg(test)]
 mod tests {
-    use super::server_name;
+    use super::host_name_of;
 
     #[test]
-    fn certificates_are_verified_against_the_name_dialed_unless_told_otherwise() {
+    fn each_server_is_verified_against_the_name_dialed() {
         // A host name: that name.
         assert_eq!(
-            server_name(None, "tether-1.example.com:7400,10.0.0.2:7400").as_deref(),
+            host_name_of("tether-1.example.com:7400").as_deref(),
             Some("tether-1.example.com")
         );
         // An IP address (v4 or v6): the dev certificates' localhost (None).
-        assert_eq!(server_name(None, "127.0.0.1:7400,tether-2:7400"), None);
-        assert_eq!(server_name(None, "[::1]:7400"), None);
-        // --server-name wins.
-        assert_eq!(
-            server_name(Some("tether-1.test"), "127.0.0.1:7400").as_deref(),
-            Some("tether-1.test")
-        );
+        assert_eq!(host_name_of("127.0.0.1:7400"), None);
+        assert_eq!(host_name_of("[::1]:7400"), None);
+        assert_eq!(host_name_of(" tether-2:7400").as_deref(), Some("tether-2"));
     }
 }

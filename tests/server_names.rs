@@ -12,6 +12,8 @@ use tether::config::{ServerConfig, TlsConfig};
 use tether::server::Node;
 use tether_transport::tls;
 
+mod common;
+
 /// The host name the node's certificate is issued for (no DNS needed: clients dial the IP).
 const HOST: &str = "tether-1.test";
 
@@ -137,5 +139,142 @@ async fn the_cli_verifies_the_name_given_with_server_name() {
             "{server}: {err}"
         );
     }
+    node.shutdown().await;
+}
+
+/// The certificate of cluster node `cfg`, from the cluster's dev CA: only its own host name
+/// `tether-<id>.test` and its node name; no `localhost`, no IP address.
+fn own_name_only(cfg: &mut ServerConfig) {
+    let id = cfg.node_id.clone().expect("a cluster node");
+    let tls_dir = cfg.data_dir.join("tls");
+    let (cert, key) = tls::issue_dev_server_cert(
+        &tls_dir,
+        &[format!("tether-{id}.test")],
+        Some(&id),
+        &cfg.data_dir.join("named"),
+    )
+    .unwrap();
+    cfg.tls = Some(TlsConfig {
+        cert,
+        key,
+        ca: tls_dir.join(tls::CA_CERT_FILE),
+    });
+}
+
+/// A three-node cluster whose node certificates carry only their own host names: peers know
+/// each other by node name, so the cluster forms; clients verify each node by the name they
+/// were given for its address (redirects included); when the primary of a queue with a copy
+/// stops, the copy takes over and the client, verifying the new primary's own name, gets
+/// every event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_whose_certificates_name_only_their_own_hosts_forms_and_fails_over() {
+    use std::time::Duration;
+    use tether::client::{ClientEvent, Interest};
+    const EVENTS: u32 = 50;
+    let mut c = common::cluster::TestCluster::start_tweaked(3, own_name_only).await;
+    c.leader().await;
+    let ca = c.dirs[0].path().join("tls").join(tls::CA_CERT_FILE);
+    let addrs: Vec<std::net::SocketAddr> = c
+        .ports
+        .iter()
+        .map(|p| format!("127.0.0.1:{p}").parse().unwrap())
+        .collect();
+    // Every node by its own name; `skip`: a node not to dial first (it is down).
+    let builder = |skip: Option<usize>| {
+        let mut b = ClientBuilder::new().ca_file(&ca);
+        for i in (0..3).filter(|i| Some(*i) != skip) {
+            b = b.server_named(addrs[i], format!("tether-n{}.test", i + 1));
+        }
+        b
+    };
+    let d = builder(None)
+        .durable("d", 600)
+        .redundancy(1)
+        .connect()
+        .await
+        .expect("the durable client connects (maybe through a redirect)");
+    let primary = c.names.iter().position(|n| n == d.node_id()).unwrap();
+    d.region("R").register(Interest::all_keys()).await.unwrap();
+    d.ready_for_events().await.unwrap();
+    d.close(true).await.unwrap();
+    let publisher = builder(None).connect().await.unwrap();
+    for i in 0..EVENTS {
+        publisher
+            .region("R")
+            .put(format!("k-{i}"), format!("v-{i}"))
+            .await
+            .unwrap();
+    }
+    publisher.close(false).await.unwrap();
+    common::eventually("the copy holds every event", || {
+        c.node(primary).queues().iter().any(|q| {
+            q.durable_id.as_deref() == Some("d")
+                && q.end_offset == u64::from(EVENTS)
+                && q.copies.len() == 1
+                && q.copies[0].lag_entries == 0
+        })
+    })
+    .await;
+    c.nodes[primary].take().unwrap().shutdown().await;
+    // Through the surviving nodes until one serves the promoted copy.
+    let start = std::time::Instant::now();
+    let d = loop {
+        assert!(start.elapsed() < common::WAIT, "no failover");
+        match builder(Some(primary))
+            .durable("d", 600)
+            .failure_timeout(Duration::from_secs(2))
+            .connect()
+            .await
+        {
+            Ok(d) if d.pending() == Some(u64::from(EVENTS)) => break d,
+            Ok(d) => d.close(true).await.unwrap(),
+            Err(e) => eprintln!("failover attempt: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_ne!(d.node_id(), c.names[primary]);
+    let mut events = d.events().unwrap();
+    d.ready_for_events().await.unwrap();
+    let mut keys = Vec::new();
+    loop {
+        match tokio::time::timeout(common::WAIT, events.next()).await {
+            Ok(Some(ClientEvent::Event(e))) => keys.push(e.key),
+            Ok(Some(ClientEvent::Live { .. })) => break,
+            other => panic!("stream: {other:?}"),
+        }
+    }
+    let expected: Vec<String> = (0..EVENTS).map(|i| format!("k-{i}")).collect();
+    assert_eq!(keys, expected);
+    d.close(false).await.unwrap();
+    c.shutdown().await;
+}
+
+/// `advertise` names go into the dev server certificate, besides localhost and the loopback
+/// addresses: a client verifying such a name is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dev_certificate_carries_the_advertised_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = ServerConfig::ephemeral(dir.path());
+    cfg.advertise = vec!["tether-7.test".into()];
+    let node = Node::start(cfg).await.unwrap();
+    for name in ["tether-7.test", "localhost", "127.0.0.1"] {
+        let c = ClientBuilder::new()
+            .server(node.addr())
+            .ca_file(node.ca_file())
+            .server_name(name)
+            .connect()
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        c.close(false).await.unwrap();
+    }
+    let err = ClientBuilder::new()
+        .server(node.addr())
+        .ca_file(node.ca_file())
+        .server_name("tether-8.test")
+        .connect()
+        .await
+        .err()
+        .expect("a name the certificate does not carry is refused");
+    assert!(err.to_string().contains("tether-8.test"), "{err}");
     node.shutdown().await;
 }

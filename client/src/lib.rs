@@ -282,8 +282,11 @@ pub struct ClientBuilder {
     /// Shared with an earlier client only when set explicitly: clones of a builder must not
     /// share one (each durable id has its own processed offsets).
     dedup: Option<DedupState>,
-    /// The name server certificates are verified against (None: [`tls::SERVER_NAME`]).
+    /// The name every server certificate is verified against, overriding `names`.
     server_name: Option<String>,
+    /// The name each server's certificate is verified against, by address (absent:
+    /// [`tls::SERVER_NAME`], the dev certificates' name).
+    names: HashMap<SocketAddr, String>,
     /// How long one server may take to welcome us.
     attempt_timeout: Duration,
     /// How a [`Subscription`] reconnects.
@@ -314,6 +317,7 @@ impl ClientBuilder {
             name: "tether-client".into(),
             dedup: None,
             server_name: None,
+            names: HashMap::new(),
             attempt_timeout: Duration::from_millis(CONNECT_TIMEOUT_MS),
             reconnect: ReconnectPolicy::default(),
             ack_mode: AckMode::Auto,
@@ -332,9 +336,19 @@ impl ClientBuilder {
         self
     }
 
+    /// Adds a server reached at `addr` whose certificate must be valid for `name` (the host
+    /// name it was resolved from). A redirect to that address, or a queue's copy there, is
+    /// verified against the same name.
+    pub fn server_named(mut self, addr: SocketAddr, name: impl Into<String>) -> Self {
+        self.servers.push(addr);
+        self.names.insert(addr, name.into());
+        self
+    }
+
     /// The name every server's certificate must be valid for (a DNS name or an IP address),
-    /// for servers whose certificates name their real host. Default: `localhost`
-    /// ([`tls::SERVER_NAME`]), the name of the dev certificates.
+    /// overriding the names given with [`server_named`](Self::server_named). Default: the
+    /// server's own name, else `localhost` ([`tls::SERVER_NAME`]), the name of the dev
+    /// certificates.
     pub fn server_name(mut self, name: impl Into<String>) -> Self {
         self.server_name = Some(name.into());
         self
@@ -540,7 +554,11 @@ impl ClientBuilder {
     ) -> Result<Attempt, ClientError> {
         let endpoint = tether_transport::endpoint::client_endpoint(config, addr)
             .map_err(|e| ClientError::Connect(e.to_string()))?;
-        let name = self.server_name.as_deref().unwrap_or(tls::SERVER_NAME);
+        let name = self
+            .server_name
+            .as_deref()
+            .or_else(|| self.names.get(&addr).map(String::as_str))
+            .unwrap_or(tls::SERVER_NAME);
         let conn = endpoint
             .connect(addr, name)
             .map_err(|e| ClientError::Connect(e.to_string()))?

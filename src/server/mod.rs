@@ -797,7 +797,14 @@ impl Node {
                 cert: t.cert.clone(),
                 key: t.key.clone(),
             },
-            None => tls::ensure_dev_node_certs(&data_dir.join("tls"), cluster_node)?,
+            None => {
+                // Every name a local setup reaches the node by: the defaults, the machine's
+                // host name, and the advertised names.
+                let mut names: Vec<String> =
+                    crate::config::machine_host_name().into_iter().collect();
+                names.extend(config.advertise.iter().cloned());
+                tls::ensure_dev_node_certs(&data_dir.join("tls"), cluster_node, &names)?
+            }
         };
         if let Some(node) = cluster_node {
             check_node_certificate(&tls_files.cert, node)?;

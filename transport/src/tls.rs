@@ -416,9 +416,14 @@ pub fn peer_client_config(files: &TlsFiles) -> Result<quinn::ClientConfig, TlsEr
     let roots = roots_from(&files.ca)?;
     let chain = parse_certs(&read_file(&files.cert)?, &files.cert)?;
     let key = parse_key(&read_file(&files.key)?, &files.key)?;
+    let verifier = Arc::new(NodeCertVerifier {
+        roots: Arc::new(roots),
+        provider: provider(),
+    });
     let mut tls = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
-        .with_root_certificates(roots)
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
         .with_client_auth_cert(chain, key)?;
     tls.alpn_protocols = vec![PEER_ALPN.to_vec()];
     let quic = QuicClientConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
@@ -434,6 +439,78 @@ pub fn peer_client_config(files: &TlsFiles) -> Result<quinn::ClientConfig, TlsEr
     transport.initial_rtt(Duration::from_millis(PEER_INITIAL_RTT_MS));
     cfg.transport_config(Arc::new(transport));
     Ok(cfg)
+}
+
+/// How a node verifies the certificate of a peer it dials: the chain must lead to the cluster
+/// CA (as for any server), and instead of a host name the leaf must name a cluster node
+/// ([`NODE_URI_PREFIX`]). Peers are dialed by the addresses of the member list and known by
+/// their node names, so a node certificate needs no DNS name or IP address its peers dial
+/// (only the names its clients use); which node it names is checked against the node dialed
+/// once the handshake is done (`connection_node_names`).
+#[derive(Debug)]
+struct NodeCertVerifier {
+    roots: Arc<rustls::RootCertStore>,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+}
+
+impl rustls::client::danger::ServerCertVerifier for NodeCertVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _server_name: &rustls::pki_types::ServerName<'_>,
+        _ocsp_response: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        let cert = rustls::server::ParsedCertificate::try_from(end_entity)?;
+        rustls::client::verify_server_cert_signed_by_trust_anchor(
+            &cert,
+            &self.roots,
+            intermediates,
+            now,
+            self.provider.signature_verification_algorithms.all,
+        )?;
+        if cert_node_names(end_entity).is_empty() {
+            return Err(rustls::Error::General(format!(
+                "the peer's certificate names no cluster node (no {NODE_URI_PREFIX}<id> SAN)"
+            )));
+        }
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
 }
 
 /// The ALPN protocol a connection negotiated, if any.
@@ -729,11 +806,50 @@ pub(crate) fn dev_ca_issuer(
     Ok(rcgen::Issuer::from_ca_cert_pem(&pem, key)?)
 }
 
-/// Parameters of a dev server certificate; `node`: the cluster node it names
+/// The names a dev server certificate carries: [`DEV_SERVER_SANS`], then `extra` (host names
+/// or IP addresses), each once.
+fn dev_server_names(extra: &[String]) -> Vec<String> {
+    let mut names: Vec<String> = DEV_SERVER_SANS.iter().map(|s| s.to_string()).collect();
+    for n in extra {
+        if !names.contains(n) {
+            names.push(n.clone());
+        }
+    }
+    names
+}
+
+/// The DNS names and IP addresses the leaf certificate of PEM file `cert` carries.
+pub fn file_host_names(cert: &Path) -> Result<Vec<String>, TlsError> {
+    let chain = parse_certs(&read_file(cert)?, cert)?;
+    let Ok((_, c)) = x509_parser::parse_x509_certificate(chain[0].as_ref()) else {
+        return Ok(Vec::new());
+    };
+    let Ok(Some(san)) = c.subject_alternative_name() else {
+        return Ok(Vec::new());
+    };
+    Ok(san
+        .value
+        .general_names
+        .iter()
+        .filter_map(|n| match n {
+            x509_parser::extensions::GeneralName::DNSName(d) => Some(d.to_string()),
+            x509_parser::extensions::GeneralName::IPAddress(b) => match b.len() {
+                4 => Some(std::net::IpAddr::from(<[u8; 4]>::try_from(*b).ok()?).to_string()),
+                16 => Some(std::net::IpAddr::from(<[u8; 16]>::try_from(*b).ok()?).to_string()),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect())
+}
+
+/// Parameters of a dev server certificate for `names`; `node`: the cluster node it names
 /// ([`NODE_URI_PREFIX`]), for a clustered node.
-fn server_params(node: Option<&str>) -> Result<rcgen::CertificateParams, TlsError> {
-    let sans: Vec<String> = DEV_SERVER_SANS.iter().map(|s| s.to_string()).collect();
-    let mut p = rcgen::CertificateParams::new(sans)?;
+fn server_params(
+    names: Vec<String>,
+    node: Option<&str>,
+) -> Result<rcgen::CertificateParams, TlsError> {
+    let mut p = rcgen::CertificateParams::new(names)?;
     if let Some(node) = node {
         let uri = rcgen::string::Ia5String::try_from(node_uri(node))?;
         p.subject_alt_names.push(rcgen::SanType::URI(uri));
@@ -777,14 +893,22 @@ pub(crate) fn write_file(path: &Path, contents: &[u8], mode: Option<u32>) -> Res
 /// files are missing, a new server certificate is signed by the existing CA. Key files get
 /// mode [`KEY_FILE_MODE`].
 pub fn ensure_dev_certs(dir: &Path) -> Result<TlsFiles, TlsError> {
-    ensure_dev_node_certs(dir, None)
+    ensure_dev_node_certs(dir, None, &[])
 }
 
 /// [`ensure_dev_certs`] for cluster node `node` (if given): its server certificate also carries
-/// the node's name ([`node_uri`]), the identity its peers know it by. An existing server
-/// certificate that does not name `node` (made before node names were carried, or for another
-/// node) is signed again by the dev CA; without the CA's key that is an error.
-pub fn ensure_dev_node_certs(dir: &Path, node: Option<&str>) -> Result<TlsFiles, TlsError> {
+/// the node's name ([`node_uri`]), the identity its peers know it by, and the host names or IP
+/// addresses `names` besides [`DEV_SERVER_SANS`] (the machine's host name, the names the node
+/// is advertised by). An existing server certificate that does not name `node` (made before
+/// node names were carried, or for another node) or lacks one of the names is signed again by
+/// the dev CA; without the CA's key, a missing node name is an error and missing host names
+/// are only logged.
+pub fn ensure_dev_node_certs(
+    dir: &Path,
+    node: Option<&str>,
+    names: &[String],
+) -> Result<TlsFiles, TlsError> {
+    let names = dev_server_names(names);
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     let ca_cert = dir.join(CA_CERT_FILE);
     let ca_key = dir.join(CA_KEY_FILE);
@@ -794,13 +918,25 @@ pub fn ensure_dev_node_certs(dir: &Path, node: Option<&str>) -> Result<TlsFiles,
         key: dir.join(SERVER_KEY_FILE),
     };
     if files.cert.exists() && files.key.exists() && ca_cert.exists() {
-        let names = match node {
-            Some(_) => file_node_names(&files.cert)?,
-            None => Vec::new(),
+        let nodes = file_node_names(&files.cert)?;
+        let held = file_host_names(&files.cert)?;
+        let missing: Vec<&String> = names.iter().filter(|n| !held.contains(n)).collect();
+        // A single node keeps whatever node name its certificate has (from an earlier run in a
+        // cluster): it is not used.
+        let node_ok = match node {
+            None => true,
+            Some(n) => nodes == [n],
         };
         match node {
-            None => return Ok(files),
-            Some(n) if names == [n] => return Ok(files),
+            _ if node_ok && missing.is_empty() => return Ok(files),
+            _ if node_ok && !ca_key.exists() => {
+                tracing::warn!(
+                    cert = %files.cert.display(),
+                    ?missing,
+                    "the dev server certificate lacks these names and there is no dev CA key to sign one that has them"
+                );
+                return Ok(files);
+            }
             Some(n) if !ca_key.exists() => {
                 return Err(TlsError::Pem {
                     path: files.cert.clone(),
@@ -811,7 +947,7 @@ pub fn ensure_dev_node_certs(dir: &Path, node: Option<&str>) -> Result<TlsFiles,
                     ),
                 });
             }
-            Some(_) => {}
+            _ => {}
         }
     }
 
@@ -825,7 +961,7 @@ pub fn ensure_dev_node_certs(dir: &Path, node: Option<&str>) -> Result<TlsFiles,
     let issuer = dev_ca_issuer(dir)?;
 
     let server_kp = rcgen::KeyPair::generate()?;
-    let server_cert = server_params(node)?.signed_by(&server_kp, &issuer)?;
+    let server_cert = server_params(names, node)?.signed_by(&server_kp, &issuer)?;
     write_file(
         &files.key,
         server_kp.serialize_pem().as_bytes(),
@@ -915,30 +1051,60 @@ mod tests {
         let plain = ensure_dev_certs(dir.path()).unwrap();
         assert!(file_node_names(&plain.cert).unwrap().is_empty());
         // The same data directory started as cluster node n1: signed again, naming n1.
-        let n1 = ensure_dev_node_certs(dir.path(), Some("n1")).unwrap();
+        let n1 = ensure_dev_node_certs(dir.path(), Some("n1"), &[]).unwrap();
         assert_eq!(file_node_names(&n1.cert).unwrap(), ["n1"]);
         let before = std::fs::read(&n1.cert).unwrap();
-        ensure_dev_node_certs(dir.path(), Some("n1")).unwrap();
+        ensure_dev_node_certs(dir.path(), Some("n1"), &[]).unwrap();
         assert_eq!(
             std::fs::read(&n1.cert).unwrap(),
             before,
             "a fitting certificate is kept"
         );
         // Renamed to n2: a certificate naming n2 only.
-        let n2 = ensure_dev_node_certs(dir.path(), Some("n2")).unwrap();
+        let n2 = ensure_dev_node_certs(dir.path(), Some("n2"), &[]).unwrap();
         assert_eq!(file_node_names(&n2.cert).unwrap(), ["n2"]);
         // Client certificates from the same CA name no node.
         let (alice, _) = issue_dev_client_cert(dir.path(), "alice", dir.path()).unwrap();
         assert!(file_node_names(&alice).unwrap().is_empty());
         // Without the CA's key, a certificate for another node cannot be made: a clear error.
         std::fs::remove_file(dir.path().join(CA_KEY_FILE)).unwrap();
-        let e = ensure_dev_node_certs(dir.path(), Some("n3"))
+        let e = ensure_dev_node_certs(dir.path(), Some("n3"), &[])
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("does not name cluster node \"n3\"") && e.contains(CA_KEY_FILE),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_dev_certificate_carries_the_names_a_local_setup_needs() {
+        let dir = tempfile::tempdir().unwrap();
+        let plain = ensure_dev_certs(dir.path()).unwrap();
+        assert_eq!(
+            file_host_names(&plain.cert).unwrap(),
+            ["localhost", "127.0.0.1", "::1"]
+        );
+        let ca = std::fs::read(&plain.ca).unwrap();
+        // An advertised name (and the machine's host name) missing: signed again, by the same CA.
+        let names = ["tether-9.test".to_string(), "10.1.2.3".to_string()];
+        let f = ensure_dev_node_certs(dir.path(), None, &names).unwrap();
+        assert_eq!(
+            file_host_names(&f.cert).unwrap(),
+            ["localhost", "127.0.0.1", "::1", "tether-9.test", "10.1.2.3"]
+        );
+        assert_eq!(std::fs::read(&f.ca).unwrap(), ca);
+        let before = std::fs::read(&f.cert).unwrap();
+        ensure_dev_node_certs(dir.path(), None, &names[..1]).unwrap();
+        assert_eq!(
+            std::fs::read(&f.cert).unwrap(),
+            before,
+            "a certificate that has every name is kept"
+        );
+        // Without the CA's key a missing host name is no reason to refuse to start.
+        std::fs::remove_file(dir.path().join(CA_KEY_FILE)).unwrap();
+        ensure_dev_node_certs(dir.path(), None, &["tether-10.test".to_string()]).unwrap();
+        assert_eq!(std::fs::read(&f.cert).unwrap(), before);
     }
 
     #[test]
