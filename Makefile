@@ -11,7 +11,7 @@ DATA_DIR ?= data
 BENCH_EVENTS ?= 1000000
 BENCH_VALUE_BYTES ?= 128
 
-.PHONY: run-cluster all deps build run test bench bench-quick fmt lint clean
+.PHONY: run-cluster all deps build run test python test-python bench bench-quick fmt lint clean
 
 all: build
 
@@ -37,8 +37,34 @@ run: build
 run-cluster: build
 	BIN=target/release/tether CLUSTER_DIR=$(DATA_DIR)/cluster scripts/run-cluster.sh
 
-test: deps
+test: deps python
 	$(CARGO) test --release --workspace
+	TETHER_BIN="$(BIN)" "$(PY_VENV)/bin/python" -m pytest clients/python/tests -q
+
+# The Python client (clients/python, docs/python.md): a virtualenv with maturin and pytest, and
+# the extension module built into it with `maturin develop` (quick when nothing changed). Its
+# cargo build shares TARGET_DIR with the main one.
+PY_VENV ?= $(TARGET_DIR)/python-venv
+
+python:
+	@if ! command -v $(CARGO) >/dev/null 2>&1; then \
+	  echo "error: cargo is not installed (install Rust from rustup)"; exit 1; fi
+	@if ! "$(PY_VENV)/bin/python" -c '' >/dev/null 2>&1; then \
+	  rm -rf "$(PY_VENV)"; \
+	  if ! python3 -m venv "$(PY_VENV)" >/dev/null 2>&1; then \
+	    echo "installing python3-venv (needed for the Python client's virtualenv)"; \
+	    SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	    $$SUDO apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends python3-venv >/dev/null; \
+	    rm -rf "$(PY_VENV)"; python3 -m venv "$(PY_VENV)" || exit 1; fi; fi
+	@if ! [ -x "$(PY_VENV)/bin/maturin" ] || ! "$(PY_VENV)/bin/python" -c 'import pytest' 2>/dev/null; then \
+	  "$(PY_VENV)/bin/python" -m pip install -q 'maturin>=1.9.4,<2' 'pytest>=8'; fi
+	cd clients/python && CARGO_TARGET_DIR="$(TARGET_DIR)" VIRTUAL_ENV="$(PY_VENV)" PATH="$(PY_VENV)/bin:$$PATH" \
+	  maturin develop --release --quiet
+
+# The Python client's tests (pytest) against the server binary `make build` leaves.
+test-python: build python
+	TETHER_BIN="$(CURDIR)/target/release/tether" "$(PY_VENV)/bin/python" -m pytest clients/python/tests -q
 
 # The replay benchmark with its NATS JetStream peer in the same run (scripts/bench.sh).
 bench: deps
