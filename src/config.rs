@@ -317,11 +317,30 @@ pub fn parse_peer(s: &str) -> Result<(String, String), String> {
         .split_once('=')
         .ok_or_else(|| format!("invalid peer {s:?} (expected ID=ADDR, e.g. n2=127.0.0.1:7402)"))?;
     validate_node_id(id)?;
-    let addr = parse_addr("peer", addr)?;
-    if addr.port() == 0 {
+    let invalid = || {
+        format!(
+            "invalid peer address {addr:?} (expected IP:PORT or HOST:PORT, e.g. 127.0.0.1:7402 or tether-2.example.com:7402)"
+        )
+    };
+    // An IP address as is; a host name is resolved each time the peer is dialed.
+    let (addr, port) = match addr.parse::<SocketAddr>() {
+        Ok(a) => (a.to_string(), a.port()),
+        Err(_) => {
+            let (host, port) = addr.rsplit_once(':').ok_or_else(invalid)?;
+            let port: u16 = port.parse().map_err(|_| invalid())?;
+            if host.parse::<std::net::IpAddr>().is_ok()
+                || host.starts_with('[')
+                || validate_advertise(host).is_err()
+            {
+                return Err(invalid());
+            }
+            (addr.to_string(), port)
+        }
+    };
+    if port == 0 {
         return Err(format!("peer {id}: port 0 cannot be dialed"));
     }
-    Ok((id.to_string(), addr.to_string()))
+    Ok((id.to_string(), addr))
 }
 
 impl FileConfig {
@@ -535,10 +554,20 @@ mod tests {
             parse_peer("n2=127.0.0.1:7402").unwrap(),
             ("n2".to_string(), "127.0.0.1:7402".to_string())
         );
+        // A host name, resolved when the peer is dialed.
+        assert_eq!(
+            parse_peer("n2=tether-2.example.com:7402").unwrap(),
+            ("n2".to_string(), "tether-2.example.com:7402".to_string())
+        );
+        assert_eq!(parse_peer("n3=[::1]:7403").unwrap().1, "[::1]:7403");
         for bad in [
             "n2",
             "=127.0.0.1:1",
-            "n2=localhost:7402",
+            "n2=localhost",
+            "n2=localhost:x",
+            "n2=localhost:0",
+            "n2=not a host:7402",
+            "n2=::1:7402",
             "n 2=127.0.0.1:1",
             "n2=127.0.0.1:0",
         ] {

@@ -278,3 +278,40 @@ async fn the_dev_certificate_carries_the_advertised_names() {
     assert!(err.to_string().contains("tether-8.test"), "{err}");
     node.shutdown().await;
 }
+
+/// Members listed by host name (`localhost:PORT` here: a name every machine resolves): peers
+/// resolve and dial it, so the cluster forms, and a client coming through a node that does not
+/// hold its queue is redirected by that name, resolves it and is served by the queue's primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_listed_by_host_name_are_dialed_and_redirected_to_by_that_name() {
+    fn by_host_name(cfg: &mut ServerConfig) {
+        for (_, addr) in cfg.peers.iter_mut() {
+            *addr = addr.replace("127.0.0.1", "localhost");
+        }
+    }
+    let c = common::cluster::TestCluster::start_tweaked(3, by_host_name).await;
+    c.leader().await;
+    let members = &c.node(0).cluster().expect("clustered").members().nodes;
+    assert!(
+        members
+            .values()
+            .filter(|n| n.name != "n1")
+            .all(|n| n.addr.starts_with("localhost:")),
+        "{members:?}"
+    );
+    let via = |i: usize| {
+        ClientBuilder::new()
+            .server(c.node(i).addr())
+            .ca_file(c.node(i).ca_file())
+    };
+    let d = via(0).durable("h", 300).connect().await.unwrap();
+    let primary = c.names.iter().position(|n| n == d.node_id()).unwrap();
+    d.close(true).await.unwrap();
+    let other = (0..3).find(|&i| i != primary).unwrap();
+    let d = via(other).durable("h", 300).connect().await.unwrap();
+    assert_eq!(d.node_id(), c.names[primary], "redirected to the primary");
+    assert_eq!(d.server_addr().port(), c.ports[primary]);
+    assert!(d.server_addr().ip().is_loopback());
+    d.close(false).await.unwrap();
+    c.shutdown().await;
+}

@@ -51,8 +51,9 @@ pub const REDIRECTS_MAX: usize = 3;
 /// How one connection attempt ended.
 enum Attempt {
     Connected(Box<Client>),
-    /// The node does not hold this durable queue; the one at this address does.
-    Redirect(SocketAddr),
+    /// The node does not hold this durable queue; the one at this address (`IP:PORT` or
+    /// `HOST:PORT`, as the cluster's member list gives it) does.
+    Redirect(String),
 }
 
 /// Delivery frames buffered between the delivery stream and the application (each holds at
@@ -188,7 +189,7 @@ impl DedupState {
 
     /// Client-managed failover: if the last session of durable id `id` was lost (not ended by
     /// the application), the node id of its primary and the addresses of the queue's copies.
-    fn lost_primary(&self, id: &str) -> Option<(String, Vec<SocketAddr>)> {
+    fn lost_primary(&self, id: &str) -> Option<(String, Vec<String>)> {
         let d = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if d.durable_id.as_deref() != Some(id) {
             return None;
@@ -198,7 +199,7 @@ impl DedupState {
             .queue_servers
             .iter()
             .filter(|s| !s.primary)
-            .filter_map(|s| s.addr.parse().ok())
+            .map(|s| s.addr.clone())
             .collect();
         Some((primary.node_id.clone(), copies))
     }
@@ -508,6 +509,24 @@ impl ClientBuilder {
             (Some(dedup), Some(d)) => dedup.lost_primary(&d.id),
             _ => None,
         };
+        let lost = match lost {
+            Some((primary, addrs)) => {
+                let mut copies = Vec::with_capacity(addrs.len());
+                for a in &addrs {
+                    match resolve_server(a, None).await {
+                        Ok((sock, host)) => {
+                            if let Some(h) = host {
+                                this.names.entry(sock).or_insert(h);
+                            }
+                            copies.push(sock);
+                        }
+                        Err(e) => tracing::warn!(copy = %a, error = %e, "a copy's address"),
+                    }
+                }
+                Some((primary, copies))
+            }
+            None => None,
+        };
         if let (Some((primary, copies)), Some(d)) = (lost, this.durable.as_mut()) {
             tracing::info!(lost = %primary, copies = ?copies, "failing over to the queue's copies");
             d.failed_primary = Some(primary);
@@ -529,8 +548,18 @@ impl ClientBuilder {
                     Ok(Ok(Attempt::Connected(c))) => return Ok(*c),
                     Ok(Ok(Attempt::Redirect(to))) if hop < REDIRECTS_MAX => {
                         tracing::debug!(from = %addr, to = %to, "redirected");
-                        addr = to;
-                        continue;
+                        match resolve_server(&to, Some(addr)).await {
+                            Ok((sock, host)) => {
+                                // Verified against the member's own host name, unless the
+                                // application named that address itself.
+                                if let Some(h) = host {
+                                    this.names.entry(sock).or_insert(h);
+                                }
+                                addr = sock;
+                                continue;
+                            }
+                            Err(e) => errors.push(format!("{addr}: redirected to {to}: {e}")),
+                        }
                     }
                     Ok(Ok(Attempt::Redirect(to))) => {
                         errors.push(format!("{addr}: too many redirects (last to {to})"));
@@ -589,12 +618,8 @@ impl ClientBuilder {
             Ok(Some(ServerMsg::Error(e))) => return Err(ClientError::Server(e)),
             Ok(Some(ServerMsg::Redirect { addr: to, node_id })) => {
                 conn.close(0u32.into(), b"redirected");
-                return match to.parse() {
-                    Ok(to) => Ok(Attempt::Redirect(to)),
-                    Err(_) => Err(ClientError::Protocol(format!(
-                        "redirect to node {node_id} at an invalid address {to:?}"
-                    ))),
-                };
+                tracing::debug!(node = %node_id, to = %to, "redirect");
+                return Ok(Attempt::Redirect(to));
             }
             Ok(Some(other)) => {
                 return Err(ClientError::Protocol(format!(
@@ -651,6 +676,36 @@ impl ClientBuilder {
             tasks: vec![control, delivery, acker],
         })))
     }
+}
+
+/// The address of a server given as `IP:PORT`, or `HOST:PORT` (resolved now, with the host
+/// name its certificate is verified against). Of several addresses, one of the family of `like`
+/// (the server that named this one), else IPv4, is taken first.
+pub(crate) async fn resolve_server(
+    target: &str,
+    like: Option<SocketAddr>,
+) -> Result<(SocketAddr, Option<String>), String> {
+    if let Ok(a) = target.parse::<SocketAddr>() {
+        return Ok((a, None));
+    }
+    let host = target
+        .rsplit_once(':')
+        .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']'))
+        .filter(|h| !h.is_empty())
+        .ok_or_else(|| format!("invalid server address {target:?}"))?
+        .to_string();
+    let found: Vec<SocketAddr> = tokio::net::lookup_host(target)
+        .await
+        .map_err(|e| format!("cannot resolve {target:?}: {e}"))?
+        .collect();
+    let v4 = like.is_none_or(|a| a.is_ipv4());
+    let sock = found
+        .iter()
+        .find(|a| a.is_ipv4() == v4)
+        .or(found.first())
+        .copied()
+        .ok_or_else(|| format!("{target:?} resolves to no address"))?;
+    Ok((sock, Some(host)))
 }
 
 struct Inner {

@@ -163,7 +163,7 @@ impl ClientBuilder {
         let mut builder = self.dedup_state(dedup.clone());
         let interests: Vec<(String, Interest)> = interests.into_iter().collect();
         let (client, stream, initial) = open(&builder, &interests).await?;
-        learn_servers(&mut builder, &client);
+        learn_servers(&mut builder, &client).await;
         builder.attempt_timeout = policy.attempt_timeout;
         Ok(Subscription {
             builder,
@@ -208,12 +208,18 @@ async fn open(
     }
 }
 
-/// Adds the queue's servers named by `client`'s welcome to the servers `builder` tries.
-fn learn_servers(builder: &mut ClientBuilder, client: &Client) {
+/// Adds the queue's servers named by `client`'s welcome to the servers `builder` tries (a
+/// server named by host is verified against that name, unless the application named it).
+async fn learn_servers(builder: &mut ClientBuilder, client: &Client) {
     for s in client.queue_servers() {
-        if let Ok(addr) = s.addr.parse()
-            && !builder.servers.contains(&addr)
-        {
+        let Ok((addr, host)) = crate::resolve_server(&s.addr, Some(client.server_addr())).await
+        else {
+            continue;
+        };
+        if let Some(h) = host {
+            builder.names.entry(addr).or_insert(h);
+        }
+        if !builder.servers.contains(&addr) {
             builder.servers.push(addr);
         }
     }
@@ -279,7 +285,7 @@ impl Subscription {
                     // The initial image of a re-registration is not shown: a durable queue
                     // replays what happened meanwhile, and non-durable interest misses it
                     // by definition (read current values with `Region::get`).
-                    learn_servers(&mut self.builder, &client);
+                    learn_servers(&mut self.builder, &client).await;
                     tracing::info!(
                         server = %client.server_addr(),
                         queue = client.queue_status().as_str(),

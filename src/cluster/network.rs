@@ -38,6 +38,8 @@ pub const FORWARD_TIMEOUT_MS: u64 = 5_000;
 /// [`MAX_CONCURRENT_BIDI_STREAMS`](tether_transport::tls::MAX_CONCURRENT_BIDI_STREAMS)): room
 /// for pings and votes beside a burst of replication and forwarding calls.
 pub const PEER_STREAMS_MAX: u32 = 64;
+/// How long a member's host name, once resolved, is dialed at that address, in milliseconds.
+pub const PEER_RESOLVED_TTL_MS: u64 = 30_000;
 
 /// A request from one node to another.
 #[derive(Serialize, Deserialize)]
@@ -263,6 +265,8 @@ struct PoolState {
     /// The node's own endpoint (one UDP socket for clients and peers); taken out at close so
     /// RPC clients that outlive the node do not keep the socket bound.
     endpoint: Mutex<Option<quinn::Endpoint>>,
+    /// Member host names resolved, with when.
+    resolved: Mutex<HashMap<String, (SocketAddr, std::time::Instant)>>,
     conns: Mutex<HashMap<SocketAddr, PeerConn>>,
 }
 
@@ -285,6 +289,7 @@ impl PeerPool {
         PeerPool {
             state: Arc::new(PoolState {
                 endpoint: Mutex::new(Some(endpoint)),
+                resolved: Mutex::new(HashMap::new()),
                 conns: Mutex::new(HashMap::new()),
             }),
             client_config,
@@ -357,6 +362,50 @@ impl PeerPool {
         Ok(rx)
     }
 
+    /// The socket address of member address `addr`: an `IP:PORT` as it is; a `HOST:PORT`
+    /// resolved (again after [`PEER_RESOLVED_TTL_MS`]: a member's address may change), an
+    /// address of this node's endpoint's family first (an IPv4 socket cannot reach an IPv6
+    /// address).
+    async fn resolve(&self, addr: &str) -> Result<SocketAddr, PeerError> {
+        if let Ok(sock) = addr.parse() {
+            return Ok(sock);
+        }
+        let fresh = Duration::from_millis(PEER_RESOLVED_TTL_MS);
+        if let Some((sock, at)) = self.state.resolved.lock().expect("pool lock").get(addr)
+            && at.elapsed() < fresh
+        {
+            return Ok(*sock);
+        }
+        let unreachable = |reason: String| PeerError::Unreachable {
+            addr: addr.to_string(),
+            reason,
+        };
+        let found: Vec<SocketAddr> = tokio::net::lookup_host(addr)
+            .await
+            .map_err(|e| unreachable(format!("cannot resolve: {e}")))?
+            .collect();
+        let v4 = self
+            .state
+            .endpoint
+            .lock()
+            .expect("pool lock")
+            .as_ref()
+            .and_then(|e| e.local_addr().ok())
+            .is_none_or(|a| a.is_ipv4());
+        let sock = found
+            .iter()
+            .find(|a| a.is_ipv4() == v4)
+            .or(found.first())
+            .copied()
+            .ok_or_else(|| unreachable("resolves to no address".into()))?;
+        self.state
+            .resolved
+            .lock()
+            .expect("pool lock")
+            .insert(addr.to_string(), (sock, std::time::Instant::now()));
+        Ok(sock)
+    }
+
     /// Sends `request` to node `to` at `addr` and waits up to `timeout` for its response.
     pub async fn call(
         &self,
@@ -365,10 +414,6 @@ impl PeerPool {
         request: PeerRequest,
         timeout: Duration,
     ) -> Result<PeerResponse, PeerError> {
-        let sock: SocketAddr = addr.parse().map_err(|_| PeerError::Unreachable {
-            addr: addr.to_string(),
-            reason: "not an IP:PORT address".into(),
-        })?;
         let body =
             codec::encode_body(&Envelope { to, request }).map_err(|e| PeerError::Network {
                 addr: addr.to_string(),
@@ -381,8 +426,9 @@ impl PeerPool {
         // The connection the exchange used, if it got one.
         let used = Mutex::new(None);
         let exchange = async {
+            let sock = self.resolve(addr).await?;
             let (conn, names) = self.connection(sock).await?;
-            *used.lock().expect("used lock") = Some(conn.clone());
+            *used.lock().expect("used lock") = Some((sock, conn.clone()));
             // The node that answers there must be the one called, by its certificate.
             if !matches!(&names[..], [name] if raft_id(name) == to) {
                 return Err(PeerError::Unreachable {
@@ -415,7 +461,7 @@ impl PeerPool {
             })
             .and_then(|r| r);
         if result.is_err()
-            && let Some(conn) = used.lock().expect("used lock").take()
+            && let Some((sock, conn)) = used.lock().expect("used lock").take()
         {
             // The peer may have died (a killed process never closes its connections, which
             // then linger until their idle timeout): reconnect on the next call.
