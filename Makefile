@@ -11,7 +11,7 @@ DATA_DIR ?= data
 BENCH_EVENTS ?= 1000000
 BENCH_VALUE_BYTES ?= 128
 
-.PHONY: run-cluster all deps build run test python test-python bench bench-quick fmt lint clean
+.PHONY: run-cluster all deps build run test python test-python bench bench-quick fmt lint clean dist
 
 all: build
 
@@ -30,6 +30,27 @@ build: deps
 	@if [ "$(BIN)" != "$(CURDIR)/target/release/tether" ]; then \
 	  mkdir -p target/release && cp -f "$(BIN)" target/release/tether; fi
 
+# Release tarball: tether-VERSION/ with bin/tether, the example configuration, the systemd unit,
+# the install guide (dist/), LICENSE, CHANGELOG.md, README.md and docs/*.md. The guide's links
+# climb out of dist/ (../docs/operations.md); in the tarball it sits next to docs/, so they lose
+# their ../ (tests/dist.rs checks they resolve in both places).
+VERSION := $(shell sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"/\1/p' Cargo.toml)
+ARCH := $(shell uname -m)
+DIST_TARBALL := $(TARGET_DIR)/dist/tether-$(VERSION)-$(ARCH)-linux.tar.gz
+
+dist: build
+	@set -e; stage="$(TARGET_DIR)/dist/stage"; root="$$stage/tether-$(VERSION)"; \
+	rm -rf "$$stage"; mkdir -p "$$root/bin" "$$root/docs"; \
+	install -m 0755 "$(BIN)" "$$root/bin/tether"; \
+	install -m 0644 dist/tether.toml.example dist/tether.service LICENSE CHANGELOG.md README.md "$$root/"; \
+	sed 's|](\.\./|](|g' dist/INSTALL.md > "$$root/INSTALL.md"; chmod 0644 "$$root/INSTALL.md"; \
+	install -m 0644 docs/*.md "$$root/docs/"; \
+	tar -C "$$stage" --sort=name --owner=0 --group=0 --numeric-owner -czf "$(DIST_TARBALL)" "tether-$(VERSION)"; \
+	rm -rf "$$stage"; out="$(DIST_TARBALL)"; \
+	if [ "$(DIST_TARBALL)" != "$(CURDIR)/target/dist/$(notdir $(DIST_TARBALL))" ]; then \
+	  mkdir -p target/dist && cp -f "$(DIST_TARBALL)" target/dist/; out="target/dist/$(notdir $(DIST_TARBALL))"; fi; \
+	echo "dist: $$out"
+
 run: build
 	target/release/tether server --data-dir $(DATA_DIR)
 
@@ -40,6 +61,7 @@ run-cluster: build
 test: deps python
 	$(CARGO) test --release --workspace
 	TETHER_BIN="$(BIN)" "$(PY_VENV)/bin/python" -m pytest clients/python/tests -q
+	$(MAKE) test-ui
 
 # The Python client (clients/python, docs/python.md): a virtualenv with maturin and pytest, and
 # the extension module built into it with `maturin develop` (quick when nothing changed). Its
@@ -65,6 +87,32 @@ python:
 # The Python client's tests (pytest) against the server binary `make build` leaves.
 test-python: build python
 	TETHER_BIN="$(CURDIR)/target/release/tether" "$(PY_VENV)/bin/python" -m pytest clients/python/tests -q
+
+# The admin page's browser test (tests/ui/admin_page.mjs) against the binary `make build` leaves:
+# headless Chromium from Debian's packages, driven by playwright-core from npm (pinned in
+# tests/ui/package-lock.json and installed under TARGET_DIR, never in the clone). Screenshots go
+# to $(UI_DIR).
+UI_DIR ?= $(TARGET_DIR)/ui-test
+CHROMIUM ?= /usr/bin/chromium
+
+.PHONY: test-ui
+
+test-ui: build
+	@if ! [ -x "$(CHROMIUM)" ]; then \
+	  echo "installing chromium (needed for the admin page's browser test)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null; fi
+	@if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then \
+	  echo "error: node and npm are not installed (the admin page's browser test needs Node.js 20 or later)"; exit 1; fi
+	@mkdir -p "$(UI_DIR)"
+	@if ! cmp -s tests/ui/package-lock.json "$(UI_DIR)/package-lock.json" || \
+	    ! [ -f "$(UI_DIR)/node_modules/playwright-core/package.json" ]; then \
+	  echo "installing playwright-core into $(UI_DIR)"; \
+	  cp -f tests/ui/package.json tests/ui/package-lock.json "$(UI_DIR)/" && \
+	  (cd "$(UI_DIR)" && npm ci --no-audit --no-fund --loglevel=error) || exit 1; fi
+	TETHER_BIN="$(CURDIR)/target/release/tether" CHROMIUM="$(CHROMIUM)" UI_DEPS_DIR="$(UI_DIR)" UI_OUT_DIR="$(UI_DIR)" \
+	  node tests/ui/admin_page.mjs
 
 # The replay benchmark with its NATS JetStream peer in the same run (scripts/bench.sh).
 bench: deps

@@ -27,6 +27,8 @@ for i in 0 1 2; do
 done
 echo "cluster CA (trust it with --ca): $DIR/n1/tls/ca.pem"
 echo "nodes: n1=127.0.0.1:$BASE n2=127.0.0.1:$((BASE + 1)) n3=127.0.0.1:$((BASE + 2))"
+echo "admin: http://127.0.0.1:$((BASE + 2000))/ (n1), :$((BASE + 2001)) (n2), :$((BASE + 2002)) (n3);"
+echo "       probes /healthz /readyz, metrics /metrics, API /api/v1/queues (every member's queues)"
 echo "try:   $BIN subscribe --server 127.0.0.1:$BASE --ca $DIR/n1/tls/ca.pem --region R --all-keys --durable-id d1"
 echo "       $BIN put --server 127.0.0.1:$((BASE + 1)) --ca $DIR/n1/tls/ca.pem --region R --key k --value v"
 wait -n  # one node stopping (or failing to start) stops the cluster

@@ -1,12 +1,15 @@
-//! Server configuration: command-line flags and the TOML file (flags win), validated.
+//! Server configuration: command-line flags, `TETHER_*` environment variables and the TOML
+//! file, in that order of precedence over the defaults ([`ServerArgs`], [`resolve`]),
+//! validated; and the effective configuration printed back as TOML ([`render_toml`]).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use clap::parser::ValueSource;
+use serde::{Deserialize, Serialize};
 
 /// How storage writes reach the disk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum SyncMode {
     /// fsync every write request on its own.
@@ -34,7 +37,7 @@ impl std::str::FromStr for SyncMode {
 
 /// What a node does when a publish would grow a subscription queue past its entry or byte
 /// limit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum QueueFullPolicy {
     /// The publisher waits (up to `queue-full-block-ms`) for the client to ack, then is refused.
@@ -70,7 +73,7 @@ pub const QUEUE_FULL_BLOCK_MS_DEFAULT: u64 = 5_000;
 
 /// The limits a node enforces that operators may change (`[limits]` in the TOML file).
 /// Defaults come from `crate::limits`.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
 pub struct Limits {
     /// Entries one queue may hold beyond its acked offset.
@@ -183,7 +186,7 @@ impl Limits {
 
 /// Server certificate files; without them a dev CA and certificate are generated into
 /// `<data-dir>/tls/`.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TlsConfig {
     pub cert: PathBuf,
@@ -223,7 +226,15 @@ pub struct ServerConfig {
     /// them (`--advertise`, TOML `advertise`). Unused with `[tls]` (the operator's certificate
     /// names what it names).
     pub advertise: Vec<String>,
+    /// Durable queues exported one by one in `/metrics` (the most pending events first,
+    /// label `durable_id`); 0 exports none. The rest is in the queue-size histogram.
+    pub metrics_top_queues: usize,
 }
+
+/// Default of [`ServerConfig::metrics_top_queues`].
+pub const METRICS_TOP_QUEUES_DEFAULT: usize = 20;
+/// Most [`ServerConfig::metrics_top_queues`]: bounds the series a scrape carries.
+pub const METRICS_TOP_QUEUES_MAX: usize = 1_000;
 
 /// Default of [`ServerConfig::node_failure_ms`], in milliseconds.
 pub const NODE_FAILURE_MS_DEFAULT: u64 = 2_500;
@@ -265,6 +276,7 @@ impl Default for ServerConfig {
             node_failure_ms: NODE_FAILURE_MS_DEFAULT,
             rebalance: true,
             advertise: Vec::new(),
+            metrics_top_queues: METRICS_TOP_QUEUES_DEFAULT,
         }
     }
 }
@@ -296,6 +308,12 @@ pub struct FileConfig {
     pub cluster: Option<ClusterFileConfig>,
     /// See [`ServerConfig::advertise`].
     pub advertise: Option<Vec<String>>,
+    /// See [`ServerConfig::metrics_top_queues`].
+    pub metrics_top_queues: Option<usize>,
+    /// See [`LogSettings::format`].
+    pub log_format: Option<LogFormat>,
+    /// See [`LogSettings::level`].
+    pub log_level: Option<String>,
 }
 
 /// The `[cluster]` table of the TOML file.
@@ -393,6 +411,482 @@ pub fn open_node_warning(listen: SocketAddr, secured: bool) -> Option<String> {
     Some(format!(
         "OPEN NODE on {listen}: no [auth] table, so every client that reaches this address may publish, subscribe and run admin commands; configure [auth] (docs/operations.md) or listen on loopback only"
     ))
+}
+
+/// Checks a `metrics-top-queues` value.
+pub fn validate_metrics_top_queues(n: usize) -> Result<(), String> {
+    if n > METRICS_TOP_QUEUES_MAX {
+        return Err(format!(
+            "metrics-top-queues {n} is above the limit of {METRICS_TOP_QUEUES_MAX}"
+        ));
+    }
+    Ok(())
+}
+
+/// How the server writes its logs (stderr).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// One human-readable line per event (coloured only when stderr is a terminal).
+    #[default]
+    Text,
+    /// One JSON object per line: timestamp, level, target, fields (with the message).
+    Json,
+}
+
+/// The server's default log filter: the tether crates' life-cycle events at info (the
+/// `tether` target prefix covers `tether_transport`, `tether_storage` and `tether_client`),
+/// other crates' warnings and errors, and nothing from openraft. Openraft reports every
+/// unanswered RPC of a forming or recovering cluster as a WARN or ERROR ("RPCError … rpc to
+/// 127.0.0.1:7402 timed out", "A message will be ignored because vote changed"): expected
+/// noise, while its real failures reach tether as errors of its API, which tether logs itself
+/// (and members it cannot reach are declared failed by tether's own failure detection).
+/// `--log-level info,openraft=info` (or `RUST_LOG`) shows openraft again.
+pub const SERVER_LOG_FILTER_DEFAULT: &str = "warn,tether=info,openraft=off";
+/// The log filter of the client commands (`put`, `subscribe`, …): quiet.
+pub const CLIENT_LOG_FILTER_DEFAULT: &str = "warn";
+
+/// Checks a log filter (a `tracing_subscriber::EnvFilter` directive list, as `RUST_LOG` takes).
+pub fn validate_log_filter(s: &str) -> Result<(), String> {
+    if s.trim().is_empty() {
+        return Err("empty log filter (e.g. info, or warn,tether=debug)".into());
+    }
+    tracing_subscriber::EnvFilter::builder()
+        .parse(s)
+        .map(|_| ())
+        .map_err(|e| format!("invalid log filter {s:?}: {e} (e.g. info, or warn,tether=debug)"))
+}
+
+/// A server's log settings (`--log-format`, `--log-level`; `RUST_LOG` wins over the level).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LogSettings {
+    pub format: LogFormat,
+    /// An `EnvFilter` directive list; [`SERVER_LOG_FILTER_DEFAULT`] unless set.
+    pub level: String,
+}
+
+impl Default for LogSettings {
+    fn default() -> Self {
+        LogSettings {
+            format: LogFormat::Text,
+            level: SERVER_LOG_FILTER_DEFAULT.to_string(),
+        }
+    }
+}
+
+/// What `tether server` runs with: the node's configuration and its log settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    pub server: ServerConfig,
+    pub log: LogSettings,
+}
+
+/// Largest integer a TOML file (and so `--print-config`) can hold.
+const TOML_INT_MAX: u64 = i64::MAX as u64;
+
+fn listen_arg(s: &str) -> Result<SocketAddr, String> {
+    parse_addr("listen", s)
+}
+
+fn metrics_arg(s: &str) -> Result<String, String> {
+    parse_metrics(s).map(|_| s.to_string())
+}
+
+fn node_id_arg(s: &str) -> Result<String, String> {
+    validate_node_id(s).map(|()| s.to_string())
+}
+
+fn advertise_arg(s: &str) -> Result<String, String> {
+    validate_advertise(s).map(|()| s.to_string())
+}
+
+fn peer_arg(s: &str) -> Result<String, String> {
+    parse_peer(s).map(|_| s.to_string())
+}
+
+fn log_filter_arg(s: &str) -> Result<String, String> {
+    validate_log_filter(s).map(|()| s.to_string())
+}
+
+/// `tether server`'s flags. Each setting is also read from a `TETHER_*` environment variable
+/// and from the `--config` file: flag > variable > file > default ([`resolve`]).
+#[derive(clap::Args, Clone, Debug)]
+pub struct ServerArgs {
+    /// TOML file with the same settings as these flags (`--print-config` prints one); flags
+    /// and TETHER_* variables win over it. Its [auth] table (tokens, admins, ACLs) is read
+    /// again whenever the file changes.
+    #[arg(long, env = "TETHER_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Print the effective configuration (flags > TETHER_* variables > file > defaults) as a
+    /// TOML file usable with --config, and exit without starting the server or touching the
+    /// data directory. Token hashes are not printed.
+    #[arg(long)]
+    pub print_config: bool,
+    /// Where RocksDB, TLS material and the node id live; created if missing.
+    #[arg(
+        long,
+        env = "TETHER_DATA_DIR",
+        value_name = "DIR",
+        default_value = "data"
+    )]
+    pub data_dir: PathBuf,
+    /// QUIC address for clients and peers (IP:PORT); port 0 picks a free port.
+    #[arg(long, env = "TETHER_LISTEN", value_name = "ADDR", default_value = DEFAULT_LISTEN, value_parser = listen_arg)]
+    pub listen: SocketAddr,
+    /// Prometheus address (/metrics, IP:PORT); port 0 picks a free port; `off` disables it.
+    #[arg(long, env = "TETHER_METRICS", value_name = "ADDR|off", default_value = DEFAULT_METRICS, value_parser = metrics_arg)]
+    pub metrics: String,
+    /// Durable queues exported one by one in /metrics (the most pending first; 0: none).
+    #[arg(long, env = "TETHER_METRICS_TOP_QUEUES", value_name = "N", default_value_t = METRICS_TOP_QUEUES_DEFAULT as u64, value_parser = clap::value_parser!(u64).range(0..=METRICS_TOP_QUEUES_MAX as u64))]
+    pub metrics_top_queues: u64,
+    /// This node's id (1 to 64 letters, digits, '-', '_', '.'). Default: generated once and
+    /// kept in the data directory.
+    #[arg(long, env = "TETHER_NODE_ID", value_name = "ID", value_parser = node_id_arg)]
+    pub node_id: Option<String>,
+    /// A host name or IP address clients reach this node by (repeatable or comma-separated):
+    /// the dev server certificate carries it, besides localhost, 127.0.0.1, ::1 and the
+    /// machine's host name. Ignored with TLS files.
+    #[arg(long, env = "TETHER_ADVERTISE", value_name = "NAME", value_delimiter = ',', value_parser = advertise_arg)]
+    pub advertise: Vec<String>,
+    /// How storage writes reach the disk.
+    #[arg(long, env = "TETHER_SYNC", value_name = "MODE", value_enum, default_value_t = SyncMode::Batch)]
+    pub sync: SyncMode,
+
+    /// A cluster member as ID=ADDR (repeatable or comma-separated; may include this node;
+    /// ADDR is IP:PORT or HOST:PORT). Replaces the file's [cluster] peers. Needs --node-id.
+    #[arg(long = "peer", env = "TETHER_PEERS", value_name = "ID=ADDR", value_delimiter = ',', value_parser = peer_arg, help_heading = "Cluster")]
+    pub peers: Vec<String>,
+    /// A member silent this long is declared failed and its queues fail over (milliseconds).
+    #[arg(long, env = "TETHER_NODE_FAILURE_MS", value_name = "MS", default_value_t = NODE_FAILURE_MS_DEFAULT, value_parser = clap::value_parser!(u64).range(NODE_FAILURE_MS_MIN..=NODE_FAILURE_MS_MAX), help_heading = "Cluster")]
+    pub node_failure_ms: u64,
+    /// Hand durable queues over to members holding fewer primaries.
+    #[arg(long, env = "TETHER_REBALANCE", value_name = "BOOL", action = clap::ArgAction::Set, default_value_t = true, value_parser = clap::value_parser!(bool), help_heading = "Cluster")]
+    pub rebalance: bool,
+
+    /// Entries a subscription queue may hold beyond its acked offset.
+    #[arg(long, env = "TETHER_QUEUE_ENTRIES_MAX", value_name = "N", default_value_t = crate::limits::QUEUE_ENTRIES_MAX, value_parser = clap::value_parser!(u64).range(1..=TOML_INT_MAX), help_heading = "Limits")]
+    pub queue_entries_max: u64,
+    /// Bytes of stored events a subscription queue may hold beyond its acked offset (at least
+    /// 4096).
+    #[arg(long, env = "TETHER_QUEUE_BYTES_MAX", value_name = "BYTES", default_value_t = crate::limits::QUEUE_BYTES_MAX, value_parser = clap::value_parser!(u64).range(crate::limits::QUEUE_BYTES_MAX_LOWEST_BYTES..=TOML_INT_MAX), help_heading = "Limits")]
+    pub queue_bytes_max: u64,
+    /// Cluster: bytes of this node's publishes kept for peers that have not applied them; past
+    /// it new publishes are refused until peers catch up (at least 4096).
+    #[arg(long, env = "TETHER_PUBLISH_LOG_BYTES_MAX", value_name = "BYTES", default_value_t = crate::limits::PUBLISH_LOG_BYTES_MAX, value_parser = clap::value_parser!(u64).range(crate::limits::QUEUE_BYTES_MAX_LOWEST_BYTES..=TOML_INT_MAX), help_heading = "Limits")]
+    pub publish_log_bytes_max: u64,
+    /// What a publish to a full queue does.
+    #[arg(long, env = "TETHER_QUEUE_FULL_POLICY", value_name = "POLICY", value_enum, default_value_t = QueueFullPolicy::Reject, help_heading = "Limits")]
+    pub queue_full_policy: QueueFullPolicy,
+    /// How long a publish waits for a full queue under the block policy (milliseconds).
+    #[arg(long, env = "TETHER_QUEUE_FULL_BLOCK_MS", value_name = "MS", default_value_t = QUEUE_FULL_BLOCK_MS_DEFAULT, value_parser = clap::value_parser!(u64).range(0..=QUEUE_FULL_BLOCK_MS_MAX), help_heading = "Limits")]
+    pub queue_full_block_ms: u64,
+    /// Concurrent client connections.
+    #[arg(long, env = "TETHER_CONNECTIONS_MAX", value_name = "N", default_value_t = crate::limits::CONNECTIONS_PER_NODE_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=u32::MAX as u64), help_heading = "Limits")]
+    pub connections_max: u64,
+    /// Time a new connection has to send its hello (milliseconds).
+    #[arg(long, env = "TETHER_HANDSHAKE_TIMEOUT_MS", value_name = "MS", default_value_t = crate::limits::HANDSHAKE_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..=QUEUE_FULL_BLOCK_MS_MAX), help_heading = "Limits")]
+    pub handshake_timeout_ms: u64,
+    /// Events a session may have on the wire beyond its acked offset.
+    #[arg(long, env = "TETHER_INFLIGHT_EVENTS_MAX", value_name = "N", default_value_t = crate::limits::INFLIGHT_EVENTS_PER_SESSION_MAX, value_parser = clap::value_parser!(u64).range(1..=TOML_INT_MAX), help_heading = "Limits")]
+    pub inflight_events_max: u64,
+    /// A connection silent this long is closed, as a crash (milliseconds; above the 5000 ms
+    /// keep-alive interval).
+    #[arg(long, env = "TETHER_IDLE_TIMEOUT_MS", value_name = "MS", default_value_t = tether_transport::tls::IDLE_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(tether_transport::tls::KEEP_ALIVE_INTERVAL_MS + 1..=IDLE_TIMEOUT_MS_MAX), help_heading = "Limits")]
+    pub idle_timeout_ms: u64,
+    /// Bytes a client may send on one connection beyond what the node has read (QUIC flow
+    /// control; 64 KiB to 1 GiB).
+    #[arg(long, env = "TETHER_CONNECTION_RECEIVE_WINDOW_BYTES", value_name = "BYTES", default_value_t = tether_transport::tls::SERVER_RECEIVE_WINDOW_BYTES, value_parser = clap::value_parser!(u64).range(tether_transport::tls::CONNECTION_WINDOW_BYTES_LOWEST..=tether_transport::tls::CONNECTION_WINDOW_BYTES_MAX), help_heading = "Limits")]
+    pub connection_receive_window_bytes: u64,
+    /// Bytes the node keeps written but unacknowledged on one connection (its send buffer for
+    /// a slow client; 64 KiB to 1 GiB).
+    #[arg(long, env = "TETHER_CONNECTION_SEND_WINDOW_BYTES", value_name = "BYTES", default_value_t = tether_transport::tls::SERVER_SEND_WINDOW_BYTES, value_parser = clap::value_parser!(u64).range(tether_transport::tls::CONNECTION_WINDOW_BYTES_LOWEST..=tether_transport::tls::CONNECTION_WINDOW_BYTES_MAX), help_heading = "Limits")]
+    pub connection_send_window_bytes: u64,
+
+    /// Server certificate (PEM), instead of the generated dev one; needs --tls-key and
+    /// --tls-ca (or the file's [tls] table). Overrides [tls] cert.
+    #[arg(
+        long,
+        env = "TETHER_TLS_CERT",
+        value_name = "FILE",
+        help_heading = "TLS"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert. Overrides [tls] key.
+    #[arg(
+        long,
+        env = "TETHER_TLS_KEY",
+        value_name = "FILE",
+        help_heading = "TLS"
+    )]
+    pub tls_key: Option<PathBuf>,
+    /// CA certificate clients should trust (printed in the listening line). Overrides [tls] ca.
+    #[arg(long, env = "TETHER_TLS_CA", value_name = "FILE", help_heading = "TLS")]
+    pub tls_ca: Option<PathBuf>,
+
+    /// Log line format on stderr.
+    #[arg(long, env = "TETHER_LOG_FORMAT", value_name = "FORMAT", value_enum, default_value_t = LogFormat::Text, help_heading = "Logs")]
+    pub log_format: LogFormat,
+    /// What is logged: a tracing EnvFilter directive list (e.g. info, or warn,tether=debug).
+    /// RUST_LOG, when set, wins over it. The default shows tether's life-cycle events and
+    /// other crates' warnings, and hides openraft (its view of a forming cluster is noise;
+    /// info,openraft=info shows it).
+    #[arg(long, env = "TETHER_LOG_LEVEL", value_name = "FILTER", default_value = SERVER_LOG_FILTER_DEFAULT, value_parser = log_filter_arg, help_heading = "Logs")]
+    pub log_level: String,
+}
+
+/// Resolves the settings of `tether server`: for each one the flag, else its `TETHER_*`
+/// variable (both in `args`, as clap read them; `matches` tells which were given), else the
+/// `--config` file, else the default. Validates the result; reads the file, nothing else.
+pub fn resolve(args: &ServerArgs, matches: &clap::ArgMatches) -> Result<Settings, String> {
+    let given = |id: &str| {
+        matches!(
+            matches.value_source(id),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        )
+    };
+    fn pick<T: Clone>(given: bool, arg: &T, file: Option<T>) -> T {
+        if given {
+            arg.clone()
+        } else {
+            file.unwrap_or_else(|| arg.clone())
+        }
+    }
+    let file = match &args.config {
+        Some(p) => FileConfig::load(p)?,
+        None => FileConfig::default(),
+    };
+    let in_file = |e: String| match &args.config {
+        Some(p) => format!("config file {}: {e}", p.display()),
+        None => e,
+    };
+    let mut cfg = ServerConfig {
+        data_dir: pick(given("data_dir"), &args.data_dir, file.data_dir.clone()),
+        ..ServerConfig::default()
+    };
+    let file_listen = file
+        .listen
+        .as_deref()
+        .map(|s| parse_addr("listen", s))
+        .transpose()
+        .map_err(in_file)?;
+    cfg.listen = pick(given("listen"), &args.listen, file_listen);
+    let metrics = pick(given("metrics"), &args.metrics, file.metrics.clone());
+    cfg.metrics = parse_metrics(&metrics).map_err(in_file)?;
+    let top = pick(
+        given("metrics_top_queues"),
+        &(args.metrics_top_queues as usize),
+        file.metrics_top_queues,
+    );
+    validate_metrics_top_queues(top).map_err(in_file)?;
+    cfg.metrics_top_queues = top;
+    cfg.node_id = args.node_id.clone().or(file.node_id.clone());
+    if let Some(id) = &cfg.node_id {
+        validate_node_id(id).map_err(in_file)?;
+    }
+    cfg.advertise = if args.advertise.is_empty() {
+        file.advertise.clone().unwrap_or_default()
+    } else {
+        args.advertise.clone()
+    };
+    for name in &cfg.advertise {
+        validate_advertise(name).map_err(in_file)?;
+    }
+    cfg.sync = pick(given("sync"), &args.sync, file.sync);
+
+    let mut l = file.limits.clone().unwrap_or_default();
+    macro_rules! limit {
+        ($($field:ident),*) => {$(
+            if given(stringify!($field)) {
+                l.$field = args.$field as _;
+            }
+        )*};
+    }
+    limit!(
+        queue_entries_max,
+        queue_bytes_max,
+        publish_log_bytes_max,
+        queue_full_block_ms,
+        connections_max,
+        handshake_timeout_ms,
+        inflight_events_max,
+        idle_timeout_ms,
+        connection_receive_window_bytes,
+        connection_send_window_bytes
+    );
+    if given("queue_full_policy") {
+        l.queue_full_policy = args.queue_full_policy;
+    }
+    l.validate().map_err(in_file)?;
+    cfg.limits = l;
+
+    let cluster = file.cluster.clone().unwrap_or_default();
+    cfg.node_failure_ms = pick(
+        given("node_failure_ms"),
+        &args.node_failure_ms,
+        cluster.node_failure_ms,
+    );
+    validate_node_failure_ms(cfg.node_failure_ms).map_err(in_file)?;
+    cfg.rebalance = pick(given("rebalance"), &args.rebalance, cluster.rebalance);
+    let peers = if args.peers.is_empty() {
+        &cluster.peers
+    } else {
+        &args.peers
+    };
+    cfg.peers = peers
+        .iter()
+        .map(|p| parse_peer(p))
+        .collect::<Result<_, _>>()
+        .map_err(in_file)?;
+
+    let file_tls = file.tls.clone();
+    let cert = args
+        .tls_cert
+        .clone()
+        .or(file_tls.as_ref().map(|t| t.cert.clone()));
+    let key = args
+        .tls_key
+        .clone()
+        .or(file_tls.as_ref().map(|t| t.key.clone()));
+    let ca = args
+        .tls_ca
+        .clone()
+        .or(file_tls.as_ref().map(|t| t.ca.clone()));
+    cfg.tls = match (cert, key, ca) {
+        (Some(cert), Some(key), Some(ca)) => Some(TlsConfig { cert, key, ca }),
+        (None, None, None) => None,
+        _ => {
+            return Err(
+                "TLS files go together: give --tls-cert, --tls-key and --tls-ca (or a [tls] table with cert, key and ca)"
+                    .into(),
+            );
+        }
+    };
+
+    cfg.auth = file.auth.clone();
+    if let Some(auth) = &cfg.auth {
+        crate::auth::Authorizer::new(auth).map_err(in_file)?;
+    }
+    // Its [auth] table is read again when the file changes (tokens, admins, ACLs).
+    cfg.auth_file = args.config.clone().filter(|_| cfg.auth.is_some());
+
+    let level = pick(given("log_level"), &args.log_level, file.log_level.clone());
+    validate_log_filter(&level).map_err(in_file)?;
+    let log = LogSettings {
+        format: pick(given("log_format"), &args.log_format, file.log_format),
+        level,
+    };
+    Ok(Settings { server: cfg, log })
+}
+
+/// The effective configuration as a TOML file with the keys `--config` reads (so that it can
+/// be saved and used as one). Token hashes are not printed: the `[auth]` table keeps its
+/// other keys and a comment counts the tokens. `rust_log`: the `RUST_LOG` value, which wins
+/// over `log-level` (noted in a comment).
+pub fn render_toml(s: &Settings, rust_log: Option<&str>) -> Result<String, String> {
+    #[derive(Serialize)]
+    #[serde(rename_all = "kebab-case")]
+    struct Printed<'a> {
+        data_dir: &'a Path,
+        listen: String,
+        metrics: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        node_id: Option<&'a str>,
+        sync: SyncMode,
+        advertise: &'a [String],
+        metrics_top_queues: usize,
+        log_format: LogFormat,
+        log_level: &'a str,
+        limits: &'a Limits,
+        cluster: PrintedCluster,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        tls: Option<&'a TlsConfig>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        auth: Option<toml::Table>,
+    }
+    #[derive(Serialize)]
+    #[serde(rename_all = "kebab-case")]
+    struct PrintedCluster {
+        peers: Vec<String>,
+        node_failure_ms: u64,
+        rebalance: bool,
+    }
+    let c = &s.server;
+    let auth = c.auth.as_ref().map(|a| {
+        let mut t = toml::Table::new();
+        let path = |p: &Path| toml::Value::String(p.display().to_string());
+        if let Some(p) = &a.client_ca {
+            t.insert("client-ca".into(), path(p));
+        }
+        if let Some(p) = &a.client_crl {
+            t.insert("client-crl".into(), path(p));
+        }
+        t.insert(
+            "admins".into(),
+            toml::Value::Array(a.admins.iter().cloned().map(toml::Value::String).collect()),
+        );
+        let strings =
+            |v: &[String]| toml::Value::Array(v.iter().cloned().map(toml::Value::String).collect());
+        let acl = a
+            .acl
+            .iter()
+            .map(|e| {
+                let mut t = toml::Table::new();
+                t.insert("principal".into(), toml::Value::String(e.principal.clone()));
+                t.insert("publish".into(), strings(&e.publish));
+                t.insert("subscribe".into(), strings(&e.subscribe));
+                toml::Value::Table(t)
+            })
+            .collect();
+        t.insert("acl".into(), toml::Value::Array(acl));
+        t
+    });
+    let printed = Printed {
+        data_dir: &c.data_dir,
+        listen: c.listen.to_string(),
+        metrics: c
+            .metrics
+            .map_or_else(|| "off".to_string(), |a| a.to_string()),
+        node_id: c.node_id.as_deref(),
+        sync: c.sync,
+        advertise: &c.advertise,
+        metrics_top_queues: c.metrics_top_queues,
+        log_format: s.log.format,
+        log_level: &s.log.level,
+        limits: &c.limits,
+        cluster: PrintedCluster {
+            peers: c.peers.iter().map(|(id, a)| format!("{id}={a}")).collect(),
+            node_failure_ms: c.node_failure_ms,
+            rebalance: c.rebalance,
+        },
+        tls: c.tls.as_ref(),
+        auth,
+    };
+    let body =
+        toml::to_string(&printed).map_err(|e| format!("cannot print the configuration: {e}"))?;
+    let mut out = String::from(
+        "# tether server: effective configuration (flag > TETHER_* variable > --config file > default).\n",
+    );
+    if c.node_id.is_none() {
+        out.push_str("# node-id: not set; generated once and kept in <data-dir>/node-id.\n");
+    }
+    if let Some(a) = &c.auth
+        && !a.tokens.is_empty()
+    {
+        let principals: Vec<&str> = a.tokens.iter().map(|t| t.principal.as_str()).collect();
+        out.push_str(&format!(
+            "# [auth] tokens: {} (of {}); their hashes are not printed: copy [[auth.tokens]] from the original file.\n",
+            a.tokens.len(),
+            principals.join(", ")
+        ));
+    }
+    if let Some(v) = rust_log {
+        out.push_str(&format!(
+            "# RUST_LOG is set ({v:?}) and wins over log-level.\n"
+        ));
+    }
+    out.push('\n');
+    out.push_str(&body);
+    Ok(out)
 }
 
 /// Validates a node id: 1 to 64 of `[A-Za-z0-9_.-]`.
@@ -546,6 +1040,135 @@ mod tests {
         assert!(validate_node_failure_ms(NODE_FAILURE_MS_MAX).is_ok());
         assert!(validate_node_failure_ms(NODE_FAILURE_MS_MIN - 1).is_err());
         assert!(validate_node_failure_ms(NODE_FAILURE_MS_MAX + 1).is_err());
+    }
+
+    /// `tether server ARGS` resolved (with whatever `TETHER_*` variables the test runs with).
+    fn resolved(args: &[&str]) -> Result<Settings, String> {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            server: ServerArgs,
+        }
+        use clap::{CommandFactory, FromArgMatches};
+        let m = Cli::command()
+            .try_get_matches_from(std::iter::once("server").chain(args.iter().copied()))
+            .map_err(|e| e.to_string())?;
+        let cli = Cli::from_arg_matches(&m).map_err(|e| e.to_string())?;
+        resolve(&cli.server, &m)
+    }
+
+    #[test]
+    fn flag_defaults_are_the_config_defaults() {
+        let s = resolved(&[]).unwrap();
+        assert_eq!(s.server, ServerConfig::default());
+        assert_eq!(s.log, LogSettings::default());
+    }
+
+    #[test]
+    fn flags_win_over_the_file_which_wins_over_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        std::fs::write(
+            &file,
+            "listen = \"127.0.0.1:7500\"\nsync = \"none\"\nmetrics-top-queues = 3\nlog-level = \"debug\"\n[limits]\nqueue-entries-max = 5\nidle-timeout-ms = 9000\n[cluster]\nrebalance = false\nnode-failure-ms = 3000\n",
+        )
+        .unwrap();
+        let f = file.to_str().unwrap();
+        let s = resolved(&["--config", f]).unwrap();
+        assert_eq!(s.server.listen.to_string(), "127.0.0.1:7500");
+        assert_eq!(s.server.sync, SyncMode::None);
+        assert_eq!(s.server.metrics_top_queues, 3);
+        assert_eq!(s.log.level, "debug");
+        assert_eq!(s.server.limits.queue_entries_max, 5);
+        assert_eq!(s.server.limits.idle_timeout_ms, 9000);
+        assert_eq!(
+            s.server.limits.connections_max,
+            Limits::default().connections_max
+        );
+        assert!(!s.server.rebalance);
+        assert_eq!(s.server.node_failure_ms, 3000);
+        let s = resolved(&[
+            "--config",
+            f,
+            "--listen",
+            "127.0.0.1:7600",
+            "--queue-entries-max",
+            "6",
+            "--rebalance",
+            "true",
+            "--sync",
+            "always",
+            "--metrics-top-queues",
+            "0",
+        ])
+        .unwrap();
+        assert_eq!(s.server.listen.to_string(), "127.0.0.1:7600");
+        assert_eq!(s.server.limits.queue_entries_max, 6);
+        assert_eq!(
+            s.server.limits.idle_timeout_ms, 9000,
+            "the file's, not given"
+        );
+        assert!(s.server.rebalance);
+        assert_eq!(s.server.sync, SyncMode::Always);
+        assert_eq!(s.server.metrics_top_queues, 0);
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        for args in [
+            &["--metrics-top-queues", "1001"][..],
+            &["--idle-timeout-ms", "5000"],
+            &["--queue-bytes-max", "4095"],
+            &["--log-level", "tether=loud"],
+            &["--log-format", "xml"],
+            &["--tls-cert", "/x.pem"],
+            &["--node-failure-ms", "1"],
+        ] {
+            assert!(resolved(args).is_err(), "{args:?}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        std::fs::write(&file, "metrics-top-queues = 5000\n").unwrap();
+        let err = resolved(&["--config", file.to_str().unwrap()]).unwrap_err();
+        assert!(err.contains("metrics-top-queues"), "{err}");
+        assert!(validate_metrics_top_queues(METRICS_TOP_QUEUES_MAX).is_ok());
+        assert!(validate_log_filter("info,openraft=off").is_ok());
+        assert!(validate_log_filter(SERVER_LOG_FILTER_DEFAULT).is_ok());
+        assert!(validate_log_filter(" ").is_err());
+    }
+
+    #[test]
+    fn the_printed_configuration_reads_back_the_same() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = resolved(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics",
+            "off",
+            "--node-id",
+            "n1",
+            "--peer",
+            "n1=127.0.0.1:7401,n2=tether-2.example.com:7402",
+            "--advertise",
+            "tether-1.example.com",
+            "--queue-full-policy",
+            "drop-queue",
+            "--tls-cert",
+            "/c.pem",
+            "--tls-key",
+            "/k.pem",
+            "--tls-ca",
+            "/ca.pem",
+            "--log-format",
+            "json",
+        ])
+        .unwrap();
+        let text = render_toml(&s, None).unwrap();
+        let file = dir.path().join("printed.toml");
+        std::fs::write(&file, &text).unwrap();
+        let back = resolved(&["--config", file.to_str().unwrap()]).unwrap();
+        assert_eq!(back, s, "{text}");
+        assert_eq!(render_toml(&back, None).unwrap(), text);
     }
 
     #[test]

@@ -37,6 +37,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod admin;
 pub mod auth;
 pub mod cluster;
 pub mod config;

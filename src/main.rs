@@ -6,15 +6,20 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use std::ffi::OsString;
+
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use serde_json::{Value, json};
 use tether::client::{
     Client, ClientBuilder, ClientEvent, EventStream, Interest, ReconnectPolicy, Subscription,
 };
 use tether::config::{
-    FileConfig, ServerConfig, SyncMode, parse_addr, parse_metrics, parse_peer, validate_node_id,
+    CLIENT_LOG_FILTER_DEFAULT, LogFormat, ServerArgs, ServerConfig, Settings, validate_node_id,
 };
-use tether::limits::{DURABLE_TIMEOUT_SECS_DEFAULT, PUBLISH_OPS_PER_REQUEST_MAX};
+use tether::limits::{
+    DURABLE_ID_BYTES_MAX, DURABLE_TIMEOUT_SECS_DEFAULT, DURABLE_TIMEOUT_SECS_MAX,
+    PUBLISH_OPS_PER_REQUEST_MAX,
+};
 use tether::protocol::{EventOp, PublishAck, PublishOp, ResultPolicy};
 use tether::server::Node;
 
@@ -130,7 +135,8 @@ const _: () = assert!(PUT_BATCH_OPS <= PUBLISH_OPS_PER_REQUEST_MAX);
 #[command(
     name = "tether",
     version,
-    about = "Durable client messaging over QUIC, with queues in RocksDB"
+    about = "Durable client messaging over QUIC, with queues in RocksDB",
+    after_help = "Exit status: 0 on success, 2 for a usage error (a bad flag, value or variable), 1 for other failures."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -140,6 +146,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run a server node.
+    ///
+    /// Every setting comes from its flag, else its TETHER_* environment variable, else the
+    /// --config file, else its default; --print-config shows the result.
     Server(ServerArgs),
     /// Put one key, or N keys in order.
     Put(PutArgs),
@@ -149,8 +158,9 @@ enum Command {
     Get(KeyArgs),
     /// Connect, register interest and print events as JSON lines.
     Subscribe(SubscribeArgs),
-    /// List the subscription queues of the contacted node.
-    Queues(Conn),
+    /// List the subscription queues with their lag: the contacted node's (primaries and
+    /// copies), every member's with --cluster, one page with --limit/--after.
+    Queues(QueuesArgs),
     /// Destroy an away durable client's queue and interest.
     CloseDurable {
         #[command(flatten)]
@@ -165,7 +175,7 @@ enum Command {
         token: Option<String>,
         /// Read the token from this file ("-": standard input); one trailing newline is
         /// removed.
-        #[arg(long, conflicts_with = "token")]
+        #[arg(long, value_name = "FILE", conflicts_with = "token")]
         token_file: Option<PathBuf>,
     },
     /// Create (if missing) a data directory's dev CA and server certificate, without starting
@@ -173,20 +183,20 @@ enum Command {
     /// them one cluster.
     DevCa {
         /// The data directory (certificates go to <data-dir>/tls).
-        #[arg(long, default_value = "data")]
+        #[arg(long, value_name = "DIR", default_value = "data")]
         data_dir: PathBuf,
     },
     /// Issue a client certificate signed by a data directory's dev CA (for mutual TLS; the
     /// common name is the principal).
     IssueClientCert {
-        /// The principal (certificate common name).
-        #[arg(long)]
+        /// The principal (certificate common name): letters, digits, '-', '_', '.', '@'.
+        #[arg(long, value_parser = client_name_arg)]
         name: String,
         /// The data directory whose tls/ca.pem and tls/ca.key sign it.
-        #[arg(long, default_value = "data")]
+        #[arg(long, value_name = "DIR", default_value = "data")]
         data_dir: PathBuf,
         /// Where to write <name>.pem and <name>.key.
-        #[arg(long, default_value = ".")]
+        #[arg(long, value_name = "DIR", default_value = ".")]
         out: PathBuf,
     },
     /// Issue a server certificate signed by a data directory's dev CA for the host names or IP
@@ -194,16 +204,16 @@ enum Command {
     IssueServerCert {
         /// A host name or IP address the certificate is valid for (repeat for more; the first
         /// names the files).
-        #[arg(long = "name", required = true)]
+        #[arg(long = "name", value_name = "HOST", required = true, value_parser = server_name_arg)]
         names: Vec<String>,
         /// The cluster node the certificate belongs to (its --node-id), for a cluster node.
-        #[arg(long)]
+        #[arg(long, value_name = "ID", value_parser = node_id_arg)]
         node_id: Option<String>,
         /// The data directory whose tls/ca.pem and tls/ca.key sign it.
-        #[arg(long, default_value = "data")]
+        #[arg(long, value_name = "DIR", default_value = "data")]
         data_dir: PathBuf,
         /// Where to write <name>.pem and <name>.key.
-        #[arg(long, default_value = ".")]
+        #[arg(long, value_name = "DIR", default_value = ".")]
         out: PathBuf,
     },
     /// Revoke a client certificate: add it to a certificate revocation list signed by a data
@@ -211,81 +221,118 @@ enum Command {
     /// second, refuses the certificate and closes the connections using it.
     RevokeClientCert {
         /// The client certificate (PEM) to revoke.
-        #[arg(long)]
+        #[arg(long, value_name = "FILE")]
         cert: PathBuf,
         /// The data directory whose tls/ca.pem and tls/ca.key issued it and sign the list.
-        #[arg(long, default_value = "data")]
+        #[arg(long, value_name = "DIR", default_value = "data")]
         data_dir: PathBuf,
         /// The revocation list to update, created when missing (default
         /// <data-dir>/tls/client-crl.pem).
-        #[arg(long)]
+        #[arg(long, value_name = "FILE")]
         crl: Option<PathBuf>,
+    },
+    /// Print a shell completion script.
+    ///
+    /// For example `source <(tether completions bash)`, or `tether completions bash >
+    /// /etc/bash_completion.d/tether`.
+    Completions {
+        /// The shell to complete for.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
     },
 }
 
-#[derive(Args)]
-struct ServerArgs {
-    /// Where RocksDB, TLS material and the node id live.
-    #[arg(long)]
-    data_dir: Option<PathBuf>,
-    /// A host name or IP address clients reach this node by (repeatable): the dev server
-    /// certificate carries it, besides localhost, 127.0.0.1, ::1 and the machine's host name.
-    #[arg(long, value_name = "NAME")]
-    advertise: Vec<String>,
-    /// QUIC address for clients and peers; port 0 picks a free port.
-    #[arg(long)]
-    listen: Option<String>,
-    /// Prometheus address (/metrics); port 0 picks a free port; `off` disables.
-    #[arg(long)]
-    metrics: Option<String>,
-    /// This node's id (default: generated once, kept in the data dir).
-    #[arg(long)]
-    node_id: Option<String>,
-    /// TOML file with the same settings; flags win over the file. Its `[auth]` table (tokens,
-    /// admins, ACLs) is read again whenever the file changes.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// always, batch (fsync once per group commit) or none.
-    #[arg(long)]
-    sync: Option<String>,
-    /// Entries a subscription queue may hold beyond its acked offset.
-    #[arg(long)]
-    queue_entries_max: Option<u64>,
-    /// Bytes of stored events a subscription queue may hold beyond its acked offset.
-    #[arg(long)]
-    queue_bytes_max: Option<u64>,
-    /// What a publish to a full queue does: block, reject or drop-queue.
-    #[arg(long)]
-    queue_full_policy: Option<String>,
-    /// A cluster member as ID=ADDR (repeatable; may include this node). Replaces the
-    /// file's `[cluster] peers`. Needs --node-id.
-    #[arg(long = "peer", value_name = "ID=ADDR")]
-    peers: Vec<String>,
+fn client_name_arg(name: &str) -> Result<String, String> {
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.@".contains(c))
+    {
+        return Err(format!(
+            "invalid name {name:?}: use letters, digits, '-', '_', '.', '@'"
+        ));
+    }
+    Ok(name.to_string())
+}
+
+fn server_name_arg(n: &str) -> Result<String, String> {
+    let ok = !n.is_empty()
+        && n.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-.:".contains(c));
+    if !ok {
+        return Err(format!("invalid name {n:?}: a host name or an IP address"));
+    }
+    Ok(n.to_string())
+}
+
+fn node_id_arg(id: &str) -> Result<String, String> {
+    validate_node_id(id).map(|()| id.to_string())
+}
+
+/// Checks the form of a `--server` list (each entry `HOST:PORT`); names are resolved later,
+/// when the command starts ([`parse_servers`]).
+fn server_list_arg(list: &str) -> Result<String, String> {
+    let mut any = false;
+    for part in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let port_ok = part
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        if !port_ok {
+            return Err(format!(
+                "invalid server address {part:?} (expected HOST:PORT)"
+            ));
+        }
+        any = true;
+    }
+    if !any {
+        return Err("no server address given".into());
+    }
+    Ok(list.to_string())
+}
+
+/// A whole number of at least 1.
+fn positive_arg(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn durable_id_arg(id: &str) -> Result<String, String> {
+    if id.is_empty() || id.len() > DURABLE_ID_BYTES_MAX {
+        return Err(format!(
+            "a durable id has 1 to {DURABLE_ID_BYTES_MAX} bytes"
+        ));
+    }
+    Ok(id.to_string())
 }
 
 #[derive(Args, Clone)]
 struct Conn {
-    /// Nodes to contact, comma-separated.
-    #[arg(long, default_value = "127.0.0.1:7400")]
+    /// Nodes to contact, comma-separated HOST:PORT entries (host names are resolved when the
+    /// command starts).
+    #[arg(long, value_name = "ADDR[,ADDR...]", default_value = "127.0.0.1:7400", value_parser = server_list_arg)]
     server: String,
     /// CA certificate to trust (default data/tls/ca.pem when it exists).
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     ca: Option<PathBuf>,
-    /// Bearer token for servers that authenticate clients (also TETHER_TOKEN).
+    /// Bearer token for servers that authenticate clients (prefer TETHER_TOKEN: a command
+    /// line is visible to other users).
     #[arg(long, env = "TETHER_TOKEN", hide_env_values = true)]
     token: Option<String>,
     /// Client certificate (PEM) for servers that authenticate clients by certificate; the
     /// file may also hold the private key.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     cert: Option<PathBuf>,
     /// Private key (PEM) of --cert, when it is not in the --cert file. (`--key` is the
     /// region key in every command, so the certificate's key has this name.)
-    #[arg(long, requires = "cert")]
+    #[arg(long, value_name = "FILE", requires = "cert")]
     cert_key: Option<PathBuf>,
-    /// The name the servers' certificates must be valid for. Default: the host of the first
+    /// The name the servers' certificates must be valid for. Default: the host of each
     /// --server entry when it is a name (not an IP address), else localhost (the name of the
     /// dev certificates).
-    #[arg(long)]
+    #[arg(long, value_name = "NAME")]
     server_name: Option<String>,
 }
 
@@ -293,94 +340,206 @@ struct Conn {
 struct KeyArgs {
     #[command(flatten)]
     conn: Conn,
+    /// The region of the key.
     #[arg(long)]
     region: String,
+    /// The key.
     #[arg(long)]
     key: String,
 }
 
+/// How `tether queues` prints.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum FormatArg {
+    /// One JSON line per queue (for scripts).
+    Json,
+    /// An aligned table for people.
+    Table,
+}
+
 #[derive(Args)]
+struct QueuesArgs {
+    #[command(flatten)]
+    conn: Conn,
+    /// Print one page of this many queues, then a `page` line with the token of the next
+    /// (default: every queue, without a `page` line). At most 1000.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1000))]
+    limit: Option<u64>,
+    /// Start after this token (the `next` of a previous `page` line).
+    #[arg(long, value_name = "TOKEN")]
+    after: Option<String>,
+    /// Only the queue with this id (a durable id, or NODE:NUMBER for a non-durable queue).
+    #[arg(long, value_name = "ID", conflicts_with_all = ["prefix", "after", "limit"])]
+    id: Option<String>,
+    /// Only queues whose id starts with this.
+    #[arg(long, value_name = "PREFIX")]
+    prefix: Option<String>,
+    /// Only queues with interest in this region.
+    #[arg(long, value_name = "REGION")]
+    region: Option<String>,
+    /// Only queues in this state.
+    #[arg(long, value_parser = ["ready", "connected", "away"])]
+    state: Option<String>,
+    /// Which copies of each queue: primary (where its client attaches), secondary, or all.
+    #[arg(long, value_parser = ["primary", "secondary", "all"], default_value = "all")]
+    role: String,
+    /// Sort by pending events, pending bytes, age of the oldest pending event, or id.
+    #[arg(long, value_parser = ["pending", "bytes", "age", "id"], default_value = "pending")]
+    sort: String,
+    /// Sort order.
+    #[arg(long, value_parser = ["desc", "asc"], default_value = "desc")]
+    order: String,
+    /// Every member's queues, asked through the contacted node (default: the contacted node's
+    /// only, as before the option existed).
+    #[arg(long)]
+    cluster: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = FormatArg::Json)]
+    format: FormatArg,
+}
+
+/// When `tether put` is acknowledged.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum AckArg {
+    /// Once the contacted node committed the puts.
+    Local,
+    /// Once every matching queue and each of its copies holds them (a cluster).
+    Replicated,
+}
+
+#[derive(Args)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["key", "count"])))]
 struct PutArgs {
     #[command(flatten)]
     conn: Conn,
+    /// The region to put into.
     #[arg(long)]
     region: String,
-    /// The key of a single put.
-    #[arg(long, conflicts_with_all = ["count", "key_prefix", "keys", "size"])]
+    /// The key of a single put (with --value).
+    #[arg(long, requires = "value", conflicts_with_all = ["count", "key_prefix", "keys", "size"])]
     key: Option<String>,
     /// The value of a single put (UTF-8 text).
     #[arg(long, requires = "key")]
     value: Option<String>,
-    /// Number of puts.
-    #[arg(long)]
+    /// Number of puts: put number i (from 0) writes key <key-prefix><i mod keys>.
+    #[arg(long, value_name = "N")]
     count: Option<u64>,
-    /// When the server acknowledges: `local` (committed on the contacted node) or `replicated`
-    /// (every matching queue and its copies hold the events).
-    #[arg(long, default_value = "local")]
-    ack: String,
+    /// When the server acknowledges the puts.
+    #[arg(long, value_enum, default_value_t = AckArg::Local)]
+    ack: AckArg,
     /// Key prefix for --count.
-    #[arg(long, default_value = "key-")]
+    #[arg(long, value_name = "P", default_value = "key-", requires = "count")]
     key_prefix: String,
     /// Number of distinct keys for --count (default: --count).
-    #[arg(long)]
+    #[arg(long, value_name = "M", requires = "count", value_parser = positive_arg)]
     keys: Option<u64>,
-    /// Value size in bytes for --count (default: the text value-i).
-    #[arg(long)]
+    /// Value size in bytes for --count (printable ASCII; default: the text value-i).
+    #[arg(long, value_name = "BYTES", requires = "count")]
     size: Option<usize>,
+}
+
+/// A subscription's initial image.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum PolicyArg {
+    /// Keys and their current values.
+    KeysValues,
+    /// Keys only (values null).
+    Keys,
+    /// No initial image.
+    None,
+}
+
+impl From<PolicyArg> for ResultPolicy {
+    fn from(p: PolicyArg) -> Self {
+        match p {
+            PolicyArg::KeysValues => ResultPolicy::KeysValues,
+            PolicyArg::Keys => ResultPolicy::Keys,
+            PolicyArg::None => ResultPolicy::None,
+        }
+    }
+}
+
+/// What `tether subscribe` does with a durable queue on exit.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum CloseArg {
+    /// Keep the durable queue and its interest (for the durable timeout).
+    Keepalive,
+    /// Destroy the durable queue and its interest.
+    Drop,
 }
 
 #[derive(Args)]
 struct SubscribeArgs {
     #[command(flatten)]
     conn: Conn,
+    /// The region this subscription registers interest in.
     #[arg(long)]
     region: String,
-    #[arg(long)]
+    /// Make the client durable under this id (default: not durable).
+    #[arg(long, value_name = "ID", value_parser = durable_id_arg)]
     durable_id: Option<String>,
-    #[arg(long, default_value_t = DURABLE_TIMEOUT_SECS_DEFAULT)]
+    /// Durable timeout presented to the server: how long the queue is kept while the client
+    /// is away (seconds).
+    #[arg(long, value_name = "SECS", default_value_t = DURABLE_TIMEOUT_SECS_DEFAULT, value_parser = clap::value_parser!(u64).range(0..=DURABLE_TIMEOUT_SECS_MAX))]
     timeout: u64,
-    /// Secondary copies of the durable queue on a cluster (0 to 2).
-    #[arg(long, default_value_t = 0)]
+    /// Secondary copies of the durable queue on other cluster nodes (taken when the queue is
+    /// created).
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=i64::from(tether::cluster::meta::REDUNDANCY_MAX)))]
     redundancy: u8,
-    #[arg(long)]
+    /// Interest in key K (repeatable).
+    #[arg(long, value_name = "K")]
     key: Vec<String>,
-    #[arg(long)]
+    /// Interest in keys matching RE (repeatable).
+    #[arg(long, value_name = "RE")]
     regex: Vec<String>,
+    /// Interest in every key of the region.
     #[arg(long)]
     all_keys: bool,
+    /// The interest registered by this invocation is not durable (default: durable for a
+    /// durable client).
     #[arg(long)]
     non_durable: bool,
-    #[arg(long, default_value = "keys-values")]
-    policy: String,
+    /// Initial image of the registration.
+    #[arg(long, value_name = "P", value_enum, default_value_t = PolicyArg::KeysValues)]
+    policy: PolicyArg,
+    /// Creates and updates arrive as invalidate events, without values.
     #[arg(long)]
     no_values: bool,
+    /// Never send ready: print the status, register, then wait (events stay queued).
     #[arg(long)]
     no_ready: bool,
-    #[arg(long, default_value_t = 0)]
+    /// Wait this long after registering before sending ready (milliseconds).
+    #[arg(long, value_name = "MS", default_value_t = 0)]
     ready_delay_ms: u64,
-    #[arg(long)]
+    /// Exit after printing N events.
+    #[arg(long, value_name = "N")]
     max_events: Option<u64>,
+    /// Exit right after the (last) live line.
     #[arg(long)]
     exit_on_live: bool,
-    #[arg(long)]
+    /// Exit after this long with no event printed (milliseconds; counted from ready, or from
+    /// connect with --no-ready).
+    #[arg(long, value_name = "MS")]
     idle_exit_ms: Option<u64>,
-    /// keepalive or drop.
-    #[arg(long)]
-    close: Option<String>,
+    /// What happens to a durable queue on exit [default: keepalive for a durable client].
+    #[arg(long, value_name = "MODE", value_enum)]
+    close: Option<CloseArg>,
+    /// On exit, vanish without closing or flushing acks, as a killed process would.
     #[arg(long)]
     crash: bool,
-    #[arg(long, default_value_t = 100)]
+    /// How often processed offsets are acknowledged (milliseconds).
+    #[arg(long, value_name = "MS", default_value_t = tether::client::ACK_INTERVAL_MS_DEFAULT, value_parser = positive_arg)]
     ack_interval_ms: u64,
     /// Reconnect by itself when the connection is lost (with backoff, across every server it
     /// knows), resuming the durable queue and registering the interest again. Default: exit.
     #[arg(long, conflicts_with_all = ["no_ready", "ready_delay_ms"])]
     reconnect: bool,
     /// With --reconnect: give up after this many seconds without a connection (0: never).
-    #[arg(long, default_value_t = tether::client::RECONNECT_GIVE_UP_SECS_DEFAULT, requires = "reconnect")]
+    #[arg(long, value_name = "SECS", default_value_t = tether::client::RECONNECT_GIVE_UP_SECS_DEFAULT, requires = "reconnect")]
     reconnect_max_secs: u64,
     /// How long the server may stay silent before the connection counts as lost, in
-    /// milliseconds (the QUIC idle timeout). Default 30000.
-    #[arg(long)]
+    /// milliseconds (the QUIC idle timeout) [default: 30000].
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(FAILURE_TIMEOUT_MS_MIN..=FAILURE_TIMEOUT_MS_MAX))]
     failure_timeout_ms: Option<u64>,
 }
 
@@ -426,41 +585,69 @@ fn main() {
     #[cfg(not(feature = "system-alloc"))]
     mimalloc_options::tune();
     tether::heap::tune_native_heap();
-    let cli = match Cli::try_parse() {
-        Ok(c) => c,
-        Err(e) => {
-            use clap::error::ErrorKind;
-            if matches!(
-                e.kind(),
-                ErrorKind::DisplayHelp
-                    | ErrorKind::DisplayVersion
-                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
-            ) {
-                let _ = e.print();
-                std::process::exit(
-                    if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-                        2
-                    } else {
-                        0
-                    },
-                );
+    // An empty TETHER_* variable counts as unset.
+    for (name, value) in std::env::vars_os() {
+        if value.is_empty() && name.to_string_lossy().starts_with("TETHER_") {
+            // SAFETY: no other thread runs yet: nothing has been spawned.
+            unsafe { std::env::remove_var(&name) };
+        }
+    }
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let mut cmd = Cli::command();
+    cmd.build();
+    if let Err(msg) = check_env(&cmd, &argv) {
+        eprintln!("error: {msg}");
+        std::process::exit(2);
+    }
+    // Usage errors: clap's whole message (the error, a tip such as a similar flag, the usage,
+    // the pointer to --help), exit status 2; --help and --version: stdout, exit status 0.
+    let matches = cmd
+        .try_get_matches_from_mut(&argv)
+        .unwrap_or_else(|e| e.exit());
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut cmd).exit());
+    let settings = match &cli.command {
+        Command::Server(args) => {
+            let m = matches
+                .subcommand_matches("server")
+                .expect("the server subcommand's matches");
+            let settings = match tether::config::resolve(args, m) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("error: {}", one_line(&e));
+                    std::process::exit(1);
+                }
+            };
+            if args.print_config {
+                let rust_log = std::env::var("RUST_LOG")
+                    .ok()
+                    .filter(|v| !v.trim().is_empty());
+                match tether::config::render_toml(&settings, rust_log.as_deref()) {
+                    Ok(text) => {
+                        let mut out = std::io::stdout().lock();
+                        let _ = out.write_all(text.as_bytes());
+                        let _ = out.flush();
+                        std::process::exit(0);
+                    }
+                    Err(e) => {
+                        eprintln!("error: {}", one_line(&e));
+                        std::process::exit(1);
+                    }
+                }
             }
-            let text = e.render().to_string();
-            let first = text
-                .lines()
-                .next()
-                .unwrap_or("invalid arguments")
-                .trim_start_matches("error: ");
-            eprintln!("error: {first} (see tether --help)");
-            std::process::exit(2);
+            init_logs(settings.log.format, &settings.log.level);
+            Some(settings)
+        }
+        Command::Completions { shell } => {
+            let mut out = std::io::stdout().lock();
+            clap_complete::generate(*shell, &mut Cli::command(), "tether", &mut out);
+            let _ = out.flush();
+            std::process::exit(0);
+        }
+        _ => {
+            init_logs(LogFormat::Text, CLIENT_LOG_FILTER_DEFAULT);
+            None
         }
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -471,11 +658,11 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let result = runtime.block_on(run(cli.command));
+    let result = runtime.block_on(run(cli.command, settings));
     let code = match result {
         Ok(()) => 0,
         Err(Fail(msg)) => {
-            eprintln!("error: {}", msg.lines().collect::<Vec<_>>().join("; "));
+            eprintln!("error: {}", one_line(&msg));
             1
         }
     };
@@ -484,60 +671,168 @@ fn main() {
     std::process::exit(code);
 }
 
-async fn run(cmd: Command) -> Result<(), Fail> {
+/// A message on one line (the contract's one `error:` line).
+fn one_line(msg: &str) -> String {
+    msg.lines().collect::<Vec<_>>().join("; ")
+}
+
+/// Logs to stderr: `format`, and the filter `RUST_LOG` gives when set (it wins), else
+/// `filter`. Colours only when stderr is a terminal (and `NO_COLOR` is not set): logs
+/// redirected to a file or a pipe carry no escape codes.
+fn init_logs(format: LogFormat, filter: &str) {
+    use std::io::IsTerminal;
+    use tracing_subscriber::EnvFilter;
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(v) if !v.trim().is_empty() => match EnvFilter::builder().parse(&v) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("warning: ignoring RUST_LOG={v:?}: {e}");
+                EnvFilter::new(filter)
+            }
+        },
+        _ => EnvFilter::new(filter),
+    };
+    let ansi = std::io::stderr().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => logs.with_ansi(ansi).init(),
+        LogFormat::Json => logs.json().with_ansi(false).init(),
+    }
+}
+
+/// Checks the environment variables (`TETHER_*`) of the invoked subcommand's flags that its
+/// command line does not give, as clap would parse them: a bad value is a usage error that
+/// names the variable (clap's own message would name the flag only).
+fn check_env(cmd: &clap::Command, argv: &[OsString]) -> Result<(), String> {
+    let args: Vec<String> = argv
+        .iter()
+        .skip(1)
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let Some(sub) = args
+        .iter()
+        .find(|a| !a.starts_with('-'))
+        .and_then(|name| cmd.find_subcommand(name))
+    else {
+        return Ok(());
+    };
+    for arg in sub.get_arguments() {
+        let (Some(var), Some(long)) = (arg.get_env(), arg.get_long()) else {
+            continue;
+        };
+        let flag = format!("--{long}");
+        let on_line = args
+            .iter()
+            .take_while(|a| a.as_str() != "--")
+            .any(|a| *a == flag || a.starts_with(&format!("{flag}=")));
+        let Some(value) = std::env::var_os(var) else {
+            continue;
+        };
+        if on_line {
+            continue;
+        }
+        let var = var.to_string_lossy();
+        let text = value
+            .to_str()
+            .ok_or_else(|| format!("environment variable {var} (for {flag}) is not UTF-8 text"))?;
+        let values: Vec<&str> = match arg.get_value_delimiter() {
+            Some(d) => text.split(d).collect(),
+            None => vec![text],
+        };
+        // The flag alone, with the same parser, given the variable's value.
+        let probe = clap::Command::new("tether").no_binary_name(true).arg(
+            clap::Arg::new("value")
+                .required(true)
+                .allow_hyphen_values(true)
+                .value_parser(arg.get_value_parser().clone()),
+        );
+        for v in values {
+            if let Err(e) = probe.clone().try_get_matches_from([v]) {
+                let shown = if arg.is_hide_env_values_set() {
+                    String::new()
+                } else {
+                    format!(" {text:?}")
+                };
+                return Err(format!(
+                    "invalid value{shown} in environment variable {var} (for {flag}): {}\n\nFor more information, try 'tether {} --help'.",
+                    parse_error_reason(&e),
+                    sub.get_name()
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Why clap refused a value, in a few words.
+fn parse_error_reason(e: &clap::Error) -> String {
+    use clap::error::{ContextKind, ContextValue};
+    if let Some(source) = std::error::Error::source(e) {
+        return source.to_string();
+    }
+    if let Some(ContextValue::Strings(values)) = e.get(ContextKind::ValidValue) {
+        return format!("possible values: {}", values.join(", "));
+    }
+    let text = e.render().to_string();
+    text.lines()
+        .next()
+        .unwrap_or("invalid value")
+        .trim_start_matches("error: ")
+        .to_string()
+}
+
+/// Closes a connected client whatever `result` is (an error after connecting must not leave
+/// the connection open until the server's idle timeout): `result`'s error first, else the
+/// close's.
+async fn close_after<T>(c: Client, keepalive: bool, result: Result<T, Fail>) -> Result<T, Fail> {
+    let closed = c.close(keepalive).await;
+    let value = result?;
+    closed?;
+    Ok(value)
+}
+
+async fn run(cmd: Command, settings: Option<Settings>) -> Result<(), Fail> {
     match cmd {
-        Command::Server(a) => server(a).await,
+        Command::Server(_) => {
+            let settings = settings.expect("resolved before the runtime starts");
+            server(settings.server).await
+        }
         Command::Put(a) => put(a).await,
         Command::Destroy(a) => {
             let c = connect(&a.conn, None, 100).await?;
-            let n = c.region(&a.region).destroy(a.key).await.map(|_| 1)?;
-            emit(json!({"type":"published","count":n}));
-            c.close(false).await?;
-            Ok(())
+            let r = async {
+                c.region(&a.region).destroy(a.key).await?;
+                emit(json!({"type":"published","count":1}));
+                Ok(())
+            }
+            .await;
+            close_after(c, false, r).await
         }
         Command::Get(a) => {
             let c = connect(&a.conn, None, 100).await?;
-            let v = c.region(&a.region).get(a.key.clone()).await?;
-            emit(
-                json!({"type":"value","region":a.region,"key":a.key,"value":v.map(|v| String::from_utf8_lossy(&v).into_owned())}),
-            );
-            c.close(false).await?;
-            Ok(())
+            let r = async {
+                let v = c.region(&a.region).get(a.key.clone()).await?;
+                emit(
+                    json!({"type":"value","region":a.region,"key":a.key,"value":v.map(|v| String::from_utf8_lossy(&v).into_owned())}),
+                );
+                Ok(())
+            }
+            .await;
+            close_after(c, false, r).await
         }
         Command::Subscribe(a) => subscribe(a).await,
-        Command::Queues(conn) => {
-            let c = connect(&conn, None, 100).await?;
-            for q in c.queues().await? {
-                let mut line = json!({
-                    "type": "queue",
-                    "durable_id": q.durable_id,
-                    "state": q.state,
-                    "pending": q.pending,
-                    "acked_offset": q.acked_offset,
-                    "end_offset": q.end_offset,
-                    "timeout_secs": q.timeout_secs,
-                    "role": q.role,
-                    "interests": q.interests.iter().map(|i| json!({"region":i.region,"kind":i.kind,"spec":i.spec,"durable":i.durable})).collect::<Vec<_>>(),
-                });
-                // Cluster additions: a primary's copies with their lag, a copy's primary.
-                if !q.copies.is_empty() {
-                    line["copies"] = json!(
-                        q.copies
-                            .iter()
-                            .map(|c| json!({"node":c.node,"lag_entries":c.lag_entries}))
-                            .collect::<Vec<_>>()
-                    );
-                }
-                if let Some(p) = &q.primary {
-                    line["primary"] = json!(p);
-                }
-                if let Some(b) = q.pending_bytes {
-                    line["pending_bytes"] = json!(b);
-                }
-                emit(line);
-            }
-            c.close(false).await?;
+        Command::Completions { shell } => {
+            let mut out = std::io::stdout().lock();
+            clap_complete::generate(shell, &mut Cli::command(), "tether", &mut out);
             Ok(())
+        }
+        Command::Queues(a) => {
+            let c = connect(&a.conn, None, 100).await?;
+            let r = list_queues(&c, &a).await;
+            close_after(c, false, r).await
         }
         Command::DevCa { data_dir } => {
             let files = tether::transport::tls::ensure_dev_certs(&data_dir.join("tls"))?;
@@ -549,15 +844,6 @@ async fn run(cmd: Command) -> Result<(), Fail> {
             data_dir,
             out,
         } => {
-            if name.is_empty()
-                || !name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_.@".contains(c))
-            {
-                return Err(Fail(format!(
-                    "invalid name {name:?}: use letters, digits, '-', '_', '.', '@'"
-                )));
-            }
             let (cert, key) =
                 tether::transport::tls::issue_dev_client_cert(&data_dir.join("tls"), &name, &out)?;
             emit(
@@ -588,19 +874,6 @@ async fn run(cmd: Command) -> Result<(), Fail> {
             data_dir,
             out,
         } => {
-            for n in &names {
-                let ok = !n.is_empty()
-                    && n.chars()
-                        .all(|c| c.is_ascii_alphanumeric() || "-.:".contains(c));
-                if !ok {
-                    return Err(Fail(format!(
-                        "invalid name {n:?}: a host name or an IP address"
-                    )));
-                }
-            }
-            if let Some(id) = &node_id {
-                validate_node_id(id)?;
-            }
             let (cert, key) = tether::transport::tls::issue_dev_server_cert(
                 &data_dir.join("tls"),
                 &names,
@@ -625,12 +898,195 @@ async fn run(cmd: Command) -> Result<(), Fail> {
         }
         Command::CloseDurable { conn, id } => {
             let c = connect(&conn, None, 100).await?;
-            c.close_durable(&id).await?;
-            emit(json!({"type":"closed-durable","durable_id":id}));
-            c.close(false).await?;
-            Ok(())
+            let r = async {
+                c.close_durable(&id).await?;
+                emit(json!({"type":"closed-durable","durable_id":id}));
+                Ok(())
+            }
+            .await;
+            close_after(c, false, r).await
         }
     }
+}
+
+/// Queues per request when `tether queues` lists everything.
+const QUEUES_LIST_PAGE: u64 = 1_000;
+
+/// Prints the queues (`tether queues`): every page, or the one asked for.
+async fn list_queues(c: &Client, a: &QueuesArgs) -> Result<(), Fail> {
+    let one_page = a.limit.is_some() || a.after.is_some();
+    let mut query = tether::protocol::QueuesQuery {
+        limit: Some(a.limit.unwrap_or(QUEUES_LIST_PAGE)),
+        after: a.after.clone(),
+        sort: Some(a.sort.clone()),
+        order: Some(a.order.clone()),
+        state: a.state.clone(),
+        region: a.region.clone(),
+        prefix: a.id.clone().or_else(|| a.prefix.clone()),
+        role: Some(a.role.clone()),
+        node_only: !a.cluster,
+    };
+    let mut table = Vec::new();
+    let mut table_footer = None;
+    let mut unreachable = std::collections::BTreeSet::new();
+    loop {
+        let page = c.queues_page(query.clone()).await?;
+        unreachable.extend(page.unreachable.iter().cloned());
+        for q in page.queues {
+            if a.id.as_ref().is_some_and(|id| q.id.as_ref() != Some(id)) {
+                continue;
+            }
+            match a.format {
+                FormatArg::Json => emit(queue_line(&q)),
+                FormatArg::Table => table.push(q),
+            }
+        }
+        if one_page {
+            if a.format == FormatArg::Json {
+                emit(json!({
+                    "type": "page",
+                    "next": page.next,
+                    "total": page.total,
+                    "unreachable": page.unreachable,
+                }));
+            } else if let Some(next) = &page.next {
+                table_footer = Some(format!("more: --after {next}"));
+            }
+            break;
+        }
+        match page.next {
+            Some(next) => query.after = Some(next),
+            None => break,
+        }
+    }
+    if a.format == FormatArg::Table {
+        print_queue_table(&table);
+        if let Some(f) = table_footer {
+            println!("{f}");
+        }
+    }
+    if !unreachable.is_empty() {
+        let names: Vec<String> = unreachable.into_iter().collect();
+        eprintln!(
+            "warning: members {} did not answer; their queues are missing",
+            names.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// One `queue` line of `tether queues` (docs/cli.md).
+fn queue_line(q: &tether::protocol::QueueReport) -> Value {
+    let mut line = json!({
+        "type": "queue",
+        "durable_id": q.durable_id,
+        "state": q.state,
+        "pending": q.pending,
+        "acked_offset": q.acked_offset,
+        "end_offset": q.end_offset,
+        "timeout_secs": q.timeout_secs,
+        "role": q.role,
+        "interests": q.interests.iter().map(|i| json!({"region":i.region,"kind":i.kind,"spec":i.spec,"durable":i.durable})).collect::<Vec<_>>(),
+    });
+    // Cluster additions: a primary's copies with their lag, a copy's primary.
+    if !q.copies.is_empty() {
+        line["copies"] = json!(
+            q.copies
+                .iter()
+                .map(|c| json!({"node":c.node,"lag_entries":c.lag_entries}))
+                .collect::<Vec<_>>()
+        );
+    }
+    if let Some(p) = &q.primary {
+        line["primary"] = json!(p);
+    }
+    if let Some(b) = q.pending_bytes {
+        line["pending_bytes"] = json!(b);
+    }
+    // The lag: present when the node reports it, null otherwise.
+    line["id"] = json!(q.id);
+    line["node"] = json!(q.node);
+    line["oldest_pending_age_ms"] = json!(q.oldest_pending_age_ms);
+    line["away_since_ms"] = json!(q.away_since_ms);
+    line["expires_at_ms"] = json!(q.expires_at_ms);
+    line["enqueue_per_min"] = json!(q.enqueue_per_min);
+    line["delivery_per_min"] = json!(q.delivery_per_min);
+    line["ack_per_min"] = json!(q.ack_per_min);
+    line["drain_eta_secs"] = json!(q.drain_eta_secs);
+    line
+}
+
+/// A duration in seconds as people read it: 45s, 12m, 3h, 2d.
+fn human_secs(secs: u64) -> String {
+    match secs {
+        s if s < 120 => format!("{s}s"),
+        s if s < 7_200 => format!("{}m", s / 60),
+        s if s < 172_800 => format!("{}h", s / 3_600),
+        s => format!("{}d", s / 86_400),
+    }
+}
+
+/// `tether queues --format table`.
+fn print_queue_table(queues: &[tether::protocol::QueueReport]) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let dash = || "-".to_string();
+    let header = [
+        "ID", "NODE", "ROLE", "STATE", "PENDING", "BYTES", "OLDEST", "AWAY", "EXPIRES", "ACK/MIN",
+        "ETA",
+    ];
+    let rows: Vec<[String; 11]> = queues
+        .iter()
+        .map(|q| {
+            [
+                q.id.clone()
+                    .or_else(|| q.durable_id.clone())
+                    .unwrap_or_else(dash),
+                q.node.clone().unwrap_or_else(dash),
+                q.role.clone(),
+                q.state.clone(),
+                q.pending.to_string(),
+                q.pending_bytes.map_or_else(dash, |b| b.to_string()),
+                q.oldest_pending_age_ms
+                    .map_or_else(dash, |ms| human_secs(ms / 1_000)),
+                q.away_since_ms
+                    .map_or_else(dash, |t| human_secs(now.saturating_sub(t) / 1_000)),
+                q.expires_at_ms
+                    .map_or_else(dash, |t| human_secs(t.saturating_sub(now) / 1_000)),
+                q.ack_per_min.map_or_else(dash, |r| r.to_string()),
+                q.drain_eta_secs.map_or_else(dash, human_secs),
+            ]
+        })
+        .collect();
+    let mut widths = header.map(str::len);
+    for r in &rows {
+        for (w, cell) in widths.iter_mut().zip(r) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = std::io::stdout().lock();
+    let mut print = |cells: Vec<&str>| {
+        let line: Vec<String> = cells
+            .iter()
+            .zip(widths)
+            .enumerate()
+            .map(|(i, (c, w))| {
+                // Numbers right-aligned, text left-aligned.
+                if i >= 4 {
+                    format!("{c:>w$}")
+                } else {
+                    format!("{c:<w$}")
+                }
+            })
+            .collect();
+        let _ = writeln!(out, "{}", line.join("  ").trim_end());
+    };
+    print(header.to_vec());
+    for r in &rows {
+        print(r.iter().map(String::as_str).collect());
+    }
+    let _ = out.flush();
 }
 
 /// The `--server` list: each entry's address, and its host when it is a name (its certificate
@@ -742,69 +1198,9 @@ fn client_builder(
     Ok(b)
 }
 
-async fn server(a: ServerArgs) -> Result<(), Fail> {
-    let file = match &a.config {
-        Some(p) => FileConfig::load(p)?,
-        None => FileConfig::default(),
-    };
-    let mut cfg = ServerConfig::default();
-    if let Some(d) = a.data_dir.or(file.data_dir) {
-        cfg.data_dir = d;
-    }
-    if let Some(l) = a.listen.or(file.listen) {
-        cfg.listen = parse_addr("listen", &l)?;
-    }
-    if let Some(m) = a.metrics.or(file.metrics) {
-        cfg.metrics = parse_metrics(&m)?;
-    }
-    if let Some(id) = a.node_id.or(file.node_id) {
-        validate_node_id(&id)?;
-        cfg.node_id = Some(id);
-    }
-    cfg.advertise = if a.advertise.is_empty() {
-        file.advertise.clone().unwrap_or_default()
-    } else {
-        a.advertise.clone()
-    };
-    for name in &cfg.advertise {
-        tether::config::validate_advertise(name)?;
-    }
-    cfg.sync = match a.sync {
-        Some(s) => s.parse::<SyncMode>()?,
-        None => file.sync.unwrap_or_default(),
-    };
-    cfg.tls = file.tls;
-    cfg.limits = file.limits.unwrap_or_default();
-    if let Some(n) = a.queue_bytes_max {
-        cfg.limits.queue_bytes_max = n;
-    }
-    if let Some(n) = a.queue_entries_max {
-        cfg.limits.queue_entries_max = n;
-    }
-    if let Some(p) = a.queue_full_policy {
-        cfg.limits.queue_full_policy = p.parse()?;
-    }
-    cfg.limits.validate()?;
-    cfg.auth = file.auth;
-    // Its [auth] table is read again when the file changes (tokens, admins, ACLs).
-    cfg.auth_file = a.config.clone().filter(|_| cfg.auth.is_some());
-    let cluster_file = file.cluster.unwrap_or_default();
-    if let Some(r) = cluster_file.rebalance {
-        cfg.rebalance = r;
-    }
-    if let Some(ms) = cluster_file.node_failure_ms {
-        tether::config::validate_node_failure_ms(ms)?;
-        cfg.node_failure_ms = ms;
-    }
-    let peers = if a.peers.is_empty() {
-        cluster_file.peers
-    } else {
-        a.peers
-    };
-    cfg.peers = peers
-        .iter()
-        .map(|p| parse_peer(p))
-        .collect::<Result<_, _>>()?;
+/// Runs a node with its resolved configuration (`tether::config::resolve`) until SIGTERM or
+/// SIGINT.
+async fn server(cfg: ServerConfig) -> Result<(), Fail> {
     let node = Node::start(cfg).await?;
     emit(json!({
         "type": "listening",
@@ -840,61 +1236,55 @@ fn sized_value(i: u64, size: usize) -> Vec<u8> {
 }
 
 async fn put(a: PutArgs) -> Result<(), Fail> {
-    let ack = match a.ack.as_str() {
-        "local" => PublishAck::Local,
-        "replicated" => PublishAck::Replicated,
-        other => {
-            return Err(Fail(format!(
-                "invalid --ack {other:?} (expected local or replicated)"
-            )));
-        }
+    // Every argument was checked by the parser: nothing can fail after connecting but the
+    // puts themselves.
+    let ack = match a.ack {
+        AckArg::Local => PublishAck::Local,
+        AckArg::Replicated => PublishAck::Replicated,
     };
     let c = connect(&a.conn, None, 100).await?;
-    let count = match (&a.key, a.count) {
-        (Some(k), None) => {
-            let v = a
-                .value
-                .clone()
-                .ok_or_else(|| Fail("--key needs --value".into()))?;
-            c.publish_with(
-                vec![PublishOp::Put {
-                    region: a.region.clone(),
-                    key: k.clone(),
-                    value: v.into_bytes(),
-                }],
-                ack,
-            )
-            .await?
-        }
-        (None, Some(n)) => {
-            let m = a.keys.unwrap_or(n);
-            if m == 0 && n > 0 {
-                return Err(Fail("--keys must be at least 1".into()));
-            }
-            let mut sent = 0;
-            let mut i = 0;
-            while i < n {
-                let end = (i + PUT_BATCH_OPS as u64).min(n);
-                let ops = (i..end)
-                    .map(|j| PublishOp::Put {
+    let r = async {
+        let count = match (&a.key, a.count) {
+            (Some(k), None) => {
+                let v = a.value.clone().unwrap_or_default();
+                c.publish_with(
+                    vec![PublishOp::Put {
                         region: a.region.clone(),
-                        key: format!("{}{}", a.key_prefix, j % m),
-                        value: match a.size {
-                            Some(s) => sized_value(j, s),
-                            None => format!("value-{j}").into_bytes(),
-                        },
-                    })
-                    .collect();
-                sent += c.publish_with(ops, ack).await?;
-                i = end;
+                        key: k.clone(),
+                        value: v.into_bytes(),
+                    }],
+                    ack,
+                )
+                .await?
             }
-            sent
-        }
-        _ => return Err(Fail("give either --key K --value V or --count N".into())),
-    };
-    emit(json!({"type":"published","count":count}));
-    c.close(false).await?;
-    Ok(())
+            (None, Some(n)) => {
+                let m = a.keys.unwrap_or(n).max(1);
+                let mut sent = 0;
+                let mut i = 0;
+                while i < n {
+                    let end = (i + PUT_BATCH_OPS as u64).min(n);
+                    let ops = (i..end)
+                        .map(|j| PublishOp::Put {
+                            region: a.region.clone(),
+                            key: format!("{}{}", a.key_prefix, j % m),
+                            value: match a.size {
+                                Some(s) => sized_value(j, s),
+                                None => format!("value-{j}").into_bytes(),
+                            },
+                        })
+                        .collect();
+                    sent += c.publish_with(ops, ack).await?;
+                    i = end;
+                }
+                sent
+            }
+            _ => return Err(Fail("give either --key K --value V or --count N".into())),
+        };
+        emit(json!({"type":"published","count":count}));
+        Ok(())
+    }
+    .await;
+    close_after(c, false, r).await
 }
 
 /// Where `tether subscribe` reads its events from: one session, or a subscription that
@@ -953,39 +1343,20 @@ fn print_initial(region: &str, policy: ResultPolicy, entry: tether::protocol::In
 }
 
 async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
-    let policy: ResultPolicy = a.policy.parse()?;
+    // The arguments' values were checked by the parser.
+    let policy: ResultPolicy = a.policy.into();
     let durable = a.durable_id.is_some();
-    let keepalive = match a.close.as_deref() {
+    let keepalive = match a.close {
         None => durable,
-        Some("keepalive") => true,
-        Some("drop") => false,
-        Some(other) => {
-            return Err(Fail(format!(
-                "invalid --close {other:?} (expected keepalive or drop)"
-            )));
-        }
+        Some(CloseArg::Keepalive) => true,
+        Some(CloseArg::Drop) => false,
     };
-    if a.ack_interval_ms == 0 {
-        return Err(Fail("--ack-interval-ms must be at least 1".into()));
-    }
-    if a.redundancy > tether::cluster::meta::REDUNDANCY_MAX {
-        return Err(Fail(format!(
-            "--redundancy {} is above the limit of {}",
-            a.redundancy,
-            tether::cluster::meta::REDUNDANCY_MAX
-        )));
-    }
     let mut builder = client_builder(
         &a.conn,
         a.durable_id.clone().map(|id| (id, a.timeout, a.redundancy)),
         a.ack_interval_ms,
     )?;
     if let Some(ms) = a.failure_timeout_ms {
-        if !(FAILURE_TIMEOUT_MS_MIN..=FAILURE_TIMEOUT_MS_MAX).contains(&ms) {
-            return Err(Fail(format!(
-                "--failure-timeout-ms {ms} is outside {FAILURE_TIMEOUT_MS_MIN} to {FAILURE_TIMEOUT_MS_MAX}"
-            )));
-        }
         builder = builder.failure_timeout(Duration::from_millis(ms));
     }
     let mut interests: Vec<Interest> = a.key.iter().map(Interest::key).collect();
@@ -1013,6 +1384,7 @@ async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
             "primary": c.server_addr().to_string(),
         }));
     };
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut feed = if a.reconnect {
         let give_up = (a.reconnect_max_secs > 0).then(|| Duration::from_secs(a.reconnect_max_secs));
         let mut sub = builder
@@ -1030,26 +1402,37 @@ async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
     } else {
         let c = builder.connect().await?;
         connected(&c);
-        let region = c.region(&a.region);
-        let events = c.events()?;
-        for i in interests {
-            for entry in region.register(i).await? {
-                print_initial(&a.region, policy, entry);
+        let setup = async {
+            let region = c.region(&a.region);
+            let events = c.events()?;
+            for i in interests {
+                for entry in region.register(i).await? {
+                    print_initial(&a.region, policy, entry);
+                }
+            }
+            if !a.no_ready {
+                if a.ready_delay_ms > 0 {
+                    tokio::time::sleep(Duration::from_millis(a.ready_delay_ms)).await;
+                }
+                if durable {
+                    c.ready_for_events().await?;
+                }
+            }
+            Ok::<_, Fail>(events)
+        }
+        .await;
+        match setup {
+            Ok(events) => Feed::Session { client: c, events },
+            Err(e) => {
+                // Close (a durable queue is kept, as after a lost connection) rather than
+                // leave the connection to the server's idle timeout.
+                let _ = c.close(durable).await;
+                return Err(e);
             }
         }
-        if !a.no_ready {
-            if a.ready_delay_ms > 0 {
-                tokio::time::sleep(Duration::from_millis(a.ready_delay_ms)).await;
-            }
-            if durable {
-                c.ready_for_events().await?;
-            }
-        }
-        Feed::Session { client: c, events }
     };
     let idle = a.idle_exit_ms.map(Duration::from_millis);
     let mut printed = 0u64;
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut lost = false;
     let mut done = false;
     if announce_live {

@@ -1,12 +1,10 @@
-//! Prometheus metrics: names (all `tether_`), the process-wide recorder and the `/metrics`
-//! HTTP endpoint.
+//! Prometheus metrics: names (all `tether_`) and the process-wide recorder. The `/metrics`
+//! endpoint is part of the HTTP admin surface (`server/admin.rs`), which appends the per-queue
+//! lag metrics rendered by [`crate::admin::render_lag_metrics`] at each scrape.
 
-use std::net::SocketAddr;
 use std::sync::OnceLock;
 
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 pub const EVENTS_PUBLISHED: &str = "tether_events_published_total";
 pub const EVENTS_ENQUEUED: &str = "tether_events_enqueued_total";
@@ -58,9 +56,24 @@ pub const AUTH_RELOADS: &str = "tether_auth_reloads_total";
 pub const WITHDRAWN_TOKEN_CONNECTIONS_CLOSED: &str =
     "tether_withdrawn_token_connections_closed_total";
 pub const PEER_REFUSED: &str = "tether_peer_refused_total";
+// Per durable queue, rendered at each scrape for the top N queues by pending events only.
+pub const QUEUE_PENDING_EVENTS: &str = "tether_queue_pending_events";
+pub const QUEUE_PENDING_BYTES: &str = "tether_queue_pending_bytes";
+pub const QUEUE_OLDEST_PENDING_AGE: &str = "tether_queue_oldest_pending_age_seconds";
+pub const QUEUE_AWAY: &str = "tether_queue_away_seconds";
+pub const QUEUE_ACK_RATE: &str = "tether_queue_ack_rate";
+pub const QUEUE_DRAIN_ETA: &str = "tether_queue_drain_eta_seconds";
+/// Histogram of pending events over every queue of a node (rendered at each scrape).
+pub const QUEUE_SIZE: &str = "tether_queue_size_events";
 
-/// Bytes of an HTTP request head the endpoint reads.
-const HTTP_REQUEST_BYTES_MAX: usize = 8 * 1024;
+/// Buckets of the histograms that measure seconds (fsync, replay), from 10 µs to a minute.
+pub const SECONDS_BUCKETS: [f64; 13] = [
+    1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0,
+];
+/// Buckets of `tether_storage_write_batch_ops`: operations per group commit, in powers of two.
+pub const WRITE_BATCH_OPS_BUCKETS: [f64; 14] = [
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
+];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -69,9 +82,13 @@ static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 pub fn handle() -> &'static PrometheusHandle {
     HANDLE.get_or_init(|| {
         let recorder = PrometheusBuilder::new()
-            .set_buckets(&[
-                1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0,
-            ])
+            .set_buckets(&SECONDS_BUCKETS)
+            .and_then(|b| {
+                b.set_buckets_for_metric(
+                    Matcher::Full(WRITE_BATCH_OPS.to_string()),
+                    &WRITE_BATCH_OPS_BUCKETS,
+                )
+            })
             .expect("static buckets are valid")
             .build_recorder();
         let handle = recorder.handle();
@@ -238,45 +255,4 @@ fn describe() {
         LOCK_WAIT_SLOW,
         "Node state locks waited for 100 ms or longer, by lock"
     );
-}
-
-/// Serves `GET /metrics` on `addr` until the task is dropped. Returns the bound address.
-pub async fn serve(addr: SocketAddr) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let handle = handle();
-    let listener = TcpListener::bind(addr).await?;
-    let bound = listener.local_addr()?;
-    let task = tokio::spawn(async move {
-        loop {
-            let Ok((mut sock, _)) = listener.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; HTTP_REQUEST_BYTES_MAX];
-                let mut n = 0;
-                while n < buf.len() {
-                    match sock.read(&mut buf[n..]).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(k) => n += k,
-                    }
-                    if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                        break;
-                    }
-                }
-                let head = String::from_utf8_lossy(&buf[..n]);
-                let response = if head.starts_with("GET /metrics ") {
-                    let body = handle.render();
-                    format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                        body.len()
-                    )
-                } else {
-                    "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-                        .to_string()
-                };
-                let _ = sock.write_all(response.as_bytes()).await;
-                let _ = sock.shutdown().await;
-            });
-        }
-    });
-    Ok((bound, task))
 }

@@ -52,7 +52,9 @@ impl Out {
         self.json()
     }
 
-    /// Non-zero exit, exactly one stderr line, starting with `error:`, no panic text.
+    /// Non-zero exit, exactly one stderr line starting with `error:` (the first), no panic
+    /// text. A usage error (exit status 2) may follow it with the parser's explanation (a tip,
+    /// the usage, a pointer to --help); other failures print that one line only.
     fn failed(self) -> String {
         assert!(
             !self.status.success(),
@@ -61,13 +63,29 @@ impl Out {
             self.lines
         );
         let lines: Vec<&str> = self.stderr.lines().collect();
+        let usage = self.status.code() == Some(2);
+        assert!(
+            !lines.is_empty() && (usage || lines.len() == 1),
+            "`tether {}` ({}): stderr should be one line: {:?}",
+            self.what,
+            self.status,
+            self.stderr
+        );
         assert_eq!(
-            lines.len(),
+            lines.iter().filter(|l| l.starts_with("error:")).count(),
             1,
-            "`tether {}`: stderr should be one line: {:?}",
+            "`tether {}`: one error line: {:?}",
             self.what,
             self.stderr
         );
+        if usage && lines.len() > 1 {
+            assert!(
+                self.stderr.contains("--help"),
+                "`tether {}`: a usage error points to --help: {:?}",
+                self.what,
+                self.stderr
+            );
+        }
         assert!(
             lines[0].starts_with("error:") && lines[0].len() > "error: ".len(),
             "`tether {}`: {:?}",
@@ -350,6 +368,25 @@ fn assert_queue_fields(q: &Value) {
         want.push("pending_bytes");
         assert!(q["pending_bytes"].is_u64(), "{q}");
     }
+    // Added with the lag per queue: where it is and how far behind (null when not known).
+    want.extend([
+        "id",
+        "node",
+        "oldest_pending_age_ms",
+        "away_since_ms",
+        "expires_at_ms",
+        "enqueue_per_min",
+        "delivery_per_min",
+        "ack_per_min",
+        "drain_eta_secs",
+    ]);
+    assert!(q["id"].is_string() && q["node"].is_string(), "{q}");
+    // Cluster additions, when present.
+    for f in ["copies", "primary"] {
+        if q.get(f).is_some() {
+            want.push(f);
+        }
+    }
     assert_fields(q, &want);
     assert_eq!(q["type"], "queue");
     assert!(
@@ -562,14 +599,16 @@ fn server_metrics_endpoint_serves_prometheus_text() {
     ] {
         assert!(names.contains(want), "{want} not exported: {names:?}");
     }
+    // docs/operations.md lists the metrics and points to docs/admin.md for the per-queue series.
     let docs = concat!(
         include_str!("../docs/operations.md"),
-        include_str!("../docs/cluster.md")
+        include_str!("../docs/cluster.md"),
+        include_str!("../docs/admin.md")
     );
     for name in &names {
         assert!(
             docs.contains(&format!("`{name}")),
-            "{name} is exported but not documented in docs/operations.md or docs/cluster.md"
+            "{name} is exported but not documented in docs/operations.md, docs/cluster.md or docs/admin.md"
         );
     }
     s.stop();
@@ -1523,6 +1562,117 @@ fn subscribe_close_drop_and_expired() {
 // queues
 
 #[test]
+fn queues_pages_filters_and_prints_a_table() {
+    let s = start_server(&[]);
+    // Three away durable queues with 3, 2 and 1 events pending.
+    for (id, key) in [("qa", "k"), ("qb", "k"), ("qc", "k")] {
+        s.ok(
+            "subscribe",
+            &[
+                "--region",
+                "R",
+                "--durable-id",
+                id,
+                "--key",
+                key,
+                "--exit-on-live",
+            ],
+        );
+    }
+    s.ok(
+        "subscribe",
+        &[
+            "--region",
+            "S",
+            "--durable-id",
+            "qa",
+            "--all-keys",
+            "--exit-on-live",
+        ],
+    );
+    s.ok(
+        "subscribe",
+        &[
+            "--region",
+            "T",
+            "--durable-id",
+            "qb",
+            "--all-keys",
+            "--exit-on-live",
+        ],
+    );
+    s.put("R", "k", "1");
+    s.put("S", "x", "1");
+    s.put("T", "y", "1");
+    s.put("S", "z", "1");
+    let ids = |lines: &[Value]| -> Vec<String> {
+        lines
+            .iter()
+            .filter(|l| l["type"] == "queue" && l["durable_id"].is_string())
+            .map(|l| l["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let all = s.ok("queues", &["--state", "away"]);
+    assert_eq!(ids(&all), ["qa", "qb", "qc"], "most pending first");
+    let qa = &all[0];
+    assert_queue_fields(qa);
+    assert_eq!(qa["pending"], 3);
+    assert_eq!(
+        qa["expires_at_ms"].as_u64(),
+        qa["away_since_ms"].as_u64().map(|t| t + 300_000)
+    );
+    assert!(qa["oldest_pending_age_ms"].is_u64(), "{qa}");
+    // One page, then the next from its token.
+    let first = s.ok("queues", &["--state", "away", "--limit", "2"]);
+    assert_eq!(ids(&first), ["qa", "qb"]);
+    let page = first.last().unwrap();
+    assert_fields(page, &["type", "next", "total", "unreachable"]);
+    assert_eq!(
+        (page["type"].as_str(), page["total"].as_u64()),
+        (Some("page"), Some(3))
+    );
+    let next = page["next"].as_str().unwrap();
+    let rest = s.ok(
+        "queues",
+        &["--state", "away", "--limit", "2", "--after", next],
+    );
+    assert_eq!(ids(&rest), ["qc"]);
+    assert_eq!(rest.last().unwrap()["next"], Value::Null);
+    // Filters and sorts.
+    assert_eq!(ids(&s.ok("queues", &["--id", "qb"])), ["qb"]);
+    assert_eq!(ids(&s.ok("queues", &["--region", "T"])), ["qb"]);
+    assert_eq!(
+        ids(&s.ok(
+            "queues",
+            &["--state", "away", "--sort", "id", "--order", "desc"]
+        )),
+        ["qc", "qb", "qa"]
+    );
+    // For people: a table with a header.
+    let out = s.run("queues", &["--state", "away", "--format", "table"]);
+    assert!(out.status.success(), "{}", out.stderr);
+    let lines = &out.lines;
+    assert!(
+        lines[0].starts_with("ID") && lines[0].contains("PENDING"),
+        "{lines:?}"
+    );
+    assert_eq!(lines.len(), 4, "{lines:?}");
+    assert!(
+        lines[1].starts_with("qa ") && lines[1].contains(" away "),
+        "{lines:?}"
+    );
+    // Bad input: argument errors before connecting, a bad token from the server.
+    let bad = s.run("queues", &["--limit", "0"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", bad.stderr);
+    let bad = s.run("queues", &["--sort", "size"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", bad.stderr);
+    let bad = s.run("queues", &["--after", "garbage"]);
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(bad.stderr.contains("paging token"), "{}", bad.stderr);
+    s.stop();
+}
+
+#[test]
 fn queues_lists_every_queue_with_exact_fields() {
     let s = start_server(&[]);
     // (The `tether queues` connection itself holds a non-durable queue with no interest.)
@@ -1861,6 +2011,10 @@ fn bad_arguments_give_one_error_line() {
     for (what, p) in procs {
         let out = p.finish();
         assert!(out.lines.is_empty(), "{what}: stdout {:?}", out.lines);
+        // Every case but the missing CA file is an argument error: exit status 2.
+        if !what.contains("nope.pem") {
+            assert_eq!(out.status.code(), Some(2), "{what}: {:?}", out.stderr);
+        }
         let err = out.failed();
         if what.contains("--policy bogus") || what.contains("--close bogus") {
             assert!(err.contains("bogus"), "{what}: {err}");
@@ -1948,6 +2102,18 @@ fn cluster_redundancy_replicated_ack_and_queue_copies() {
     };
     let primary = queue_on(&n1);
     assert_eq!(primary.len(), 1);
+    // --cluster: every member's queues through one node, the copy included.
+    let everywhere: Vec<Value> = run(&["queues", "--server", &n1, "--ca", &ca, "--cluster"])
+        .ok()
+        .into_iter()
+        .filter(|q| q["durable_id"] == "d")
+        .collect();
+    let mut roles: Vec<&str> = everywhere
+        .iter()
+        .map(|q| q["role"].as_str().unwrap())
+        .collect();
+    roles.sort();
+    assert_eq!(roles, ["primary", "secondary"]);
     assert_eq!(
         (&primary[0]["role"], &primary[0]["pending"]),
         (&Value::from("primary"), &Value::from(1))

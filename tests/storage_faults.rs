@@ -120,6 +120,11 @@ async fn a_failed_storage_write_stops_the_node_and_loses_nothing_committed() {
                 matches!(e.code, ErrorCode::Internal | ErrorCode::Shutdown),
                 "{e:?}"
             );
+            // The refusal names the storage failure and its cause, not a mere shutdown.
+            assert!(
+                e.message.contains("storage failed") && e.message.contains("fsync failed (EIO)"),
+                "{e:?}"
+            );
         }
         other => panic!("a poisoned node took a write: {other:?}"),
     }

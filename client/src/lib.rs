@@ -1018,6 +1018,15 @@ impl Client {
         }
     }
 
+    /// Admin: a page of the queue listing with each queue's lag: paged, sorted, filtered, over
+    /// every member of a cluster unless `query.node_only` (see [`QueuesQuery`]).
+    pub async fn queues_page(&self, query: QueuesQuery) -> Result<QueuesPage, ClientError> {
+        match self.inner.call(RequestBody::ListQueuesPage(query)).await? {
+            ResponseBody::QueuesPage(page) => Ok(page),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Admin: destroys an away durable client's queue.
     pub async fn close_durable(&self, durable_id: &str) -> Result<(), ClientError> {
         match self

@@ -248,6 +248,55 @@ pub enum RequestBody {
     Close {
         keepalive: bool,
     },
+    /// Admin: a page of the queue listing, with each queue's lag (`tether queues` with
+    /// paging, filters or cluster scope; the HTTP API's `/api/v1/queues`).
+    ListQueuesPage(QueuesQuery),
+}
+
+/// A page request of the queue listing. Unset fields take the listing's defaults; values are
+/// those of the HTTP API's query parameters (docs/admin.md).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueuesQuery {
+    /// Queues per page (default 100, capped at 1000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u64>,
+    /// The `next` token of the previous page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<String>,
+    /// `pending` (default), `bytes`, `age` or `id`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sort: Option<String>,
+    /// `desc` (default) or `asc`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order: Option<String>,
+    /// `ready`, `connected` or `away`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// Queues with interest in this region.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<String>,
+    /// Queues whose id starts with this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<String>,
+    /// `primary` (default), `secondary` or `all`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// Only the contacted node's queues (default: every member's).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub node_only: bool,
+}
+
+/// One page of the queue listing.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct QueuesPage {
+    pub queues: Vec<QueueReport>,
+    /// The token of the next page (None: this is the last).
+    pub next: Option<String>,
+    /// Queues matching the filters, over every page.
+    pub total: u64,
+    /// Members that did not answer (their queues are missing).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unreachable: Vec<String>,
 }
 
 /// Queue status sent in the welcome, before any event.
@@ -340,7 +389,7 @@ pub struct InterestInfo {
 }
 
 /// A queue as reported by `tether queues`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct QueueReport {
     pub durable_id: Option<String>,
     pub state: String,
@@ -360,6 +409,34 @@ pub struct QueueReport {
     /// Cluster, on a secondary's copy: the node holding the primary.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub primary: Option<String>,
+    /// The fields below come with a page of the listing ([`RequestBody::ListQueuesPage`]).
+    /// The queue's id: its durable id, or `node:number` for a non-durable queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// The node the report comes from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// Age of the oldest unacknowledged entry, in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_pending_age_ms: Option<u64>,
+    /// When the durable client went away (ms since the epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub away_since_ms: Option<u64>,
+    /// When the away queue expires unless its client returns (ms since the epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at_ms: Option<u64>,
+    /// Entries appended, sent and acknowledged per minute (rounded: the protocol carries no
+    /// floats).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enqueue_per_min: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivery_per_min: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ack_per_min: Option<u64>,
+    /// Seconds until everything is acknowledged at the current rates, rounded up (None: not
+    /// shrinking).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_eta_secs: Option<u64>,
 }
 
 /// One secondary copy of a queue, as its primary sees it.
@@ -394,6 +471,7 @@ pub enum ResponseBody {
     Queues {
         queues: Vec<QueueReport>,
     },
+    QueuesPage(QueuesPage),
     ClosedDurable {
         durable_id: String,
     },

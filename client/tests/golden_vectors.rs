@@ -365,6 +365,20 @@ fn vectors() -> Vec<Vector> {
             request(10, RequestBody::ListQueues),
         ),
         v(
+            "request-list-queues-page",
+            "Admin: the second page of away queues with interest in the region, 20 per page, most pending first, over every member.",
+            request(
+                12,
+                RequestBody::ListQueuesPage(QueuesQuery {
+                    limit: Some(20),
+                    after: Some(s("pending.desc.40.6431.6e31")),
+                    state: Some(s("away")),
+                    region: Some(s(REGION)),
+                    ..Default::default()
+                }),
+            ),
+        ),
+        v(
             "request-close-durable",
             "Admin: destroys the queue of the away durable client d2.",
             request(
@@ -503,6 +517,7 @@ fn vectors() -> Vec<Vector> {
                                 lag_entries: 1,
                             }],
                             primary: None,
+                            ..Default::default()
                         },
                         QueueReport {
                             durable_id: Some(s("d3")),
@@ -521,9 +536,49 @@ fn vectors() -> Vec<Vector> {
                             }],
                             copies: Vec::new(),
                             primary: Some(s("n2")),
+                            ..Default::default()
                         },
                     ],
                 }),
+            ),
+        ),
+        v(
+            "response-queues-page",
+            "Answer to list-queues-page: one away durable queue with its lag, and the token of the next page.",
+            response(
+                12,
+                Ok(ResponseBody::QueuesPage(QueuesPage {
+                    queues: vec![QueueReport {
+                        durable_id: Some(s("d1")),
+                        state: s("away"),
+                        pending: 40,
+                        pending_bytes: Some(5_120),
+                        acked_offset: 10,
+                        end_offset: 50,
+                        timeout_secs: 300,
+                        role: s("primary"),
+                        interests: vec![InterestInfo {
+                            region: s(REGION),
+                            kind: s("all"),
+                            spec: None,
+                            durable: true,
+                        }],
+                        copies: Vec::new(),
+                        primary: None,
+                        id: Some(s("d1")),
+                        node: Some(s("n1")),
+                        oldest_pending_age_ms: Some(61_000),
+                        away_since_ms: Some(1_764_000_000_000),
+                        expires_at_ms: Some(1_764_000_300_000),
+                        enqueue_per_min: Some(150),
+                        delivery_per_min: Some(0),
+                        ack_per_min: Some(0),
+                        drain_eta_secs: None,
+                    }],
+                    next: Some(s("pending.desc.40.6431.6e31")),
+                    total: 7,
+                    unreachable: vec![s("n3")],
+                })),
             ),
         ),
         v(

@@ -65,6 +65,8 @@ pub enum PeerRequest {
     Replicate(ReplicateMsg),
     /// Liveness probe (failure detection).
     Ping,
+    /// The admin API's queue listing: the receiver's page of it (`crate::admin`).
+    ListQueues(crate::admin::ListQuery),
 }
 
 /// One replication message: the header decided by the primary's
@@ -159,6 +161,8 @@ pub enum PeerResponse {
     Replicated(Option<crate::replication::Reply>),
     /// The answer to a [`PeerRequest::Ping`].
     Pong,
+    /// The answer to a [`PeerRequest::ListQueues`].
+    Queues(crate::admin::Page),
 }
 
 /// Where a node applies the publishes its peers forward to it (the server implements it).
@@ -176,6 +180,12 @@ pub trait PublishSink: Send + Sync + 'static {
     fn replicate(
         &self,
         msg: ReplicateMsg,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>>;
+
+    /// This node's page of an admin queue listing.
+    fn list_queues(
+        &self,
+        query: crate::admin::ListQuery,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>>;
 }
 
@@ -229,7 +239,7 @@ pub fn check_sender(peer: &PeerIdentity, request: &PeerRequest) -> Result<(), St
             peer.name
         )),
         PeerRequest::Replicate(m) => claimed("queue replication", Some(m.from)),
-        PeerRequest::Write(_) | PeerRequest::Ping => Ok(()),
+        PeerRequest::Write(_) | PeerRequest::Ping | PeerRequest::ListQueues(_) => Ok(()),
     }
 }
 
@@ -596,6 +606,10 @@ async fn dispatch(
             None => PeerResponse::Replicated(None),
         },
         PeerRequest::Ping => PeerResponse::Pong,
+        PeerRequest::ListQueues(q) => match sink {
+            Some(sink) => sink.list_queues(q).await,
+            None => PeerResponse::Queues(crate::admin::Page::default()),
+        },
     }
 }
 

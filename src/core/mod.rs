@@ -156,6 +156,8 @@ pub struct Queue {
     /// [`NodeCore::begin_handover`]): no client attaches meanwhile. Not stored: a restart ends
     /// the attempt, and the metadata then says whether the queue moved.
     pub moving: bool,
+    /// Enqueue, delivery and ack rates, sampled by the node's tick ([`NodeCore::sample_rates`]).
+    pub rates: crate::admin::QueueRates,
 }
 
 /// Per publisher (origin node, then session), the highest event sequence held.
@@ -781,6 +783,7 @@ impl NodeCore {
             seen: (!info.copy_seen.is_empty()).then(|| Box::new(info.copy_seen)),
             held_through: (!info.copy_through.is_empty()).then(|| Box::new(info.copy_through)),
             moving: false,
+            rates: Default::default(),
         };
         for (region, sel, reg) in info.interests {
             self.index.insert(&region, &sel, id, reg.receive_values);
@@ -1168,6 +1171,7 @@ impl NodeCore {
             seen: None,
             held_through: None,
             moving: false,
+            rates: Default::default(),
         };
         q.persist_info(batch);
         self.queues.insert(id, Box::new(q));
@@ -1728,6 +1732,19 @@ impl NodeCore {
         (batch, ids)
     }
 
+    /// `ready`, `connected` or `away`.
+    fn state_name(&self, q: &Queue) -> &'static str {
+        match q.state {
+            QueueState::Away { .. } => "away",
+            QueueState::Attached(s)
+                if self.sessions.get(&s).is_some_and(|s| s.cursor.is_some()) =>
+            {
+                "ready"
+            }
+            QueueState::Attached(_) => "connected",
+        }
+    }
+
     /// Reports of every queue, ordered by queue id.
     pub fn queue_reports(&self) -> Vec<QueueReport> {
         let mut qs: Vec<&Queue> = self.queues.values().map(|q| &**q).collect();
@@ -1735,16 +1752,7 @@ impl NodeCore {
         qs.into_iter()
             .map(|q| QueueReport {
                 durable_id: q.durable_id.clone(),
-                state: match q.state {
-                    QueueState::Away { .. } => "away",
-                    QueueState::Attached(s)
-                        if self.sessions.get(&s).is_some_and(|s| s.cursor.is_some()) =>
-                    {
-                        "ready"
-                    }
-                    QueueState::Attached(_) => "connected",
-                }
-                .to_string(),
+                state: self.state_name(q).to_string(),
                 pending: q.pending(),
                 pending_bytes: Some(q.pending_bytes()),
                 acked_offset: q.acked,
@@ -1758,8 +1766,101 @@ impl NodeCore {
                     .collect(),
                 copies: Vec::new(),
                 primary: None,
+                ..Default::default()
             })
             .collect()
+    }
+
+    /// The admin view of every queue (primaries: this node's core holds no copies), in no
+    /// particular order; `node` names this node in them.
+    pub fn queue_views(&self, node: &str, now_ms: u64) -> Vec<crate::admin::QueueView> {
+        self.queues
+            .values()
+            .map(|q| self.queue_view(q, node, now_ms))
+            .collect()
+    }
+
+    /// What `/metrics` needs of the queues, without a view of each: the views of the `top`
+    /// durable queues with the most pending events, and the sizes of all.
+    pub fn lag_summary(
+        &self,
+        node: &str,
+        top: usize,
+        now_ms: u64,
+    ) -> (Vec<crate::admin::QueueView>, crate::admin::QueueSizes) {
+        let mut sizes = crate::admin::QueueSizes::default();
+        let mut durable: Vec<(u64, &str, &Queue)> = Vec::new();
+        for q in self.queues.values() {
+            sizes.add(q.pending());
+            if let Some(id) = &q.durable_id {
+                durable.push((q.pending(), id, q));
+            }
+        }
+        let order = |a: &(u64, &str, &Queue), b: &(u64, &str, &Queue)| {
+            b.0.cmp(&a.0).then_with(|| a.1.cmp(b.1))
+        };
+        if top < durable.len() {
+            if top > 0 {
+                durable.select_nth_unstable_by(top, order);
+            }
+            durable.truncate(top);
+        }
+        durable.sort_by(order);
+        let views = durable
+            .into_iter()
+            .map(|(_, _, q)| self.queue_view(q, node, now_ms))
+            .collect();
+        (views, sizes)
+    }
+
+    fn queue_view(&self, q: &Queue, node: &str, now_ms: u64) -> crate::admin::QueueView {
+        let away_since_ms = match q.state {
+            QueueState::Away { since_ms } => Some(since_ms),
+            QueueState::Attached(_) => None,
+        };
+        let pending = q.pending();
+        crate::admin::QueueView {
+            id: q
+                .durable_id
+                .clone()
+                .unwrap_or_else(|| format!("{node}:{}", q.id)),
+            durable_id: q.durable_id.clone(),
+            node: node.to_string(),
+            role: "primary".into(),
+            primary: Some(node.to_string()),
+            state: self.state_name(q).into(),
+            pending_events: pending,
+            pending_bytes: Some(q.pending_bytes()),
+            oldest_pending_age_ms: q.oldest_unacked_age_ms(now_ms),
+            away_since_ms,
+            expires_at_ms: away_since_ms
+                .map(|s| s.saturating_add(q.timeout_secs.saturating_mul(1_000))),
+            timeout_secs: q.timeout_secs,
+            acked_offset: q.acked,
+            end_offset: q.end,
+            enqueue_rate: q.rates.enqueue_per_sec,
+            delivery_rate: q.rates.delivery_per_sec,
+            ack_rate: q.rates.ack_per_sec,
+            drain_eta_secs: crate::admin::drain_eta_secs(
+                pending,
+                q.rates.ack_per_sec,
+                q.rates.enqueue_per_sec,
+            ),
+            interests: q
+                .interests
+                .iter()
+                .map(|((r, sel), reg)| sel.info(r, reg.durable))
+                .collect(),
+            copies: Vec::new(),
+        }
+    }
+
+    /// Samples every queue's rates (each at most once per
+    /// [`crate::admin::RATE_SAMPLE_INTERVAL_MS`]).
+    pub fn sample_rates(&mut self, now_ms: u64) {
+        for q in self.queues.values_mut() {
+            q.rates.sample(now_ms, q.end, q.delivered, q.acked);
+        }
     }
 
     /// Queue counts for metrics.

@@ -311,6 +311,17 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         (Some(p), Some(cluster)) => queue_servers(cluster, p),
         _ => Vec::new(),
     };
+    match &durable {
+        Some(d) => tracing::info!(
+            durable_id = %d.id,
+            session,
+            queue = ?connected.status,
+            pending = connected.pending,
+            remote = %conn.remote_address(),
+            "durable client connected"
+        ),
+        None => tracing::debug!(session, remote = %conn.remote_address(), "client connected"),
+    }
     let welcome = ServerMsg::Welcome {
         node_id: shared.node_id.clone(),
         session,
@@ -348,8 +359,18 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         })
         .await
         .unwrap_or(false);
-    if let (true, Some(d)) = (dropped, durable.as_ref()) {
-        super::placement::forget(shared, &d.id, false);
+    match durable.as_ref() {
+        Some(d) if dropped => {
+            tracing::info!(durable_id = %d.id, session, "durable client left; its queue is dropped");
+            super::placement::forget(shared, &d.id, false);
+        }
+        Some(d) => tracing::info!(
+            durable_id = %d.id,
+            session,
+            timeout_secs = d.timeout_secs,
+            "durable client away; its queue is kept"
+        ),
+        None => tracing::debug!(session, "client disconnected"),
     }
     shared
         .sessions
@@ -529,6 +550,10 @@ async fn control_loop(
                 match result {
                     Ok((Some(batch), Some((qid, before)))) => {
                         metrics::counter!(m::EVENTS_ACKED).increment(offset.saturating_sub(before));
+                        super::admin::NodeStats::add(
+                            &shared.stats.acked,
+                            offset.saturating_sub(before),
+                        );
                         // Acks need no fsync of their own: a lost ack only means a redelivery
                         // flagged possible_duplicate.
                         // The in-flight window may have been what held delivery back.
@@ -598,7 +623,9 @@ fn authorize(
             };
             auth.check(p, Access::Publish(region))
         }),
-        RequestBody::ListQueues | RequestBody::CloseDurable { .. } => auth.check(p, Access::Admin),
+        RequestBody::ListQueues
+        | RequestBody::ListQueuesPage(_)
+        | RequestBody::CloseDurable { .. } => auth.check(p, Access::Admin),
         RequestBody::Ready | RequestBody::Close { .. } => Ok(()),
     }
 }
@@ -655,6 +682,18 @@ async fn request(
         RequestBody::ListQueues => Ok(ResponseBody::Queues {
             queues: shared.queue_reports().await,
         }),
+        RequestBody::ListQueuesPage(query) => {
+            let (q, cluster_wide) = crate::admin::ListQuery::from_wire(&query, super::now_ms())
+                .map_err(|e| WireError::new(ErrorCode::InvalidArgument, e))?;
+            let (page, unreachable) = shared.list_queues(&q, cluster_wide).await;
+            let next = page.next(&q).map(|t| t.encode());
+            Ok(ResponseBody::QueuesPage(QueuesPage {
+                queues: page.queues.into_iter().map(|v| v.into_report()).collect(),
+                next,
+                total: page.total,
+                unreachable,
+            }))
+        }
         RequestBody::CloseDurable { durable_id } => {
             shared
                 .apply(|core| Ok(((), core.close_durable(&durable_id)?)))
@@ -903,6 +942,7 @@ async fn deliver(
                     return;
                 }
                 metrics::counter!(m::EVENTS_DELIVERED).increment(n);
+                super::admin::NodeStats::add(&shared.stats.delivered, n);
                 metrics::counter!(m::EVENTS_REPLAYED).increment(replayed);
                 metrics::counter!(m::EVENTS_REDELIVERED).increment(dups);
             }

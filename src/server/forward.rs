@@ -425,6 +425,18 @@ async fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) -> bool {
 pub(crate) struct PeerInbox(pub(crate) Weak<Shared>);
 
 impl PublishSink for PeerInbox {
+    fn list_queues(
+        &self,
+        query: crate::admin::ListQuery,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>> {
+        Box::pin(async move {
+            match self.0.upgrade() {
+                Some(s) => PeerResponse::Queues(s.local_page(&query).await),
+                None => PeerResponse::BadRequest("node stopping".into()),
+            }
+        })
+    }
+
     fn apply_forwarded(
         &self,
         origin: String,

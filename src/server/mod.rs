@@ -11,6 +11,7 @@
 //! [`Node`] is also the embedding API: a host process starts one in-process and feeds it
 //! events through a [`Publisher`] without the network.
 
+mod admin;
 mod auth_reload;
 mod conn;
 mod copies;
@@ -141,6 +142,8 @@ pub(crate) struct Shared {
     /// Set once this node's metadata holds everything committed before it started (clustered
     /// nodes serve durable clients only then; see `failover::catch_up`).
     pub(crate) meta_caught_up: watch::Sender<bool>,
+    /// Event totals since start, for the admin API (`admin.rs`).
+    pub(crate) stats: admin::NodeStats,
 }
 
 impl Shared {
@@ -354,6 +357,10 @@ impl Shared {
         // Clients whose queue was dropped for being full learn it now, and `expired` on their
         // next connection.
         for s in dropped {
+            tracing::info!(
+                session = s,
+                "queue full under the drop-queue policy: dropped, its client disconnected"
+            );
             self.disconnect_session(
                 s,
                 ErrorCode::QueueFull,
@@ -362,6 +369,8 @@ impl Shared {
         }
         metrics::counter!(m::EVENTS_PUBLISHED).increment(count);
         metrics::counter!(m::EVENTS_ENQUEUED).increment(enqueued);
+        admin::NodeStats::add(&self.stats.published, count);
+        admin::NodeStats::add(&self.stats.enqueued, enqueued);
         Ok(Receipt {
             count,
             appended: receipt_appended,
@@ -573,6 +582,7 @@ impl Shared {
                     .collect(),
                 copies: Vec::new(),
                 primary,
+                ..Default::default()
             });
         }
         reports
@@ -601,7 +611,7 @@ async fn wait_commit(rx: oneshot::Receiver<Result<(), String>>) -> Result<(), Wi
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(WireError::new(
             ErrorCode::Internal,
-            format!("storage write failed: {e}"),
+            format!("storage failed: {e}"),
         )),
         Err(_) => Err(shutdown_error()),
     }
@@ -615,6 +625,9 @@ pub(crate) struct Receipt {
     /// The publish's offset in this node's publish log (a local publish on a cluster).
     pub(crate) logged: Option<tether_storage::Offset>,
 }
+
+/// Longest reason sent with a connection close, in bytes (it must fit one packet).
+const CLOSE_REASON_BYTES_MAX: usize = 512;
 
 /// Longest wait of a `--ack replicated` publish for its copies, in milliseconds.
 pub const REPLICATED_ACK_TIMEOUT_MS: u64 = 10_000;
@@ -916,6 +929,7 @@ impl Node {
             applied_through: Mutex::new(Default::default()),
             node_failure: Duration::from_millis(config.node_failure_ms),
             meta_caught_up: watch::channel(false).0,
+            stats: admin::NodeStats::default(),
         });
         let endpoint = tether_transport::endpoint::server_endpoint(config.listen, server_config)
             .map_err(|source| NodeError::Listen {
@@ -929,9 +943,11 @@ impl Node {
         let mut tasks = Vec::new();
         let metrics_addr = match config.metrics {
             Some(a) => {
-                let (bound, task) = m::serve(a)
-                    .await
-                    .map_err(|source| NodeError::Listen { addr: a, source })?;
+                m::handle();
+                let (bound, task) =
+                    admin::serve(a, Arc::downgrade(&shared), addr, config.metrics_top_queues)
+                        .await
+                        .map_err(|source| NodeError::Listen { addr: a, source })?;
                 tasks.push(task);
                 Some(bound)
             }
@@ -1080,8 +1096,20 @@ impl Node {
         if let Some(c) = self.shared.cluster.get() {
             c.shutdown().await;
         }
+        // Clients learn why: a plain shutdown, or the storage failure that stopped the node.
+        let mut why = match self.shared.fatal.borrow().clone() {
+            Some(e) => format!("storage failed: {e}"),
+            None => "node shutting down".to_string(),
+        };
+        if why.len() > CLOSE_REASON_BYTES_MAX {
+            let mut end = CLOSE_REASON_BYTES_MAX;
+            while !why.is_char_boundary(end) {
+                end -= 1;
+            }
+            why.truncate(end);
+        }
         self.endpoint
-            .close(ErrorCode::Shutdown.varint(), b"node shutting down");
+            .close(ErrorCode::Shutdown.varint(), why.as_bytes());
         let waiters: Vec<watch::Receiver<bool>> = self
             .shared
             .sessions
@@ -1176,7 +1204,12 @@ async fn tick_loop(shared: Arc<Shared>) {
             }
             metrics::counter!(m::QUEUES_EXPIRED).increment(ids.len() as u64);
         }
-        let c = shared.core().counts(now_ms());
+        let c = {
+            let now = now_ms();
+            let mut core = shared.core();
+            core.sample_rates(now);
+            core.counts(now)
+        };
         metrics::gauge!(m::QUEUES, "state" => "connected").set(c.attached as f64);
         metrics::gauge!(m::QUEUES, "state" => "ready").set(c.ready as f64);
         metrics::gauge!(m::QUEUES, "state" => "away").set(c.away as f64);

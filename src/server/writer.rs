@@ -7,7 +7,7 @@
 //! continue on storage it cannot trust.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, mpsc};
+use std::sync::{Arc, OnceLock, mpsc};
 use std::time::Instant;
 
 use tether_storage::{Batch, Store};
@@ -33,6 +33,16 @@ struct Request {
 pub struct Writer {
     tx: mpsc::Sender<Request>,
     poisoned: Arc<AtomicBool>,
+    /// The failure that poisoned the writer: every later refusal names it.
+    cause: Arc<OnceLock<String>>,
+}
+
+/// The refusal of a write after the writer was poisoned by `cause`.
+fn refused_after(cause: Option<&String>) -> String {
+    match cause {
+        Some(c) => format!("storage failed earlier ({c}); the node is stopping"),
+        None => "storage failed earlier; the node is stopping".into(),
+    }
 }
 
 impl Writer {
@@ -45,12 +55,20 @@ impl Writer {
     ) -> (Self, std::thread::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel::<Request>();
         let poisoned = Arc::new(AtomicBool::new(false));
-        let p = poisoned.clone();
+        let cause = Arc::new(OnceLock::new());
+        let (p, c) = (poisoned.clone(), cause.clone());
         let thread = std::thread::Builder::new()
             .name("tether-writer".into())
-            .spawn(move || run(store, sync, rx, p, on_fatal))
+            .spawn(move || run(store, sync, rx, (p, c), on_fatal))
             .expect("spawn writer thread");
-        (Writer { tx, poisoned }, thread)
+        (
+            Writer {
+                tx,
+                poisoned,
+                cause,
+            },
+            thread,
+        )
     }
 
     /// Queues a batch; `on_commit` runs once it is committed. Returns a receiver that resolves
@@ -62,7 +80,7 @@ impl Writer {
     ) -> oneshot::Receiver<Result<(), String>> {
         let (done, rx) = oneshot::channel();
         if self.poisoned.load(Ordering::Acquire) {
-            let _ = done.send(Err("storage failed earlier; the node is stopping".into()));
+            let _ = done.send(Err(refused_after(self.cause.get())));
             return rx;
         }
         if let Err(mpsc::SendError(req)) = self.tx.send(Request {
@@ -85,7 +103,7 @@ fn run(
     store: Arc<dyn Store>,
     sync: SyncMode,
     rx: mpsc::Receiver<Request>,
-    poisoned: Arc<AtomicBool>,
+    (poisoned, cause): (Arc<AtomicBool>, Arc<OnceLock<String>>),
     on_fatal: Box<dyn FnOnce(String) + Send>,
 ) {
     let mut on_fatal = Some(on_fatal);
@@ -101,7 +119,7 @@ fn run(
             }
         }
         let result = if poisoned.load(Ordering::Acquire) {
-            Err("storage failed earlier".to_string())
+            Err(refused_after(cause.get()))
         } else {
             let mut merged = Batch::new();
             for r in &mut group {
@@ -123,6 +141,7 @@ fn run(
         if let Err(e) = &result
             && !poisoned.swap(true, Ordering::AcqRel)
         {
+            let _ = cause.set(e.clone());
             tracing::error!(error = %e, "storage write failed; stopping the node");
             if let Some(f) = on_fatal.take() {
                 f(e.clone());
