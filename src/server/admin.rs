@@ -388,6 +388,21 @@ async fn api_queue(
 }
 
 impl Shared {
+    /// Each secondary copy of this node's primary queue `durable_id` and how far behind it is
+    /// (empty off a cluster or without copies).
+    pub(crate) fn copy_lags(&self, durable_id: &str) -> Vec<CopyLag> {
+        let (Some(cluster), Some(sq)) = (self.cluster.get(), self.shipping.get(durable_id)) else {
+            return Vec::new();
+        };
+        sq.lags()
+            .into_iter()
+            .map(|(n, lag)| CopyLag {
+                node: cluster.members().name(n),
+                lag_entries: lag,
+            })
+            .collect()
+    }
+
     /// Every queue this node holds, as the admin API shows it: its primaries (with each copy's
     /// lag) and, unless only primaries are asked for, the copies it holds for other primaries.
     pub(crate) async fn queue_views(&self, role: RoleFilter, now: u64) -> Vec<QueueView> {
@@ -400,17 +415,9 @@ impl Shared {
             return views;
         };
         for v in &mut views {
-            let Some(sq) = v.durable_id.as_deref().and_then(|d| self.shipping.get(d)) else {
-                continue;
-            };
-            v.copies = sq
-                .lags()
-                .into_iter()
-                .map(|(n, lag)| CopyLag {
-                    node: cluster.members().name(n),
-                    lag_entries: lag,
-                })
-                .collect();
+            if let Some(d) = v.durable_id.as_deref() {
+                v.copies = self.copy_lags(d);
+            }
         }
         if role == RoleFilter::Primary {
             return views;

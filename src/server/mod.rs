@@ -521,70 +521,23 @@ impl Shared {
     /// Reports of this node's queues, with each copy's replication lag on a cluster.
     fn primary_reports(&self) -> Vec<QueueReport> {
         let mut reports = self.core().queue_reports();
-        let Some(cluster) = self.cluster.get() else {
-            return reports;
-        };
         for r in &mut reports {
-            let Some(sq) = r.durable_id.as_deref().and_then(|d| self.shipping.get(d)) else {
-                continue;
-            };
-            r.copies = sq
-                .lags()
-                .into_iter()
-                .map(|(n, lag)| CopyLag {
-                    node: cluster.members().name(n),
-                    lag_entries: lag,
-                })
-                .collect();
+            if let Some(d) = r.durable_id.as_deref() {
+                r.copies = self.copy_lags(d);
+            }
         }
         reports
     }
 
-    /// [`Shared::primary_reports`] followed by the copies held here for other primaries.
+    /// [`Shared::primary_reports`] followed by the copies held here for other primaries
+    /// (ordered by durable id).
     pub(crate) async fn queue_reports(&self) -> Vec<QueueReport> {
         let mut reports = self.primary_reports();
-        let Some(cluster) = self.cluster.get() else {
-            return reports;
-        };
-        let mut ids = self.copies.ids();
-        ids.sort();
-        for id in ids {
-            let Some(cell) = self.copies.get(&id) else {
-                continue;
-            };
-            let copy = cell.lock().await;
-            if copy.gone {
-                continue;
-            }
-            let log = copy.replica.log();
-            let primary = cluster
-                .placement(&id)
-                .map(|p| cluster.members().name(p.primary));
-            reports.push(QueueReport {
-                durable_id: Some(id.clone()),
-                state: if copy.info.away_since_ms.is_some() {
-                    "away"
-                } else {
-                    "connected"
-                }
-                .to_string(),
-                pending: log.end() - copy.replica.acked(),
-                pending_bytes: None,
-                acked_offset: copy.replica.acked(),
-                end_offset: log.end(),
-                timeout_secs: copy.info.timeout_secs,
-                role: "secondary".to_string(),
-                interests: copy
-                    .info
-                    .interests
-                    .iter()
-                    .map(|(r, sel, reg)| sel.info(r, reg.durable))
-                    .collect(),
-                copies: Vec::new(),
-                primary,
-                ..Default::default()
-            });
-        }
+        let mut copies = self
+            .queue_views(crate::admin::RoleFilter::Secondary, now_ms())
+            .await;
+        copies.sort_by(|a, b| a.id.cmp(&b.id));
+        reports.extend(copies.into_iter().map(|v| v.into_report()));
         reports
     }
 
