@@ -213,6 +213,14 @@ impl Queue {
         self.end - self.acked
     }
 
+    /// Every registration, as reports show it.
+    fn interest_infos(&self) -> Vec<crate::protocol::InterestInfo> {
+        self.interests
+            .iter()
+            .map(|((r, sel), reg)| sel.info(r, reg.durable))
+            .collect()
+    }
+
     /// Bytes of the entries waiting (see [`QueueBytes::pending`]).
     pub fn pending_bytes(&self) -> u64 {
         self.bytes.pending()
@@ -1759,11 +1767,7 @@ impl NodeCore {
                 end_offset: q.end,
                 timeout_secs: q.timeout_secs,
                 role: "primary".to_string(),
-                interests: q
-                    .interests
-                    .iter()
-                    .map(|((r, sel), reg)| sel.info(r, reg.durable))
-                    .collect(),
+                interests: q.interest_infos(),
                 copies: Vec::new(),
                 primary: None,
                 ..Default::default()
@@ -1846,11 +1850,7 @@ impl NodeCore {
                 q.rates.ack_per_sec,
                 q.rates.enqueue_per_sec,
             ),
-            interests: q
-                .interests
-                .iter()
-                .map(|((r, sel), reg)| sel.info(r, reg.durable))
-                .collect(),
+            interests: q.interest_infos(),
             copies: Vec::new(),
         }
     }
