@@ -127,9 +127,8 @@ pub struct QueueRates {
 }
 
 impl QueueRates {
-    /// Takes a sample of the queue's offsets unless the last one is under half of
-    /// [`RATE_SAMPLE_INTERVAL_MS`] old (the first sample only sets the baseline). The node
-    /// samples every queue once per interval.
+    /// Takes a sample of the queue's offsets when [`RATE_SAMPLE_INTERVAL_MS`] has passed since
+    /// the last one (the first sample only sets the baseline).
     pub fn sample(&mut self, now_ms: u64, end: u64, delivered: u64, acked: u64) {
         if self.sampled_at_ms == 0 {
             *self = QueueRates {
@@ -142,9 +141,7 @@ impl QueueRates {
             return;
         }
         let elapsed_ms = now_ms.saturating_sub(self.sampled_at_ms);
-        // Half the interval: a node sampling every interval by its tick never skips one for a
-        // millisecond of clock jitter.
-        if elapsed_ms < RATE_SAMPLE_INTERVAL_MS / 2 {
+        if elapsed_ms < RATE_SAMPLE_INTERVAL_MS {
             return;
         }
         let secs = elapsed_ms as f64 / 1e3;

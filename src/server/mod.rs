@@ -579,10 +579,6 @@ pub(crate) struct Receipt {
     pub(crate) logged: Option<tether_storage::Offset>,
 }
 
-/// Ticks between two samples of every queue's rates.
-const RATE_SAMPLE_EVERY_TICKS: u64 = crate::admin::RATE_SAMPLE_INTERVAL_MS / EXPIRY_TICK_MS;
-const _: () = assert!(RATE_SAMPLE_EVERY_TICKS >= 1);
-
 /// Longest reason sent with a connection close, in bytes (it must fit one packet).
 const CLOSE_REASON_BYTES_MAX: usize = 512;
 
@@ -1164,10 +1160,7 @@ async fn tick_loop(shared: Arc<Shared>) {
         let c = {
             let now = now_ms();
             let mut core = shared.core();
-            // One pass over the queues per sampling interval, not per tick.
-            if (ticks - 1).is_multiple_of(RATE_SAMPLE_EVERY_TICKS) {
-                core.sample_rates(now);
-            }
+            core.sample_rates(now);
             core.counts(now)
         };
         metrics::gauge!(m::QUEUES, "state" => "connected").set(c.attached as f64);
