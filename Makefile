@@ -11,7 +11,7 @@ DATA_DIR ?= data
 BENCH_EVENTS ?= 1000000
 BENCH_VALUE_BYTES ?= 128
 
-.PHONY: run-cluster all deps build run test python test-python bench bench-quick fmt lint clean dist
+.PHONY: run-cluster all deps build run test python test-python bench bench-quick profile fmt lint clean dist
 
 all: build
 
@@ -125,6 +125,11 @@ bench-quick: deps
 	  TETHER_BENCH_MATRIX_EVENTS=10000,100000 TETHER_BENCH_FANOUT_EVENTS=10000 \
 	  TETHER_BENCH_IDLE_QUEUES=1000 TETHER_BENCH_IDLE_WARM=200 \
 	  TETHER_BENCH_CONN_CLIENTS=200 TETHER_BENCH_CONN_STALLED=20 scripts/bench.sh
+
+# Flame graphs of the benchmark's publish, replay, live-while-draining and replicated-publish
+# phases (scripts/profile.sh; perf and inferno installed when missing): bench-out/flame-*.svg.
+profile: deps
+	EVENTS=$(BENCH_EVENTS) scripts/profile.sh
 
 fmt:
 	$(CARGO) fmt --all

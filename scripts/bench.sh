@@ -52,3 +52,13 @@ if [ -n "$replay" ] && [ -n "$all" ]; then
 else
   echo "replay_vs_nats_ratio=skipped"
 fi
+# Publishing: Tether's publish to one durable queue (the fan-out phase's single queue, acked
+# after its group commit with fsync) against NATS's fill of its stream (publish acks
+# pipelined, NATS's default sync interval: no fsync per message).
+fanout1=$(value publish_fanout_1_events_per_s)
+fill=$(value nats_fill_events_per_s)
+if [ -n "$fanout1" ] && [ -n "$fill" ]; then
+  awk -v t="$fanout1" -v n="$fill" 'BEGIN { printf "publish_vs_nats_ratio=%.2f\n", t / n }'
+else
+  echo "publish_vs_nats_ratio=skipped"
+fi

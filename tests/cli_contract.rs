@@ -577,7 +577,15 @@ fn server_metrics_endpoint_serves_prometheus_text() {
     s.put("R", "b", "2");
     let sub = s.spawn(
         "subscribe",
-        &["--region", "R", "--durable-id", "m1", "--exit-on-live"],
+        &[
+            "--region",
+            "R",
+            "--durable-id",
+            "m1",
+            "--exit-on-live",
+            "--replay-rate",
+            "1000",
+        ],
     );
     assert!(sub.finish().status.success());
     // The brief's metrics are there, and every exported name is documented.

@@ -34,10 +34,14 @@
 //!   bytes per idle and per stalled connection, and the client side's per connection
 //!   (TETHER_BENCH_CONN_WINDOW_BYTES sets the node's per-connection windows, here and for the
 //!   headline replay, default the node's own).
+//! - the command line (`cli.rs`): `tether subscribe` replaying TETHER_BENCH_CLI_EVENTS events
+//!   (default: as many as the headline backlog) to /dev/null, and `tether get` end to end, on a
+//!   server process of its own.
 //!
 //! The plots (replay time against backlog size, live latency CDF) go to TETHER_BENCH_OUT
 //! (default `bench-out/`). A list setting of 0 skips its phase.
 
+mod cli;
 #[path = "../common/mod.rs"]
 mod common;
 mod connections;
@@ -147,7 +151,9 @@ async fn main() {
 
     // Publish throughput (over the network, acknowledged after group commit).
     let publisher = Arc::new(builder.clone().connect().await.unwrap());
+    mark_phase("publish", "start");
     let publish = publish_all(&publisher, 0..n, size, PublishAck::Local).await;
+    mark_phase("publish", "end");
     assert!(
         node.queues().iter().all(|q| q.pending == n),
         "every event queued"
@@ -159,6 +165,7 @@ async fn main() {
     let sampler = RssSampler::start();
     let (mut statuses, mut firsts, mut lives) = (Vec::new(), Vec::new(), Vec::new());
     let mut bytes = 0u64;
+    mark_phase("replay", "start");
     for round in 0..rounds {
         let r = replay(&builder, &format!("bench-{round}"), n).await;
         assert_eq!(r.count, n, "every event replayed");
@@ -167,12 +174,17 @@ async fn main() {
         lives.push(r.live);
         bytes = r.bytes;
     }
+    mark_phase("replay", "end");
     let (rss_before, rss_peak) = sampler.stop();
     // Live end-to-end latency at a fixed publish rate, idle and while a backlog drains.
     let live_secs = env_u64("TETHER_BENCH_LIVE_SECS", 5);
     let live_rate = env_u64("TETHER_BENCH_LIVE_RATE", 10_000);
+    mark_phase("live-idle", "start");
     let idle_latency = live_latency(&builder, live_secs, live_rate, size, None).await;
+    mark_phase("live-idle", "end");
+    mark_phase("live-draining", "start");
     let draining = live_latency(&builder, live_secs, live_rate, size, Some(n)).await;
+    mark_phase("live-draining", "end");
     node.shutdown().await;
     let status = median(&mut statuses);
     let first = median(&mut firsts);
@@ -277,6 +289,12 @@ async fn main() {
         let stalled = env_u64("TETHER_BENCH_CONN_STALLED", 100) as usize;
         let backlog = env_u64("TETHER_BENCH_CONN_BACKLOG", 16_000);
         Some(connections::run(dir.path(), conn_clients, stalled, backlog, window).await)
+    } else {
+        None
+    };
+    let cli_events = env_u64("TETHER_BENCH_CLI_EVENTS", n);
+    let cli_figures = if cli_events > 0 {
+        Some(cli::cli_phase(Path::new(env!("CARGO_BIN_EXE_tether")), cli_events, size).await)
     } else {
         None
     };
@@ -553,6 +571,9 @@ async fn main() {
             i.restart.as_secs_f64() * 1e3
         );
     }
+    if let Some(c) = &cli_figures {
+        c.print_lines();
+    }
     if let Some(c) = &conns {
         println!("connected_clients={}", c.clients);
         println!(
@@ -709,12 +730,30 @@ async fn live_latency(
         events.next().await,
         Some(ClientEvent::Live { .. })
     ));
+    // The draining client stands for another application: by default it runs on a runtime
+    // of its own (its own threads, as another process would), so that its decoding does not
+    // queue on this runtime's workers ahead of the live client's; TETHER_BENCH_DRAIN_RUNTIME=
+    // shared runs it on this one (the setting of the runs before 2026-12-04).
+    let own_runtime = std::env::var("TETHER_BENCH_DRAIN_RUNTIME").as_deref() != Ok("shared");
     let drainer = drain.map(|n| {
         let b = builder.clone();
-        tokio::spawn(async move {
+        let drain = async move {
             let r = replay(&b, "bench-drain", n).await;
             assert_eq!(r.count, n, "the backlog drained");
-        })
+        };
+        if own_runtime {
+            let thread = std::thread::spawn(move || {
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .expect("the draining client's runtime")
+                    .block_on(drain)
+            });
+            tokio::task::spawn_blocking(move || thread.join().expect("the drain ran"))
+        } else {
+            tokio::spawn(drain)
+        }
     });
     let origin = Instant::now();
     let per_tick = (rate / LIVE_TICKS_PER_S).max(1);
@@ -922,7 +961,9 @@ async fn cluster_phase(dir: &Path, n: u64, size: usize) -> ClusterFigures {
     park_durable(to(0).durable("bench-r1", 3600).redundancy(1)).await;
     let publisher = Arc::new(to(1).connect().await.unwrap());
     let publish_local = publish_all(&publisher, 0..n, size, PublishAck::Local).await;
+    mark_phase("publish-replicated", "start");
     let publish_replicated = publish_all(&publisher, n..2 * n, size, PublishAck::Replicated).await;
+    mark_phase("publish-replicated", "end");
     // Every event forwarded, queued and copied before the replay.
     let deadline = Instant::now() + Duration::from_secs(600);
     while !nodes[0].queues().iter().any(|q| {
@@ -947,6 +988,26 @@ async fn cluster_phase(dir: &Path, n: u64, size: usize) -> ClusterFigures {
         status: r.status,
         replay: r.live,
     }
+}
+
+/// With `TETHER_BENCH_MARK_PHASES` set, a phase's start or end goes to stderr as
+/// `# phase NAME start|end SECONDS` on the monotonic clock (`scripts/profile.sh` cuts perf's
+/// samples, recorded on the same clock, by these lines).
+fn mark_phase(name: &str, edge: &str) {
+    if std::env::var_os("TETHER_BENCH_MARK_PHASES").is_none() {
+        return;
+    }
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given, which lives on this stack.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    eprintln!(
+        "# phase {name} {edge} {}.{:06}",
+        ts.tv_sec,
+        ts.tv_nsec / 1_000
+    );
 }
 
 fn median(v: &mut [Duration]) -> Duration {

@@ -103,6 +103,7 @@ impl Labels<'_> {
             .x_desc(self.x_desc)
             .y_desc(self.y_desc)
             .x_label_formatter(&|v| human(*v))
+            .y_label_formatter(&|v| human(*v))
             .draw()
             .map_err(|e| e.to_string())?;
         for (i, s) in self.series.iter().enumerate() {
@@ -128,15 +129,27 @@ impl Labels<'_> {
     }
 }
 
-/// 1000 → "1k", 2500000 → "2.5M", 0.25 → "0.25".
+/// A tick label with at most three significant digits: 1000 → "1k", 2500000 → "2.5M",
+/// 0.25 → "0.25", 0.30000000000000004 → "0.3", 0.0125 → "0.0125".
 fn human(v: f64) -> String {
     let (x, unit) = match v.abs() {
         a if a >= 1e6 => (v / 1e6, "M"),
         a if a >= 1e3 => (v / 1e3, "k"),
         _ => (v, ""),
     };
-    let s = format!("{x:.2}");
-    let s = s.trim_end_matches('0').trim_end_matches('.');
+    // Decimals for three significant digits (none for 100 and over).
+    let magnitude = if x == 0.0 {
+        0
+    } else {
+        x.abs().log10().floor() as i32
+    };
+    let decimals = (2 - magnitude).clamp(0, 9) as usize;
+    let s = format!("{x:.decimals$}");
+    let s = if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.')
+    } else {
+        &s
+    };
     format!("{s}{unit}")
 }
 

@@ -56,8 +56,9 @@ enum Attempt {
     Redirect(String),
 }
 
-/// Delivery frames buffered between the delivery stream and the application (each holds at
-/// most `DELIVERY_FRAME_BODY_BYTES_MAX` of records); beyond it QUIC flow control pushes back.
+/// Batches of decoded events buffered between the delivery stream and the application (each
+/// holds at most `DECODE_BATCH_EVENTS` events of one delivery frame); beyond it QUIC flow
+/// control pushes back.
 pub const CLIENT_BUFFERED_FRAMES_MAX: usize = 32;
 /// How long to wait for a server's welcome, in milliseconds.
 pub const CONNECT_TIMEOUT_MS: u64 = 10_000;
@@ -294,6 +295,8 @@ pub struct ClientBuilder {
     reconnect: ReconnectPolicy,
     ack_mode: AckMode,
     checkpoint: Option<u64>,
+    /// Events per second the replay is paced at (0: unlimited).
+    replay_rate: u64,
 }
 
 impl Default for ClientBuilder {
@@ -323,6 +326,7 @@ impl ClientBuilder {
             reconnect: ReconnectPolicy::default(),
             ack_mode: AckMode::Auto,
             checkpoint: None,
+            replay_rate: 0,
         }
     }
 
@@ -424,6 +428,15 @@ impl ClientBuilder {
 
     pub fn ack_interval(mut self, every: Duration) -> Self {
         self.ack_interval = every;
+        self
+    }
+
+    /// Paces the replay of stored events at most at `events_per_s` (0: unlimited, the
+    /// default), asked of the server before each [`Client::ready_for_events`] (so after every
+    /// reconnect of a [`Subscription`] too); live events are never paced. For a consumer that
+    /// must not be flooded by its backlog, or to leave a shared server's capacity to others.
+    pub fn replay_rate(mut self, events_per_s: u64) -> Self {
+        self.replay_rate = events_per_s;
         self
     }
 
@@ -673,6 +686,7 @@ impl ClientBuilder {
             publish_ack: self.publish_ack,
             ack_mode: self.ack_mode,
             checkpoint: self.checkpoint.filter(|_| status == QueueStatus::Resumed),
+            replay_rate: self.replay_rate,
             tasks: vec![control, delivery, acker],
         })))
     }
@@ -844,8 +858,19 @@ async fn delivery_task(
             },
             Ok(Delivery::Events(entries)) => {
                 let seen = dedup.processed_through();
-                let mut out = Vec::with_capacity(entries.len());
+                let mut out = Vec::with_capacity(entries.len().min(DECODE_BATCH_EVENTS));
                 for e in entries {
+                    if out.len() >= DECODE_BATCH_EVENTS {
+                        // A replay's frame holds thousands of events: hand them over in
+                        // batches and let the runtime's other tasks (another session's live
+                        // events) run between them.
+                        let full =
+                            std::mem::replace(&mut out, Vec::with_capacity(DECODE_BATCH_EVENTS));
+                        if tx.send(full).await.is_err() {
+                            return;
+                        }
+                        tokio::task::yield_now().await;
+                    }
                     inner.received.fetch_max(e.offset, Ordering::AcqRel);
                     let dup = e.flags & FLAG_POSSIBLE_DUPLICATE != 0;
                     if e.offset <= seen {
@@ -903,6 +928,10 @@ async fn delivery_task(
     }
 }
 
+/// Events decoded from a delivery frame before they are handed to the application's stream
+/// and the task yields to the runtime.
+const DECODE_BATCH_EVENTS: usize = 256;
+
 async fn ack_task(inner: Arc<Inner>, every: Duration) {
     // The first ack goes out one interval after connecting, not whenever this task first runs.
     let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
@@ -930,6 +959,8 @@ pub struct Client {
     ack_mode: AckMode,
     /// The checkpoint presented, if the queue was resumed (checked at ready).
     checkpoint: Option<u64>,
+    /// The replay rate asked for at ready (events per second; 0: unlimited).
+    replay_rate: u64,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -980,6 +1011,9 @@ impl Client {
     /// Tells the server to start delivering: queued events first (replayed), then the live
     /// marker per region, then live events. Returns the offset replay ends at.
     pub async fn ready_for_events(&self) -> Result<u64, ClientError> {
+        if self.replay_rate > 0 {
+            self.set_replay_rate(self.replay_rate).await?;
+        }
         match self.inner.call(RequestBody::Ready).await? {
             ResponseBody::Ready { replay_end } => match self.checkpoint {
                 Some(c) if c > replay_end => Err(ClientError::Usage(format!(
@@ -988,6 +1022,20 @@ impl Client {
                 ))),
                 _ => Ok(replay_end),
             },
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Paces this session's replay at most at `events_per_s` (0: unlimited), from the next
+    /// delivery frame on; live events are never paced. May be called at any time, e.g. to
+    /// slow down or speed up a replay under way.
+    pub async fn set_replay_rate(&self, events_per_s: u64) -> Result<(), ClientError> {
+        match self
+            .inner
+            .call(RequestBody::ReplayRate { events_per_s })
+            .await?
+        {
+            ResponseBody::ReplayRate { .. } => Ok(()),
             other => Err(unexpected(other)),
         }
     }
@@ -1065,23 +1113,59 @@ impl Client {
     }
 
     /// Closes the session. `keepalive`: a durable queue and its durable interest are kept for
-    /// the timeout; otherwise both are destroyed. Processed events are acked first.
+    /// the timeout; otherwise both are destroyed. Processed events are acked first. Returns
+    /// once the connection has drained (three probe timeouts after the close, about 80 ms on
+    /// loopback, at most 2 s), by when the server has ended the session.
     pub async fn close(self, keepalive: bool) -> Result<(), ClientError> {
-        self.dedup.forget_live();
-        let ack = self.inner.flush_ack().await;
-        let result = match self.inner.call(RequestBody::Close { keepalive }).await {
-            Ok(ResponseBody::Closed { .. }) => ack,
-            Ok(other) => Err(unexpected(other)),
-            Err(e) => Err(e),
-        };
-        self.inner
-            .conn
-            .close(ErrorCode::ClosedByPeer.varint(), b"closed");
+        let result = self.close_request(keepalive).await;
+        self.abandon(ErrorCode::ClosedByPeer, b"closed");
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        result
+    }
+
+    /// Closes the session as [`Client::close`] does (processed events acked, the server
+    /// told to keep or drop a durable queue, and its answer awaited), but returns as soon as
+    /// the connection's close has been handed to the network instead of waiting for the
+    /// connection to drain: for a process about to exit (the `tether` command line's one-shot
+    /// commands). While the runtime runs on, the connection drains in the background.
+    ///
+    /// The server ends the session when the close reaches it, a moment after this returns:
+    /// a client connecting at once with the same durable id, or an admin closing its queue at
+    /// once, may still find it attached (refused as a duplicate, or as connected). Use
+    /// [`Client::close`] when something follows that depends on the session being gone.
+    pub async fn close_promptly(self, keepalive: bool) -> Result<(), ClientError> {
+        let result = self.close_request(keepalive).await;
         for t in &self.tasks {
             t.abort();
         }
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        // Closed from a task of the runtime: the connection's driver, woken by the close, is
+        // then queued on the same worker and runs at the task's next yield (woken from outside
+        // the runtime, it waits for a worker to wake up).
+        let conn = self.inner.conn.clone();
+        let closing = tokio::spawn(async move {
+            // Nothing more is sent on a connection that is closed already.
+            let before = conn
+                .close_reason()
+                .is_none()
+                .then(|| conn.stats().udp_tx.datagrams);
+            conn.close(ErrorCode::ClosedByPeer.varint(), b"closed");
+            if let Some(before) = before {
+                close_sent(&conn, before).await;
+            }
+        });
+        let _ = closing.await;
         result
+    }
+
+    /// The close request (processed events acked first) and its answer.
+    async fn close_request(&self, keepalive: bool) -> Result<(), ClientError> {
+        self.dedup.forget_live();
+        let ack = self.inner.flush_ack().await;
+        match self.inner.call(RequestBody::Close { keepalive }).await {
+            Ok(ResponseBody::Closed { .. }) => ack,
+            Ok(other) => Err(unexpected(other)),
+            Err(e) => Err(e),
+        }
     }
 
     /// Vanishes like a killed process: no acks flushed, no close request.
@@ -1102,6 +1186,32 @@ impl Client {
     /// Why the connection closed, as the server said it (or [`ClientError::Closed`]).
     fn closed_error(&self) -> ClientError {
         self.inner.closed_error()
+    }
+}
+
+/// Longest wait of [`Client::close_promptly`] for the connection's close to be sent.
+const CLOSE_SENT_WAIT_MS_MAX: u64 = 100;
+
+/// Waits until `conn`, closed, has sent a datagram beyond the `before` it had sent when it was
+/// closed (at most `CLOSE_SENT_WAIT_MS_MAX`). Once a connection is closed, each datagram it
+/// builds carries its CONNECTION_CLOSE and nothing else, and its driver hands a datagram to
+/// the socket in the same step (under the lock `stats` takes) as it counts it: so the close is
+/// on the wire. (A datagram sent between the count and the close, an acknowledgement say, ends
+/// the wait early. Should the close then be lost with the process, the server ends the session
+/// as asked all the same, only later: it answered the close request, and waits a bounded
+/// time for the connection to close after that.)
+async fn close_sent(conn: &quinn::Connection, before: u64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(CLOSE_SENT_WAIT_MS_MAX);
+    let mut polls = 0u32;
+    while conn.stats().udp_tx.datagrams <= before && tokio::time::Instant::now() < deadline {
+        // The connection's driver is another task, woken by the close: usually done at the
+        // first yield; a socket that is not writable takes longer.
+        if polls < 100 {
+            polls += 1;
+            tokio::task::yield_now().await;
+        } else {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
     }
 }
 

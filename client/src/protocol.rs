@@ -251,6 +251,13 @@ pub enum RequestBody {
     /// Admin: a page of the queue listing, with each queue's lag (`tether queues` with
     /// paging, filters or cluster scope; the HTTP API's `/api/v1/queues`).
     ListQueuesPage(QueuesQuery),
+    /// Paces this session's replay: stored events are sent at most at this rate, in events
+    /// per second (0: unlimited, the default); live events are never paced. May be sent at
+    /// any time; applies from the next delivery frame. Answered with
+    /// [`ResponseBody::ReplayRate`].
+    ReplayRate {
+        events_per_s: u64,
+    },
 }
 
 /// A page request of the queue listing. Unset fields take the listing's defaults; values are
@@ -477,6 +484,10 @@ pub enum ResponseBody {
     },
     Closed {
         keepalive: bool,
+    },
+    /// The replay rate now in force (events per second; 0: unlimited).
+    ReplayRate {
+        events_per_s: u64,
     },
 }
 

@@ -394,6 +394,16 @@ fn vectors() -> Vec<Vector> {
             request(12, RequestBody::Close { keepalive: true }),
         ),
         v(
+            "request-replay-rate",
+            "Paces this session's replay at 5,000 events per second (0 lifts the limit).",
+            request(
+                13,
+                RequestBody::ReplayRate {
+                    events_per_s: 5_000,
+                },
+            ),
+        ),
+        v(
             "ack",
             "Cumulative acknowledgement: every entry up to offset 2 is processed.",
             Msg::Client(ClientMsg::Ack { offset: 2 }),
@@ -595,6 +605,16 @@ fn vectors() -> Vec<Vector> {
             "response-closed",
             "Answer to close: the session is over; the client closes the connection.",
             response(12, Ok(ResponseBody::Closed { keepalive: true })),
+        ),
+        v(
+            "response-replay-rate",
+            "Answer to replay-rate: the rate now in force.",
+            response(
+                13,
+                Ok(ResponseBody::ReplayRate {
+                    events_per_s: 5_000,
+                }),
+            ),
         ),
         v(
             "response-error",

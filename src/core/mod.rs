@@ -14,6 +14,7 @@
 
 pub mod bytes;
 pub mod cursor;
+pub mod pace;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -352,6 +353,8 @@ pub struct Session {
     pub cursor: Option<Cursor>,
     /// Highest offset written to the wire in this session.
     pub sent: Offset,
+    /// The replay rate the client asked for, in events per second (0: unlimited).
+    pub replay_events_per_s: u64,
 }
 
 impl Session {
@@ -363,6 +366,7 @@ impl Session {
             next_seq: 1,
             cursor,
             sent: 0,
+            replay_events_per_s: 0,
         }
     }
 }
@@ -1589,6 +1593,28 @@ impl NodeCore {
     }
 
     /// The wire-flag bounds of a ready session.
+    /// Sets the rate at which this session's replay is sent, in events per second (0:
+    /// unlimited); live events are never paced.
+    pub fn set_replay_rate(
+        &mut self,
+        session: SessionId,
+        events_per_s: u64,
+    ) -> Result<(), WireError> {
+        let s = self
+            .sessions
+            .get_mut(&session)
+            .ok_or_else(|| WireError::new(ErrorCode::NotFound, "no such session"))?;
+        s.replay_events_per_s = events_per_s;
+        Ok(())
+    }
+
+    /// The replay rate of a session (0: unlimited).
+    pub fn replay_rate(&self, session: SessionId) -> u64 {
+        self.sessions
+            .get(&session)
+            .map_or(0, |s| s.replay_events_per_s)
+    }
+
     pub fn flag_bounds(&self, session: SessionId) -> Option<FlagBounds> {
         self.sessions
             .get(&session)

@@ -5,14 +5,15 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use tether_storage::Offset;
+use tether_storage::{Offset, QueueId};
 use tether_transport::codec::{self, CodecError, FrameReader};
 use tether_transport::{PROTOCOL_VERSION, tls};
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 use super::{SessionHandle, Shared, internal, now_ms};
 use crate::auth::{Access, Principal};
-use crate::core::{ConnectError, SessionId, Step};
+use crate::core::pace::ReplayPacer;
+use crate::core::{ConnectError, FlagBounds, SessionId, Step};
 use crate::interest::Selector;
 use crate::limits::*;
 use crate::metrics as m;
@@ -626,7 +627,7 @@ fn authorize(
         RequestBody::ListQueues
         | RequestBody::ListQueuesPage(_)
         | RequestBody::CloseDurable { .. } => auth.check(p, Access::Admin),
-        RequestBody::Ready | RequestBody::Close { .. } => Ok(()),
+        RequestBody::Ready | RequestBody::Close { .. } | RequestBody::ReplayRate { .. } => Ok(()),
     }
 }
 
@@ -666,6 +667,12 @@ async fn request(
             let replay_end = shared.core().ready(session)?;
             shared.wake(session);
             Ok(ResponseBody::Ready { replay_end })
+        }
+        RequestBody::ReplayRate { events_per_s } => {
+            shared.core().set_replay_rate(session, events_per_s)?;
+            // A paced replay waiting for its next frame sees the new rate at once.
+            shared.wake(session);
+            Ok(ResponseBody::ReplayRate { events_per_s })
         }
         RequestBody::Publish { ops, ack } => {
             let receipt = shared.publish_receipt(session, &ops, None).await?;
@@ -797,6 +804,113 @@ struct Pending {
     end: usize,
 }
 
+/// Counts of the entries in one delivery frame, for the metrics.
+struct FrameCounts {
+    n: u64,
+    replayed: u64,
+    dups: u64,
+}
+
+/// One delivery frame to read and encode, with the buffers it reuses.
+struct FrameJob {
+    queue: QueueId,
+    from: Offset,
+    to: Offset,
+    budget: usize,
+    bounds: FlagBounds,
+    arena: Vec<u8>,
+    pending: Vec<Pending>,
+    out: BytesMut,
+}
+
+/// A built frame (`Ok(None)`: nothing readable in the range; `Err`: the session must end,
+/// the reason logged) and the buffers back.
+struct BuiltFrame {
+    frame: Result<Option<(Bytes, FrameCounts)>, ()>,
+    arena: Vec<u8>,
+    pending: Vec<Pending>,
+    out: BytesMut,
+}
+
+impl FrameJob {
+    /// Reads the entries, encodes the frame and writes the delivered mark (which reaches the
+    /// WAL before the bytes reach the wire). Blocking: storage I/O and CPU work.
+    fn build(mut self, shared: &Shared, session: SessionId) -> BuiltFrame {
+        let frame = self.frame(shared, session);
+        BuiltFrame {
+            frame,
+            arena: self.arena,
+            pending: self.pending,
+            out: self.out,
+        }
+    }
+
+    fn frame(
+        &mut self,
+        shared: &Shared,
+        session: SessionId,
+    ) -> Result<Option<(Bytes, FrameCounts)>, ()> {
+        let (a, p) = (&mut self.arena, &mut self.pending);
+        a.clear();
+        p.clear();
+        let read = shared.store.read_entries(
+            self.queue,
+            self.from,
+            self.to,
+            self.budget,
+            &mut |offset, flags, body| {
+                let start = a.len();
+                a.extend_from_slice(body);
+                p.push(Pending {
+                    offset,
+                    flags,
+                    start,
+                    end: a.len(),
+                });
+            },
+        );
+        if let Err(e) = read {
+            tracing::error!(error = %e, "reading a queue failed");
+            return Err(());
+        }
+        let Some(last) = self.pending.last().map(|p| p.offset) else {
+            return Ok(None);
+        };
+        let (mut replayed, mut dups) = (0u64, 0u64);
+        let refs: Vec<WireEntry<'_>> = self
+            .pending
+            .iter()
+            .map(|e| {
+                let flags = (e.flags & STORED_FLAGS_MASK) | self.bounds.wire_flags(e.offset);
+                replayed += u64::from(flags & FLAG_REPLAYED != 0);
+                dups += u64::from(flags & FLAG_POSSIBLE_DUPLICATE != 0);
+                WireEntry {
+                    offset: e.offset,
+                    flags,
+                    record: &self.arena[e.start..e.end],
+                }
+            })
+            .collect();
+        // Records plus a few bytes of CBOR per entry: one allocation, no regrowth.
+        self.out
+            .reserve(self.arena.len() + self.pending.len() * WIRE_ENTRY_OVERHEAD_BYTES + 16);
+        if let Err(e) = codec::encode_frame_packed_into(&Delivery::Events(refs), &mut self.out) {
+            tracing::error!(error = %e, "encoding a delivery frame failed");
+            return Err(());
+        }
+        let frame: Bytes = self.out.split().freeze();
+        let mark = shared.core().will_send(session, last);
+        if let Some(batch) = mark {
+            // The delivered mark reaches the WAL before the bytes reach the wire.
+            if shared.store.write(&batch, false).is_err() {
+                return Err(());
+            }
+        }
+        let n = self.pending.len() as u64;
+        Ok(Some((frame, FrameCounts { n, replayed, dups })))
+    }
+}
+
 /// Reads committed entries and writes them to the delivery stream, in offset order, with the
 /// live marker between the last replayed entry and the first live one.
 async fn deliver(
@@ -813,13 +927,26 @@ async fn deliver(
     let mut out = BytesMut::new();
     // Small first frames get the first events out fast; larger ones then carry the bulk.
     let mut frame_budget = FIRST_DELIVERY_FRAME_BODY_BYTES;
+    // The replay rate the client asked for, and when the next replayed frame may go.
+    let origin = Instant::now();
+    let mut pacer = ReplayPacer::default();
+    let mut paced_until: Option<tokio::time::Instant> = None;
     loop {
-        let (step, queue, bounds) = {
+        let (step, queue, bounds, rate) = {
             let mut core = shared.core();
             let step = core.delivery_step(session);
             let queue = core.session(session).map(|s| s.queue).unwrap_or(0);
-            (step, queue, core.flag_bounds(session))
+            (
+                step,
+                queue,
+                core.flag_bounds(session),
+                core.replay_rate(session),
+            )
         };
+        if rate != pacer.rate() {
+            pacer.set_rate(rate);
+            paced_until = None;
+        }
         if bounds.is_some() && ready_at.is_none() {
             ready_at = Some(Instant::now());
         }
@@ -849,77 +976,53 @@ async fn deliver(
             }
             Step::Read { from, to } => {
                 let Some(bounds) = bounds else { return };
-                let store = shared.store.clone();
-                let mut a = std::mem::take(&mut arena);
-                let mut p = std::mem::take(&mut pending);
+                let replaying = from <= bounds.replay_end;
+                let to = if replaying {
+                    if let Some(at) = paced_until.filter(|at| *at > tokio::time::Instant::now()) {
+                        // Paced: wait for the rate (or for a change, e.g. of the rate).
+                        tokio::select! {
+                            _ = tokio::time::sleep_until(at) => paced_until = None,
+                            _ = wake.notified() => {}
+                        }
+                        continue;
+                    }
+                    pacer.read_end(from, to)
+                } else {
+                    to
+                };
                 let Ok(permit) = shared.delivery_reads.acquire().await else {
                     return;
                 };
-                let read = tokio::task::spawn_blocking(move || {
-                    a.clear();
-                    p.clear();
-                    let r = store.read_entries(
-                        queue,
-                        from,
-                        to,
-                        frame_budget,
-                        &mut |offset, flags, body| {
-                            let start = a.len();
-                            a.extend_from_slice(body);
-                            p.push(Pending {
-                                offset,
-                                flags,
-                                start,
-                                end: a.len(),
-                            });
-                        },
-                    );
-                    (r, a, p)
-                })
-                .await;
-                drop(permit);
-                let Ok((result, a, p)) = read else { return };
-                arena = a;
-                pending = p;
-                if let Err(e) = result {
-                    tracing::error!(error = %e, "reading a queue failed");
-                    return;
-                }
-                let Some(last) = pending.last().map(|p| p.offset) else {
-                    // Committed entries must be readable; a gap means acked meanwhile.
-                    wake.notified().await;
-                    continue;
+                // Reading, framing and the delivered mark run on a blocking thread: a replay's
+                // large frames never hold an async worker that live sessions' events wait for.
+                let job = FrameJob {
+                    queue,
+                    from,
+                    to,
+                    budget: frame_budget,
+                    bounds,
+                    arena: std::mem::take(&mut arena),
+                    pending: std::mem::take(&mut pending),
+                    out: std::mem::take(&mut out),
                 };
-                let (mut replayed, mut dups) = (0u64, 0u64);
-                let refs: Vec<WireEntry<'_>> = pending
-                    .iter()
-                    .map(|e| {
-                        let flags = (e.flags & STORED_FLAGS_MASK) | bounds.wire_flags(e.offset);
-                        replayed += u64::from(flags & FLAG_REPLAYED != 0);
-                        dups += u64::from(flags & FLAG_POSSIBLE_DUPLICATE != 0);
-                        WireEntry {
-                            offset: e.offset,
-                            flags,
-                            record: &arena[e.start..e.end],
-                        }
-                    })
-                    .collect();
-                // Records plus a few bytes of CBOR per entry: one allocation, no regrowth.
-                out.reserve(arena.len() + pending.len() * WIRE_ENTRY_OVERHEAD_BYTES + 16);
-                if let Err(e) = codec::encode_frame_packed_into(&Delivery::Events(refs), &mut out) {
-                    tracing::error!(error = %e, "encoding a delivery frame failed");
-                    return;
-                }
-                let frame: Bytes = out.split().freeze();
-                frame_budget = (frame_budget * 2).min(DELIVERY_FRAME_BODY_BYTES_MAX);
-                let mark = shared.core().will_send(session, last);
-                if let Some(batch) = mark {
-                    // The delivered mark reaches the WAL before the bytes reach the wire.
-                    if shared.store.write(&batch, false).is_err() {
-                        return;
+                let sh = shared.clone();
+                let built = tokio::task::spawn_blocking(move || job.build(&sh, session)).await;
+                drop(permit);
+                let Ok(built) = built else { return };
+                arena = built.arena;
+                pending = built.pending;
+                out = built.out;
+                let (frame, counts) = match built.frame {
+                    Ok(Some(f)) => f,
+                    Ok(None) => {
+                        // Committed entries must be readable; a gap means acked meanwhile.
+                        wake.notified().await;
+                        continue;
                     }
-                }
-                let n = pending.len() as u64;
+                    Err(()) => return,
+                };
+                frame_budget = (frame_budget * 2).min(DELIVERY_FRAME_BODY_BYTES_MAX);
+                let FrameCounts { n, replayed, dups } = counts;
                 let write = send.write_chunk(frame);
                 tokio::pin!(write);
                 let written = match tokio::time::timeout(
@@ -940,6 +1043,11 @@ async fn deliver(
                 };
                 if written.is_err() {
                     return;
+                }
+                if replaying {
+                    let wait_us = pacer.sent(n, origin.elapsed().as_micros() as u64);
+                    paced_until = (wait_us > 0)
+                        .then(|| tokio::time::Instant::now() + Duration::from_micros(wait_us));
                 }
                 metrics::counter!(m::EVENTS_DELIVERED).increment(n);
                 super::admin::NodeStats::add(&shared.stats.delivered, n);

@@ -854,7 +854,8 @@ fn parse_interest(
     redundancy=0, reconnect=true, reconnect_max_secs=600.0, reconnect_delay_initial_ms=100,
     reconnect_delay_max_ms=5000, reconnect_attempt_timeout_ms=2000, ack_mode="auto",
     checkpoint=None, server_name=None, token=None, cert_file=None, key_file=None,
-    failure_timeout_ms=None, ack_interval_ms=100, name=String::from("tether-python"), batch_size=BATCH_MAX_DEFAULT
+    failure_timeout_ms=None, ack_interval_ms=100, name=String::from("tether-python"), batch_size=BATCH_MAX_DEFAULT,
+    replay_rate=0
 ))]
 #[allow(clippy::too_many_arguments)]
 fn subscribe(
@@ -881,6 +882,7 @@ fn subscribe(
     ack_interval_ms: u64,
     name: String,
     batch_size: usize,
+    replay_rate: u64,
 ) -> PyResult<PySubscription> {
     let auto_ack = match ack_mode {
         "auto" => true,
@@ -920,6 +922,7 @@ fn subscribe(
             .builder()?
             .redundancy(redundancy)
             .ack_interval(Duration::from_millis(ack_interval_ms))
+            .replay_rate(replay_rate)
             // Always manual underneath: the pump reads ahead (see the module docs).
             .ack_mode(AckMode::Manual)
             .reconnect(ReconnectPolicy {

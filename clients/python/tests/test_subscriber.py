@@ -211,6 +211,22 @@ def test_a_replay_of_thousands_of_events_arrives_in_order_and_is_all_acked(serve
         assert sub.pending == 0
 
 
+def test_a_paced_replay_keeps_its_rate_and_loses_nothing(server):
+    with server.subscriber(durable_id="paced", interests={"P": tether.all_keys()}) as sub:
+        until_live(sub)
+    server.cli("put", "--region", "P", "--count", "400", "--size", "16")
+    started = time.monotonic()
+    with server.subscriber(durable_id="paced", replay_rate=1000) as sub:
+        events, _ = until_live(sub)
+        took = time.monotonic() - started
+    assert [e.offset for e in events] == list(range(1, 401))
+    assert all(e.replayed for e in events)
+    # 100 events of credit at once, the other 300 at 1,000 per second: a lower bound only.
+    assert took >= 0.25, f"400 events at 1000/s took only {took:.3f} s"
+    with pytest.raises(ValueError, match="replay_rate"):
+        server.subscriber(durable_id="paced", replay_rate=-1)
+
+
 def test_next_with_a_timeout_returns_none_when_nothing_comes(server):
     with server.subscriber(durable_id="t1", interests={"R": tether.all_keys()}) as sub:
         assert isinstance(sub.next(5), tether.Live)

@@ -293,6 +293,7 @@ class Subscriber:
         ack_interval_ms: int = 100,
         name: str = "tether-python",
         batch_size: int = 1024,
+        replay_rate: int = 0,
     ) -> None:
         self._native: Any = None
         ca_path, pem = _ca(ca_file, ca_pem)
@@ -325,6 +326,7 @@ class Subscriber:
             ack_interval_ms=_int("ack_interval_ms", ack_interval_ms, 1),
             name=_str("name", name),
             batch_size=_int("batch_size", batch_size, 1, 1_000_000),
+            replay_rate=_int("replay_rate", replay_rate, 0),
         )
         self.durable_id = durable_id
         self.ack_mode = ack_mode
