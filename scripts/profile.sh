@@ -62,8 +62,9 @@ for phase in publish replay live-draining publish-replicated; do
     | "$TOOLS/bin/inferno-collapse-perf" >"$work/$phase.folded"
   "$TOOLS/bin/inferno-flamegraph" --title "tether bench: $phase ($EVENTS events)" \
     <"$work/$phase.folded" >"$OUT/flame-$phase.svg"
-  perf report -i "$work/perf.data" --time "$start,$end" --no-children --stdio \
-    --sort symbol --percent-limit 1 2>/dev/null | grep -v '^$' | head -60 >"$OUT/flame-$phase.txt"
+  # awk, not head: a reader that stops early would kill perf with SIGPIPE (pipefail).
+  perf report -i "$work/perf.data" --time "$start,$end" --no-children --stdio -g none \
+    --sort symbol --percent-limit 1 2>/dev/null | awk 'NF && n++ < 60' >"$OUT/flame-$phase.txt"
   echo "profile: $OUT/flame-$phase.svg ($(wc -l <"$work/$phase.folded") stacks, $start..$end s)"
 done
 grep '=' "$work/bench.out" | grep -v '^#' >"$OUT/profile-figures.txt" || true
