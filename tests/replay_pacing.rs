@@ -111,3 +111,37 @@ async fn lifting_the_rate_mid_replay_applies_at_once() {
     events.commit();
     c.close(false).await.unwrap();
 }
+
+/// Live events are never paced: a session paced at 1 event/s with nothing to replay receives
+/// 100 live events well within the test's wait (paced, they would take 100 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_events_are_never_paced() {
+    const EVENTS: u32 = 100;
+    let n = TestNode::start().await;
+    let c = n
+        .builder()
+        .durable("live", 300)
+        .replay_rate(1)
+        .connect()
+        .await
+        .unwrap();
+    c.region(REGION)
+        .register(Interest::all_keys())
+        .await
+        .unwrap();
+    let mut events = c.events().unwrap();
+    c.ready_for_events().await.unwrap();
+    assert!(replay_until_live(&mut events).await.is_empty());
+    n.put_many(REGION, 0..EVENTS).await;
+    for i in 0..EVENTS {
+        match tokio::time::timeout(WAIT, events.next()).await {
+            Ok(Some(ClientEvent::Event(e))) => {
+                assert_eq!(e.key, format!("key-{i}"));
+                assert!(!e.replayed, "{e:?}");
+            }
+            other => panic!("expected live event {i}, got {other:?}"),
+        }
+    }
+    events.commit();
+    c.close(false).await.unwrap();
+}

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tether::protocol::{PublishAck, QueueStatus};
 
 use crate::common::server::ServerProcess;
-use crate::{park_durable, publish_all};
+use crate::{median, park_durable, publish_all};
 
 /// Timed runs of `tether get` (after one untimed run: the binary and its libraries in the page
 /// cache).
@@ -108,24 +108,17 @@ pub async fn cli_phase(bin: &Path, events: u64, value_bytes: usize) -> CliFigure
     timed(bin, &server, &get).await;
     let mut runs = Vec::with_capacity(GET_RUNS);
     for _ in 0..GET_RUNS {
-        runs.push(timed(bin, &server, &get).await.as_secs_f64() * 1e3);
+        runs.push(timed(bin, &server, &get).await);
     }
-    runs.sort_by(f64::total_cmp);
     server.stop();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    // Sorts the runs too.
+    let get_ms_median = ms(median(&mut runs));
     CliFigures {
         subscribe,
         subscribe_events_per_s: events as f64 / subscribe.as_secs_f64(),
-        get_ms_median: median(&runs),
-        get_ms_min: runs.first().copied().unwrap_or(0.0),
-        get_ms_max: runs.last().copied().unwrap_or(0.0),
-    }
-}
-
-/// The median of sorted `v` (0 when empty).
-fn median(v: &[f64]) -> f64 {
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        get_ms_median,
+        get_ms_min: ms(runs[0]),
+        get_ms_max: ms(runs[GET_RUNS - 1]),
     }
 }

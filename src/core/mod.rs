@@ -1592,7 +1592,6 @@ impl NodeCore {
         )
     }
 
-    /// The wire-flag bounds of a ready session.
     /// Sets the rate at which this session's replay is sent, in events per second (0:
     /// unlimited); live events are never paced.
     pub fn set_replay_rate(
@@ -1615,6 +1614,7 @@ impl NodeCore {
             .map_or(0, |s| s.replay_events_per_s)
     }
 
+    /// The wire-flag bounds of a ready session.
     pub fn flag_bounds(&self, session: SessionId) -> Option<FlagBounds> {
         self.sessions
             .get(&session)

@@ -18,9 +18,13 @@ pub struct ReplayPacer {
 }
 
 impl ReplayPacer {
-    /// Sets the rate (events per second; 0: unlimited). Applies from the next frame on.
+    /// Sets the rate (events per second; 0: unlimited), with a full bucket. Applies from the
+    /// next frame on.
     pub fn set_rate(&mut self, events_per_s: u64) {
-        self.rate = events_per_s;
+        *self = ReplayPacer {
+            rate: events_per_s,
+            paid_until_us: 0,
+        };
     }
 
     /// The rate in force (0: unlimited).
@@ -50,6 +54,14 @@ impl ReplayPacer {
             .paid_until_us
             .max(now_us.saturating_sub(REPLAY_BURST_US));
         self.paid_until_us = start.saturating_add(cost_us);
+        self.wait_us(now_us)
+    }
+
+    /// How long, in microseconds from `now_us`, the next replayed frame must wait.
+    pub fn wait_us(&self, now_us: u64) -> u64 {
+        if self.rate == 0 {
+            return 0;
+        }
         self.paid_until_us.saturating_sub(now_us)
     }
 }

@@ -823,28 +823,10 @@ struct FrameJob {
     out: BytesMut,
 }
 
-/// A built frame (`Ok(None)`: nothing readable in the range; `Err`: the session must end,
-/// the reason logged) and the buffers back.
-struct BuiltFrame {
-    frame: Result<Option<(Bytes, FrameCounts)>, ()>,
-    arena: Vec<u8>,
-    pending: Vec<Pending>,
-    out: BytesMut,
-}
-
 impl FrameJob {
     /// Reads the entries, encodes the frame and writes the delivered mark (which reaches the
-    /// WAL before the bytes reach the wire). Blocking: storage I/O and CPU work.
-    fn build(mut self, shared: &Shared, session: SessionId) -> BuiltFrame {
-        let frame = self.frame(shared, session);
-        BuiltFrame {
-            frame,
-            arena: self.arena,
-            pending: self.pending,
-            out: self.out,
-        }
-    }
-
+    /// WAL before the bytes reach the wire). Blocking: storage I/O and CPU work. `Ok(None)`:
+    /// nothing readable in the range; `Err`: the session must end (the reason is logged).
     fn frame(
         &mut self,
         shared: &Shared,
@@ -927,10 +909,9 @@ async fn deliver(
     let mut out = BytesMut::new();
     // Small first frames get the first events out fast; larger ones then carry the bulk.
     let mut frame_budget = FIRST_DELIVERY_FRAME_BODY_BYTES;
-    // The replay rate the client asked for, and when the next replayed frame may go.
+    // The replay rate the client asked for, on a clock counted from here.
     let origin = Instant::now();
     let mut pacer = ReplayPacer::default();
-    let mut paced_until: Option<tokio::time::Instant> = None;
     loop {
         let (step, queue, bounds, rate) = {
             let mut core = shared.core();
@@ -945,7 +926,6 @@ async fn deliver(
         };
         if rate != pacer.rate() {
             pacer.set_rate(rate);
-            paced_until = None;
         }
         if bounds.is_some() && ready_at.is_none() {
             ready_at = Some(Instant::now());
@@ -978,10 +958,11 @@ async fn deliver(
                 let Some(bounds) = bounds else { return };
                 let replaying = from <= bounds.replay_end;
                 let to = if replaying {
-                    if let Some(at) = paced_until.filter(|at| *at > tokio::time::Instant::now()) {
+                    let wait_us = pacer.wait_us(origin.elapsed().as_micros() as u64);
+                    if wait_us > 0 {
                         // Paced: wait for the rate (or for a change, e.g. of the rate).
                         tokio::select! {
-                            _ = tokio::time::sleep_until(at) => paced_until = None,
+                            _ = tokio::time::sleep(Duration::from_micros(wait_us)) => {}
                             _ = wake.notified() => {}
                         }
                         continue;
@@ -1006,13 +987,16 @@ async fn deliver(
                     out: std::mem::take(&mut out),
                 };
                 let sh = shared.clone();
-                let built = tokio::task::spawn_blocking(move || job.build(&sh, session)).await;
+                let built = tokio::task::spawn_blocking(move || {
+                    let mut job = job;
+                    let frame = job.frame(&sh, session);
+                    (frame, job)
+                })
+                .await;
                 drop(permit);
-                let Ok(built) = built else { return };
-                arena = built.arena;
-                pending = built.pending;
-                out = built.out;
-                let (frame, counts) = match built.frame {
+                let Ok((frame, job)) = built else { return };
+                (arena, pending, out) = (job.arena, job.pending, job.out);
+                let (frame, counts) = match frame {
                     Ok(Some(f)) => f,
                     Ok(None) => {
                         // Committed entries must be readable; a gap means acked meanwhile.
@@ -1045,9 +1029,7 @@ async fn deliver(
                     return;
                 }
                 if replaying {
-                    let wait_us = pacer.sent(n, origin.elapsed().as_micros() as u64);
-                    paced_until = (wait_us > 0)
-                        .then(|| tokio::time::Instant::now() + Duration::from_micros(wait_us));
+                    pacer.sent(n, origin.elapsed().as_micros() as u64);
                 }
                 metrics::counter!(m::EVENTS_DELIVERED).increment(n);
                 super::admin::NodeStats::add(&shared.stats.delivered, n);
