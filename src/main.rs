@@ -1340,9 +1340,9 @@ impl Feed {
         match self {
             Feed::Session { client, mut events } => {
                 events.commit();
-                client.close(keepalive).await
+                client.close_promptly(keepalive).await
             }
-            Feed::Reconnecting(s) => s.close(keepalive).await,
+            Feed::Reconnecting(s) => s.close_promptly(keepalive).await,
         }
     }
 }
@@ -1632,7 +1632,7 @@ async fn subscribe(a: SubscribeArgs) -> Result<(), Fail> {
             Err(e) => {
                 // Close (a durable queue is kept, as after a lost connection) rather than
                 // leave the connection to the server's idle timeout.
-                let _ = c.close(durable).await;
+                let _ = c.close_promptly(durable).await;
                 return Err(e);
             }
         }

@@ -723,6 +723,42 @@ async fn ack_beyond_delivered_offset() {
     w.finish(&n).await;
 }
 
+// ------------------------------------------------------------------------------ close
+
+/// A durable client whose close (keepalive) was answered but that keeps its connection open
+/// (a slow or careless client; or the close of a process that exits at once, lost on the way)
+/// holds nothing: by the answer the server has ended the session, so the queue is away and the
+/// same durable id reconnects at once and resumes it, with the event published in between.
+#[tokio::test]
+async fn a_closed_session_left_open_holds_nothing() {
+    let n = TestNode::start().await;
+    let mut raw = Raw::hello(&n, durable_hello("lingerer", 300)).await;
+    raw.request(1, register(OTHER, InterestSpec::AllKeys, true))
+        .await
+        .expect("register");
+    raw.request(2, RequestBody::Ready).await.expect("ready");
+    match raw.request(3, RequestBody::Close { keepalive: true }).await {
+        Ok(ResponseBody::Closed { keepalive: true }) => {}
+        other => panic!("expected the close's answer, got {other:?}"),
+    }
+    let q = n.queue("lingerer").expect("queue kept");
+    assert_eq!(q.state, "away", "{q:?}");
+    n.put(OTHER, "k1", "v1").await;
+    let c = timeout(STEP, n.builder().durable("lingerer", 300).connect())
+        .await
+        .expect("reconnect timed out")
+        .expect("the same durable id reconnects while the old connection is open");
+    assert_eq!(c.queue_status(), QueueStatus::Resumed);
+    assert_eq!(c.pending(), Some(1));
+    let mut events = c.events().unwrap();
+    c.ready_for_events().await.unwrap();
+    assert_eq!(keys(&until_live(&mut events, OTHER).await), ["k1"]);
+    // The old connection, answered, is closed by the server in time.
+    timeout(PROMPT * 2, raw.conn.closed())
+        .await
+        .expect("old connection still open");
+}
+
 // ------------------------------------------------------------------------------ requests
 
 #[tokio::test]

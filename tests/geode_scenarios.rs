@@ -100,6 +100,36 @@ async fn a5_paused_durable_id_resumes() {
     assert_eq!(second.queue_status(), QueueStatus::Resumed);
 }
 
+/// A durable client that closes promptly (keepalive, not waiting for the connection to drain)
+/// and reconnects at once resumes its queue: the server ends the session before it answers
+/// the close, so the new connection is never refused as a duplicate. The events published
+/// while it was away are replayed, none lost, each round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a5_prompt_keepalive_close_then_reconnect_at_once_resumes() {
+    const ROUNDS: u32 = 5;
+    let n = TestNode::start().await;
+    let first = n.durable("X", 300).await;
+    first
+        .region("R")
+        .register(Interest::all_keys().durable(true))
+        .await
+        .unwrap();
+    first.ready_for_events().await.unwrap();
+    first.close_promptly(true).await.unwrap();
+    for round in 0..ROUNDS {
+        n.put("R", &format!("k{round}"), "v").await;
+        let c = n.durable("X", 300).await;
+        assert_eq!(c.queue_status(), QueueStatus::Resumed, "round {round}");
+        assert_eq!(c.pending(), Some(1), "round {round}");
+        let mut events = c.events().unwrap();
+        c.ready_for_events().await.unwrap();
+        let got = until_live(&mut events, "R").await;
+        assert_eq!(keys(&got), vec![format!("k{round}")], "round {round}");
+        c.ack_now().await.unwrap();
+        c.close_promptly(true).await.unwrap();
+    }
+}
+
 #[tokio::test]
 async fn a6_durable_flag_on_non_durable_client_is_refused() {
     let n = TestNode::start().await;

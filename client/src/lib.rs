@@ -1113,9 +1113,10 @@ impl Client {
     }
 
     /// Closes the session. `keepalive`: a durable queue and its durable interest are kept for
-    /// the timeout; otherwise both are destroyed. Processed events are acked first. Returns
-    /// once the connection has drained (three probe timeouts after the close, about 80 ms on
-    /// loopback, at most 2 s), by when the server has ended the session.
+    /// the timeout; otherwise both are destroyed. Processed events are acked first. The
+    /// server answers the close once it has ended the session (queue detached, the durable id
+    /// free to connect again). Returns once the connection has drained (three probe timeouts
+    /// after the close, about 80 ms on loopback, at most 2 s).
     pub async fn close(self, keepalive: bool) -> Result<(), ClientError> {
         let result = self.close_request(keepalive).await;
         self.abandon(ErrorCode::ClosedByPeer, b"closed");
@@ -1124,15 +1125,12 @@ impl Client {
     }
 
     /// Closes the session as [`Client::close`] does (processed events acked, the server
-    /// told to keep or drop a durable queue, and its answer awaited), but returns as soon as
-    /// the connection's close has been handed to the network instead of waiting for the
-    /// connection to drain: for a process about to exit (the `tether` command line's one-shot
-    /// commands). While the runtime runs on, the connection drains in the background.
-    ///
-    /// The server ends the session when the close reaches it, a moment after this returns:
-    /// a client connecting at once with the same durable id, or an admin closing its queue at
-    /// once, may still find it attached (refused as a duplicate, or as connected). Use
-    /// [`Client::close`] when something follows that depends on the session being gone.
+    /// told to keep or drop a durable queue, and its answer awaited, by when the session has
+    /// ended on the server), but returns as soon as the connection's close has been handed
+    /// to the network instead of waiting for the connection to drain: for a process about to
+    /// exit (the `tether` command line). While the runtime runs on, the connection drains in
+    /// the background. A client connecting at once with the same durable id resumes the
+    /// queue.
     pub async fn close_promptly(self, keepalive: bool) -> Result<(), ClientError> {
         let result = self.close_request(keepalive).await;
         for t in &self.tasks {
@@ -1197,9 +1195,9 @@ const CLOSE_SENT_WAIT_MS_MAX: u64 = 100;
 /// builds carries its CONNECTION_CLOSE and nothing else, and its driver hands a datagram to
 /// the socket in the same step (under the lock `stats` takes) as it counts it: so the close is
 /// on the wire. (A datagram sent between the count and the close, an acknowledgement say, ends
-/// the wait early. Should the close then be lost with the process, the server ends the session
-/// as asked all the same, only later: it answered the close request, and waits a bounded
-/// time for the connection to close after that.)
+/// the wait early. Should the close then be lost with the process, nothing is held: the
+/// server ended the session before it answered the close request, and closes the connection
+/// itself a bounded time after that.)
 async fn close_sent(conn: &quinn::Connection, before: u64) {
     let deadline = tokio::time::Instant::now() + Duration::from_millis(CLOSE_SENT_WAIT_MS_MAX);
     let mut polls = 0u32;

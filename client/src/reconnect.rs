@@ -385,11 +385,25 @@ impl Subscription {
     /// [`Client::close`] does (`keepalive`: the durable queue is kept for its timeout). Fails
     /// with [`ClientError::Closed`] while not connected: a durable queue then stays until
     /// its timeout.
-    pub async fn close(mut self, keepalive: bool) -> Result<(), ClientError> {
+    pub async fn close(self, keepalive: bool) -> Result<(), ClientError> {
+        self.close_with(keepalive, false).await
+    }
+
+    /// Ends the subscription as [`Subscription::close`] does, but returns once the close is
+    /// on the wire, as [`Client::close_promptly`] does: for a process about to exit.
+    pub async fn close_promptly(self, keepalive: bool) -> Result<(), ClientError> {
+        self.close_with(keepalive, true).await
+    }
+
+    async fn close_with(mut self, keepalive: bool, promptly: bool) -> Result<(), ClientError> {
         match self.session.take() {
             Some((client, mut stream)) => {
                 stream.commit();
-                client.close(keepalive).await
+                if promptly {
+                    client.close_promptly(keepalive).await
+                } else {
+                    client.close(keepalive).await
+                }
             }
             None => {
                 self.dedup.forget_live();

@@ -330,13 +330,13 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         pending: connected.pending,
         queue_servers,
     };
-    let keepalive = match codec::write_frame(&mut send, &welcome).await {
-        Err(_) => true,
+    let ended = match codec::write_frame(&mut send, &welcome).await {
+        Err(_) => Ended::LOST,
         Ok(()) => match conn.open_uni().await {
-            Err(_) => true,
+            Err(_) => Ended::LOST,
             Ok(delivery) => {
                 let delivery_task = tokio::spawn(deliver(shared.clone(), session, delivery, wake));
-                let keepalive = control_loop(
+                let ended = control_loop(
                     shared,
                     &conn,
                     session,
@@ -348,10 +348,11 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
                 .await;
                 delivery_task.abort();
                 let _ = delivery_task.await;
-                keepalive
+                ended
             }
         },
     };
+    let keepalive = ended.keepalive;
     // Teardown: the delivery task has stopped, so no more delivered-mark writes for this queue.
     let dropped = shared
         .apply(|core| {
@@ -379,6 +380,15 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         .unwrap_or_else(|p| p.into_inner())
         .remove(&session);
     let _ = finished_tx.send(true);
+    if let Some(answer) = ended.close_answer {
+        if codec::write_frame(&mut send, &answer).await.is_ok() {
+            let _ = send.finish();
+            // The client closes the connection once it has read the answer; closing first
+            // could discard the answer in flight.
+            let _ =
+                tokio::time::timeout(Duration::from_millis(CLOSE_LINGER_MS), conn.closed()).await;
+        }
+    }
     Ok(())
 }
 
@@ -477,9 +487,12 @@ async fn probe(shared: &Arc<Shared>, session: SessionId) -> bool {
         }
     };
     let (answer_tx, answer_rx) = oneshot::channel();
-    if tx.try_send(answer_tx).is_err() {
+    match tx.try_send(answer_tx) {
+        Ok(()) => {}
         // Probes pile up only while the session is busy answering: count it as alive.
-        return true;
+        Err(mpsc::error::TrySendError::Full(_)) => return true,
+        // Its control stream has ended: the session is being torn down.
+        Err(mpsc::error::TrySendError::Closed(_)) => return false,
     }
     matches!(
         tokio::time::timeout(Duration::from_millis(LIVENESS_PROBE_TIMEOUT_MS), answer_rx).await,
@@ -487,7 +500,26 @@ async fn probe(shared: &Arc<Shared>, session: SessionId) -> bool {
     )
 }
 
-/// Reads the control stream until the session ends. Returns whether the queue is kept.
+/// How a session's control stream ended.
+struct Ended {
+    /// Whether the queue is kept.
+    keepalive: bool,
+    /// The answer to the client's close request, written only once the session has ended
+    /// (queue detached, delivery stopped, the durable id free): a client that has its answer
+    /// may reconnect at once, or exit without waiting for the connection to drain.
+    close_answer: Option<ServerMsg>,
+}
+
+impl Ended {
+    /// The stream ended or broke without a close request (a crash, a lost network, a
+    /// protocol violation): the queue is kept.
+    const LOST: Ended = Ended {
+        keepalive: true,
+        close_answer: None,
+    };
+}
+
+/// Reads the control stream until the session ends.
 async fn control_loop(
     shared: &Arc<Shared>,
     conn: &quinn::Connection,
@@ -496,7 +528,7 @@ async fn control_loop(
     reader: &mut FrameReader,
     send: &mut quinn::SendStream,
     mut probes: mpsc::Receiver<oneshot::Sender<()>>,
-) -> bool {
+) -> Ended {
     let mut next_nonce: u64 = 1;
     let mut waiting: Vec<(u64, oneshot::Sender<()>)> = Vec::new();
     loop {
@@ -507,7 +539,7 @@ async fn control_loop(
                 next_nonce += 1;
                 waiting.push((nonce, answer));
                 if codec::write_frame(send, &ServerMsg::Ping { nonce }).await.is_err() {
-                    return true;
+                    return Ended::LOST;
                 }
                 continue;
             }
@@ -516,11 +548,11 @@ async fn control_loop(
             Ok(Some(m)) => m,
             // The stream ended or the connection dropped without a close request: a crash or
             // a lost network, which keeps the queue.
-            Ok(None) => return true,
-            Err(CodecError::Stream(_)) => return true,
+            Ok(None) => return Ended::LOST,
+            Err(CodecError::Stream(_)) => return Ended::LOST,
             Err(e) => {
                 refuse(conn, send, codec_error(&e)).await;
-                return true;
+                return Ended::LOST;
             }
         };
         match msg {
@@ -531,7 +563,7 @@ async fn control_loop(
                     WireError::new(ErrorCode::ProtocolViolation, "hello sent twice"),
                 )
                 .await;
-                return true;
+                return Ended::LOST;
             }
             ClientMsg::Pong { nonce } => {
                 if let Some(i) = waiting.iter().position(|(n, _)| *n == nonce) {
@@ -570,7 +602,7 @@ async fn control_loop(
                     Ok(_) => {}
                     Err(e) => {
                         refuse(conn, send, e).await;
-                        return true;
+                        return Ended::LOST;
                     }
                 }
             }
@@ -583,20 +615,16 @@ async fn control_loop(
                     Ok(()) => request(shared, session, body).await,
                     Err(e) => Err(e),
                 };
-                if codec::write_frame(send, &ServerMsg::Response { id, result })
-                    .await
-                    .is_err()
-                {
-                    return true;
-                }
+                let answer = ServerMsg::Response { id, result };
                 if let Some(keepalive) = close {
-                    let _ = send.finish();
-                    // The client closes the connection once it has read the answer; closing
-                    // first could discard the answer in flight.
-                    let _ =
-                        tokio::time::timeout(Duration::from_millis(CLOSE_LINGER_MS), conn.closed())
-                            .await;
-                    return keepalive;
+                    // Answered once the session has ended (see `Ended::close_answer`).
+                    return Ended {
+                        keepalive,
+                        close_answer: Some(answer),
+                    };
+                }
+                if codec::write_frame(send, &answer).await.is_err() {
+                    return Ended::LOST;
                 }
             }
         }
