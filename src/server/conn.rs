@@ -380,14 +380,13 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         .unwrap_or_else(|p| p.into_inner())
         .remove(&session);
     let _ = finished_tx.send(true);
-    if let Some(answer) = ended.close_answer {
-        if codec::write_frame(&mut send, &answer).await.is_ok() {
-            let _ = send.finish();
-            // The client closes the connection once it has read the answer; closing first
-            // could discard the answer in flight.
-            let _ =
-                tokio::time::timeout(Duration::from_millis(CLOSE_LINGER_MS), conn.closed()).await;
-        }
+    if let Some(answer) = ended.close_answer
+        && codec::write_frame(&mut send, &answer).await.is_ok()
+    {
+        let _ = send.finish();
+        // The client closes the connection once it has read the answer; closing first could
+        // discard the answer in flight.
+        let _ = tokio::time::timeout(Duration::from_millis(CLOSE_LINGER_MS), conn.closed()).await;
     }
     Ok(())
 }
