@@ -67,6 +67,14 @@ pub const EXPIRED_IDS_REMEMBERED_MAX: usize = 100_000;
 pub const EXPIRY_TICK_MS: u64 = 200;
 /// Publish operations and acks waiting for the storage writer before new ones wait.
 pub const WRITER_QUEUE_REQUESTS_MAX: usize = 4_096;
+/// Longest wait of a forwarded run of a peer's publish log for the run before it (sent
+/// earlier, arriving later) to be applied, in milliseconds; then it is answered with what is
+/// applied, and the peer sends again from there.
+pub const FORWARD_GAP_WAIT_MS: u64 = 2_000;
+/// Publish requests of one client connection submitted and not yet answered (waiting for
+/// their commit, or their copies under `ack: replicated`); the connection's next frame is read
+/// once the oldest is answered.
+pub const PUBLISHES_IN_FLIGHT_MAX: usize = 64;
 
 const _: () = {
     // A delivery frame holds bodies plus per-entry overhead; keep a wide margin below the

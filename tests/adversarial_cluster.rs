@@ -18,7 +18,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::cluster::TestCluster;
-use common::{keys, take_events, until_live};
+use common::{drain_quiet, keys, take_events, until_live};
 use tether::client::{Client, ClientBuilder, EventStream, Interest};
 use tether::cluster::meta::{MetaCommand, raft_id};
 use tether::cluster::network::{
@@ -114,6 +114,7 @@ fn forged_publish(origin: &str, key: &str) -> PeerRequest {
             },
         )],
         floor: 0,
+        follows: None,
     }
 }
 
@@ -643,5 +644,103 @@ async fn held_rpc_streams_leave_room_for_a_ping() {
     ));
     drop(held);
     conn.close(0u32.into(), b"done");
+    c.shutdown().await;
+}
+
+/// A run of `origin`'s publish log: the puts of `keys` at offsets `first`, `first + 1`...
+fn run_of(origin: &str, first: u64, keys: &[&str], follows: Option<u64>) -> PeerRequest {
+    PeerRequest::Publish {
+        origin: origin.into(),
+        entries: keys
+            .iter()
+            .zip(first..)
+            .map(|(key, offset)| {
+                let publish = ForwardedPublish {
+                    session: 77,
+                    first_seq: offset,
+                    ops: vec![PublishOp::Put {
+                        region: REGION.into(),
+                        key: (*key).into(),
+                        value: b"run".to_vec(),
+                    }],
+                };
+                (offset, publish)
+            })
+            .collect(),
+        floor: 0,
+        follows,
+    }
+}
+
+/// Publish forwarding with runs in flight (`FORWARD_RPCS_IN_FLIGHT_MAX`): runs of one origin
+/// that arrive out of order are applied in log order, and a run whose predecessor never
+/// arrives is answered with what is applied, applying nothing of its own; sent again from
+/// there, nothing is lost and nothing applied twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_runs_out_of_order_are_applied_in_order() {
+    use tether::limits::FORWARD_GAP_WAIT_MS;
+    let c = TestCluster::start(3).await;
+    c.leader().await;
+    let (d, mut ev) = watcher(&c).await;
+    let cluster = c.node(0).cluster().expect("clustered");
+    let placed = cluster.placement(WATCHER).expect("the watcher is placed");
+    // A member that is not the watcher's primary forwards to it, in its own name (it
+    // publishes nothing itself in this test, so its log is the test's).
+    let sender = (0..3)
+        .map(|i| raft_id(&c.names[i]))
+        .find(|id| *id != placed.primary)
+        .expect("another member");
+    let tls_dir = c.dirs[c.index_of(sender)].path().join("tls");
+    let origin = c.names[c.index_of(sender)].clone();
+    let to = c.node(c.index_of(placed.primary)).addr();
+    let pool = std::sync::Arc::new(pool_with(
+        &ca(&c),
+        &tls_dir.join(tls::SERVER_CERT_FILE),
+        &tls_dir.join(tls::SERVER_KEY_FILE),
+        to,
+    ));
+    let call = |request: PeerRequest| {
+        let pool = pool.clone();
+        let primary = placed.primary;
+        tokio::spawn(async move { pool.call(primary, &to.to_string(), request, STEP).await })
+    };
+    // The second run arrives first: it waits for the first.
+    let second = call(run_of(&origin, 2, &["k2"], Some(1)));
+    tokio::time::sleep(Duration::from_millis(FORWARD_GAP_WAIT_MS / 4)).await;
+    assert!(
+        !second.is_finished(),
+        "a run was applied before the one it follows"
+    );
+    let first = call(run_of(&origin, 1, &["k1"], None));
+    assert!(matches!(
+        first.await.unwrap(),
+        Ok(PeerResponse::Published { through: 1 })
+    ));
+    assert!(matches!(
+        second.await.unwrap(),
+        Ok(PeerResponse::Published { through: 2 })
+    ));
+    assert_eq!(keys(&take_events(&mut ev, 2).await), ["k1", "k2"]);
+    // A run whose predecessor (offset 3) is lost: answered with what is applied.
+    match call(run_of(&origin, 4, &["k4"], Some(3))).await.unwrap() {
+        Ok(PeerResponse::PublishDeferred { through: 2, .. }) => {}
+        Ok(_) => panic!("a run past a gap was applied"),
+        Err(e) => panic!("no answer: {e}"),
+    }
+    // Sent again from what was confirmed (a retry carries what was applied already).
+    assert!(matches!(
+        call(run_of(&origin, 2, &["k2", "k3", "k4"], None))
+            .await
+            .unwrap(),
+        Ok(PeerResponse::Published { through: 4 })
+    ));
+    assert_eq!(keys(&take_events(&mut ev, 2).await), ["k3", "k4"]);
+    assert!(
+        drain_quiet(&mut ev).await.is_empty(),
+        "something was applied twice"
+    );
+    pool.close();
+    drop(ev);
+    d.close(false).await.ok();
     c.shutdown().await;
 }

@@ -759,6 +759,76 @@ async fn a_closed_session_left_open_holds_nothing() {
         .expect("old connection still open");
 }
 
+// ------------------------------------------------------------------------------ pipelining
+
+/// Publishes sent back to back without waiting for their answers (more than
+/// `PUBLISHES_IN_FLIGHT_MAX` of them, some refused) are each answered, in request order, with
+/// their own result; a `get` sent behind them sees the last one's value, and a subscriber gets
+/// every accepted put in request order.
+#[tokio::test]
+async fn pipelined_publishes_are_answered_in_order() {
+    let n = TestNode::start().await;
+    let mut w = Watcher::start(&n).await;
+    let sub = n.plain().await;
+    sub.region(OTHER)
+        .register(Interest::all_keys())
+        .await
+        .expect("register");
+    let mut sub_events = sub.events().expect("events");
+    let mut raw = Raw::hello(&n, None).await;
+    let sent = PUBLISHES_IN_FLIGHT_MAX as u64 + 20;
+    // Every seventh request is refused (an empty region); the rest put `k` = their id.
+    let bad = |id: u64| id.is_multiple_of(7);
+    for id in 1..=sent {
+        let region = if bad(id) { "" } else { OTHER };
+        let op = put(region, "k", id.to_string().as_bytes());
+        raw.send(&ClientMsg::Request {
+            id,
+            body: publish(vec![op]),
+        })
+        .await;
+    }
+    let get = RequestBody::Get {
+        region: OTHER.into(),
+        key: "k".into(),
+    };
+    raw.send(&ClientMsg::Request {
+        id: sent + 1,
+        body: get,
+    })
+    .await;
+    for expected in 1..=sent + 1 {
+        let (id, result) = loop {
+            match raw.next().await {
+                Some(ServerMsg::Response { id, result }) => break (id, result),
+                Some(ServerMsg::Ping { nonce }) => raw.send(&ClientMsg::Pong { nonce }).await,
+                other => panic!("expected response {expected}, got {other:?}"),
+            }
+        };
+        assert_eq!(id, expected, "answers out of request order");
+        match result {
+            Ok(ResponseBody::Published { count: 1 }) if id <= sent && !bad(id) => {}
+            Err(e) if id <= sent && bad(id) => assert_eq!(e.code, ErrorCode::InvalidArgument),
+            Ok(ResponseBody::Value { value }) if id == sent + 1 => {
+                let last = (1..=sent).rev().find(|i| !bad(*i)).unwrap();
+                assert_eq!(value, Some(last.to_string().into_bytes()));
+            }
+            other => panic!("request {id}: unexpected {other:?}"),
+        }
+    }
+    raw.assert_usable(sent + 2).await;
+    let accepted: Vec<String> = (1..=sent)
+        .filter(|i| !bad(*i))
+        .map(|i| i.to_string())
+        .collect();
+    let got = take_events(&mut sub_events, accepted.len()).await;
+    let values: Vec<String> = entries(&got).iter().filter_map(|e| value(e)).collect();
+    assert_eq!(values, accepted, "puts delivered out of request order");
+    sub.close(false).await.ok();
+    w.still_served(&n, "after-pipelined-publishes").await;
+    w.finish(&n).await;
+}
+
 // ------------------------------------------------------------------------------ requests
 
 #[tokio::test]

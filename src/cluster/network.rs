@@ -60,6 +60,11 @@ pub enum PeerRequest {
         /// moves while nothing is left to forward.
         #[serde(default)]
         floor: u64,
+        /// A run sent while the one before it (ending at this offset) was still in flight:
+        /// applied only once that one is, since the two may arrive in either order. `None`
+        /// (the first run after what the receiver confirmed): applied as it comes.
+        #[serde(default)]
+        follows: Option<u64>,
     },
     /// Queue log shipping from a primary to one of its secondaries.
     Replicate(ReplicateMsg),
@@ -168,12 +173,14 @@ pub enum PeerResponse {
 /// Where a node applies the publishes its peers forward to it (the server implements it).
 pub trait PublishSink: Send + Sync + 'static {
     /// Applies `entries` forwarded by `origin`, in order, each at most once; `floor`: every
-    /// member has applied `origin`'s publishes up to there.
+    /// member has applied `origin`'s publishes up to there; `follows`: apply them only after
+    /// `origin`'s publishes up to there (see [`PeerRequest::Publish`]).
     fn apply_forwarded(
         &self,
         origin: String,
         entries: Vec<(u64, ForwardedPublish)>,
         floor: u64,
+        follows: Option<u64>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>>;
 
     /// Handles a replication message from a queue's primary.
@@ -594,8 +601,9 @@ async fn dispatch(
             origin,
             entries,
             floor,
+            follows,
         } => match sink {
-            Some(sink) => sink.apply_forwarded(origin, entries, floor).await,
+            Some(sink) => sink.apply_forwarded(origin, entries, floor, follows).await,
             None => PeerResponse::PublishDeferred {
                 through: 0,
                 reason: "this node does not take publishes yet".into(),
@@ -801,6 +809,7 @@ mod tests {
             origin: origin.into(),
             entries: Vec::new(),
             floor: 0,
+            follows: None,
         };
         assert_eq!(check_sender(&n2, &vote(n2.id)), Ok(()));
         assert_eq!(check_sender(&n2, &publish("n2")), Ok(()));

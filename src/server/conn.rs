@@ -1,5 +1,8 @@
 //! One task per client connection (control stream) and one per session (delivery stream).
 
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -530,9 +533,16 @@ async fn control_loop(
 ) -> Ended {
     let mut next_nonce: u64 = 1;
     let mut waiting: Vec<(u64, oneshot::Sender<()>)> = Vec::new();
+    let mut publishing = Answering::new();
     loop {
         let msg = tokio::select! {
-            m = reader.next::<ClientMsg>() => m,
+            answer = first_answer(&mut publishing) => {
+                if codec::write_frame(send, &answer).await.is_err() {
+                    return Ended::LOST;
+                }
+                continue;
+            }
+            m = reader.next::<ClientMsg>(), if publishing.len() < PUBLISHES_IN_FLIGHT_MAX => m,
             Some(answer) = probes.recv() => {
                 let nonce = next_nonce;
                 next_nonce += 1;
@@ -605,7 +615,37 @@ async fn control_loop(
                     }
                 }
             }
+            ClientMsg::Request {
+                id,
+                body: RequestBody::Publish { ops, ack },
+            } => {
+                // Submitted (offsets assigned, in request order) before the next frame is
+                // read; its commit and copies are awaited while later requests come in.
+                let submitted = match authorize_publish(shared, principal, &ops) {
+                    Ok(()) => shared.submit_publish(session, &ops, None).await,
+                    Err(e) => Err(e),
+                };
+                publishing.push_back(match submitted {
+                    Ok(p) => Box::pin(async move {
+                        ServerMsg::Response {
+                            id,
+                            result: published(shared, p, ack).await,
+                        }
+                    }),
+                    Err(e) => Box::pin(std::future::ready(ServerMsg::Response {
+                        id,
+                        result: Err(e),
+                    })),
+                });
+            }
             ClientMsg::Request { id, body } => {
+                // Every other request sees the publishes before it committed, and is answered
+                // after them.
+                while let Some(answer) = publishing.pop_front() {
+                    if codec::write_frame(send, &answer.await).await.is_err() {
+                        return Ended::LOST;
+                    }
+                }
                 let close = match &body {
                     RequestBody::Close { keepalive } => Some(*keepalive),
                     _ => None,
@@ -630,6 +670,58 @@ async fn control_loop(
     }
 }
 
+/// Answers of a session's publishes, submitted in request order and awaiting their commit
+/// (and, with `ack: replicated`, their copies); written in request order.
+type Answering<'a> = VecDeque<Pin<Box<dyn Future<Output = ServerMsg> + Send + 'a>>>;
+
+/// The answer of the oldest publish in flight, once it is ready (never, with none in flight).
+/// Cancel-safe: a publish not finished stays first.
+async fn first_answer(publishing: &mut Answering<'_>) -> ServerMsg {
+    match publishing.front_mut() {
+        Some(first) => {
+            let answer = first.await;
+            publishing.pop_front();
+            answer
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// The answer of a submitted publish: once committed, and with `ack: replicated` once every
+/// matching queue's copies hold it.
+async fn published(
+    shared: &Arc<Shared>,
+    submitted: super::Submitted<'_>,
+    ack: PublishAck,
+) -> Result<ResponseBody, WireError> {
+    let receipt = shared.finish_publish(submitted).await?;
+    if ack == PublishAck::Replicated {
+        shared.wait_replicated(&receipt).await?;
+    }
+    Ok(ResponseBody::Published {
+        count: receipt.count,
+    })
+}
+
+/// Checks a publish's operations against the node's ACLs (always allowed on an open node).
+fn authorize_publish(
+    shared: &Shared,
+    principal: Option<&Principal>,
+    ops: &[PublishOp],
+) -> Result<(), WireError> {
+    let (Some(auth), Some(p)) = (shared.authorizer(), principal) else {
+        return Ok(());
+    };
+    ops.iter().try_for_each(|op| {
+        let region = match op {
+            PublishOp::Put { region, .. }
+            | PublishOp::Destroy { region, .. }
+            | PublishOp::Invalidate { region, .. } => region,
+        };
+        auth.check(p, Access::Publish(region))
+    })
+}
+
 /// Checks a request against the node's ACLs (always allowed on an open node).
 fn authorize(
     shared: &Shared,
@@ -643,14 +735,7 @@ fn authorize(
         RequestBody::RegisterInterest { region, .. }
         | RequestBody::UnregisterInterest { region, .. }
         | RequestBody::Get { region, .. } => auth.check(p, Access::Subscribe(region)),
-        RequestBody::Publish { ops, .. } => ops.iter().try_for_each(|op| {
-            let region = match op {
-                PublishOp::Put { region, .. }
-                | PublishOp::Destroy { region, .. }
-                | PublishOp::Invalidate { region, .. } => region,
-            };
-            auth.check(p, Access::Publish(region))
-        }),
+        RequestBody::Publish { ops, .. } => authorize_publish(shared, principal, ops),
         RequestBody::ListQueues
         | RequestBody::ListQueuesPage(_)
         | RequestBody::CloseDurable { .. } => auth.check(p, Access::Admin),
@@ -702,13 +787,8 @@ async fn request(
             Ok(ResponseBody::ReplayRate { events_per_s })
         }
         RequestBody::Publish { ops, ack } => {
-            let receipt = shared.publish_receipt(session, &ops, None).await?;
-            if ack == PublishAck::Replicated {
-                shared.wait_replicated(&receipt).await?;
-            }
-            Ok(ResponseBody::Published {
-                count: receipt.count,
-            })
+            let submitted = shared.submit_publish(session, &ops, None).await?;
+            published(shared, submitted, ack).await
         }
         RequestBody::Get { region, key } => Ok(ResponseBody::Value {
             value: shared.get(&region, &key)?,

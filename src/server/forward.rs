@@ -11,8 +11,9 @@
 //!   or slow), new publishes on this node are refused with `unavailable` until the peers catch
 //!   up: a publish is never accepted without being kept for every peer. Bytes are counted like
 //!   a queue's ([`QueueBytes`], byte marks stored with the log).
-//! * One forwarding task per peer ships the log in order (batches of up to
-//!   [`FORWARD_BATCH_ENTRIES_MAX`] entries over one peer RPC at a time) and records, durably, how
+//! * One forwarding task per peer ships the log in order (runs of up to
+//!   [`FORWARD_BATCH_ENTRIES_MAX`] entries, up to [`FORWARD_RPCS_IN_FLIGHT_MAX`] peer RPCs in
+//!   flight, each run after the one before) and records, durably, how
 //!   far the peer has applied (`fwd-sent/<peer>`). Entries every peer has applied are trimmed.
 //! * The receiver applies entries in order, each once: it stores the highest origin offset
 //!   applied (`fwd-applied/<origin>`) in the batch that applies it, and skips anything at or
@@ -38,6 +39,7 @@ use crate::cluster::network::{ForwardedPublish, PeerRequest, PeerResponse, Publi
 use crate::config::Limits;
 use crate::core::bytes::{QueueBytes, mark_interval_bytes, stored_entry_bytes};
 use crate::core::{EventOrigin, SessionId};
+use crate::limits::FORWARD_GAP_WAIT_MS;
 use crate::metrics as m;
 use crate::protocol::EventId;
 use crate::protocol::PublishOp;
@@ -52,6 +54,8 @@ pub const PUBLISH_LOG_INFO: &[u8] = b"tether-publish-log";
 pub const FORWARD_BATCH_ENTRIES_MAX: usize = 512;
 /// Most publish-log bytes read for one forwarding RPC.
 pub const FORWARD_BATCH_BYTES_MAX: usize = 1 << 20;
+/// Forwarding RPCs to one peer in flight at once.
+pub const FORWARD_RPCS_IN_FLIGHT_MAX: usize = 2;
 /// Deadline of one forwarding RPC, in milliseconds.
 pub const FORWARD_RPC_TIMEOUT_MS: u64 = 10_000;
 /// First pause after a failed forward, in milliseconds (doubles up to the max).
@@ -95,6 +99,8 @@ pub(crate) struct Forwarding {
     bytes_max: u64,
     /// Per origin: highest offset applied here; the lock also serializes forwarded applies.
     applied: tokio::sync::Mutex<HashMap<String, Offset>>,
+    /// Notified whenever `applied` moves (a run waiting for the one before it).
+    applied_changed: tokio::sync::Notify,
     /// The session forwarded publishes are made under (created on first use).
     session: Mutex<Option<SessionId>>,
 }
@@ -150,6 +156,7 @@ impl Forwarding {
             bytes: Mutex::new(bytes),
             bytes_max: limits.publish_log_bytes_max,
             applied: tokio::sync::Mutex::new(HashMap::new()),
+            applied_changed: tokio::sync::Notify::new(),
             session: Mutex::new(None),
         })
     }
@@ -284,6 +291,12 @@ fn read_run(store: &dyn Store, from: Offset, to: Offset) -> Vec<(u64, ForwardedP
 }
 
 /// Ships this node's publish log to `peer`, in order, until the node stops.
+///
+/// Up to [`FORWARD_RPCS_IN_FLIGHT_MAX`] runs of the log are in flight at once, each starting
+/// where the one before it ends: the peer applies one run while the one before waits for the
+/// copies of the queues it reached. A run that fails, or that the peer applied only in part,
+/// sends the loop back to what the peer has confirmed, once the runs in flight have answered
+/// (the peer skips what it has already applied, so nothing is applied twice).
 pub(crate) async fn forward_loop(
     shared: Weak<Shared>,
     cluster: Arc<Cluster>,
@@ -300,93 +313,110 @@ pub(crate) async fn forward_loop(
     let mut retry = FORWARD_RETRY_MIN_MS;
     // The floor the peer was last told (see `PeerRequest::Publish::floor`).
     let mut floor_told = 0;
+    // Runs in flight, each answering with the last offset it carried and its floor.
+    let mut in_flight: tokio::task::JoinSet<(Offset, Offset, Option<PeerResponse>)> =
+        tokio::task::JoinSet::new();
+    // The last offset handed to a run (in flight or answered).
+    let mut handed = match shared.upgrade() {
+        Some(s) => s.forwarding.as_ref().map_or(0, |f| f.sent(&peer)),
+        None => return,
+    };
+    // A run failed: hand nothing more until the runs in flight have answered.
+    let mut failed = false;
     loop {
-        let (entries, me, floor) = {
-            let Some(s) = shared.upgrade() else { return };
-            let Some(f) = &s.forwarding else { return };
-            let from = f.sent(&peer);
-            let end = *committed.borrow_and_update();
-            let floor = f.all_applied();
-            if end <= from && floor <= floor_told {
-                drop(s);
-                // The floor moves when another peer applies: look again now and then.
-                let wait = Duration::from_millis(FORWARD_FLOOR_POLL_MS);
-                match tokio::time::timeout(wait, committed.changed()).await {
-                    Ok(Err(_)) => return,
-                    Ok(Ok(())) | Err(_) => continue,
-                }
-            }
-            let entries = if end > from {
-                let store = s.store.clone();
-                tokio::task::spawn_blocking(move || read_run(&*store, from, end + 1))
-                    .await
-                    .unwrap_or_default()
-            } else {
-                Vec::new()
-            };
-            (entries, s.node_id.clone(), floor)
-        };
-        if entries.is_empty() && floor <= floor_told {
-            // Trimmed below the cursor (should not happen) or not yet readable: wait a bit.
+        if failed && in_flight.is_empty() {
             tokio::time::sleep(Duration::from_millis(retry)).await;
             retry = (retry * 2).min(FORWARD_RETRY_MAX_MS);
-            continue;
+            failed = false;
+            let Some(s) = shared.upgrade() else { return };
+            handed = s.forwarding.as_ref().map_or(0, |f| f.sent(&peer));
         }
-        let floor_only = entries.is_empty();
-        let request = PeerRequest::Publish {
-            origin: me,
-            entries,
-            floor,
-        };
-        let answer = cluster
-            .call(
-                peer_id,
-                request,
-                Duration::from_millis(FORWARD_RPC_TIMEOUT_MS),
-            )
-            .await;
-        let published = matches!(answer, Ok(PeerResponse::Published { .. }));
-        if published {
-            floor_told = floor;
-        }
-        if floor_only {
-            if !published {
-                tokio::time::sleep(Duration::from_millis(retry)).await;
-                retry = (retry * 2).min(FORWARD_RETRY_MAX_MS);
+        if !failed && in_flight.len() < FORWARD_RPCS_IN_FLIGHT_MAX {
+            let (entries, me, floor) = {
+                let Some(s) = shared.upgrade() else { return };
+                let Some(f) = &s.forwarding else { return };
+                let end = *committed.borrow_and_update();
+                let floor = f.all_applied();
+                let entries = if end > handed {
+                    let store = s.store.clone();
+                    let from = handed;
+                    tokio::task::spawn_blocking(move || read_run(&*store, from, end + 1))
+                        .await
+                        .unwrap_or_default()
+                } else {
+                    Vec::new()
+                };
+                (entries, s.node_id.clone(), floor)
+            };
+            // Only the floor to tell: with nothing in flight (a run carries it anyway).
+            let floor_only = entries.is_empty() && in_flight.is_empty() && floor > floor_told;
+            let follows = handed;
+            if let Some(&(last, _)) = entries.last() {
+                handed = last;
             }
+            if !entries.is_empty() || floor_only {
+                let request = PeerRequest::Publish {
+                    origin: me,
+                    entries,
+                    floor,
+                    follows: (!in_flight.is_empty()).then_some(follows),
+                };
+                let cluster = cluster.clone();
+                let last = if floor_only { 0 } else { handed };
+                in_flight.spawn(async move {
+                    let timeout = Duration::from_millis(FORWARD_RPC_TIMEOUT_MS);
+                    let answer = cluster.call(peer_id, request, timeout).await.ok();
+                    (last, floor, answer)
+                });
+                continue;
+            }
+        }
+        // Wait for an answer, for more to ship, or (idle) for the floor to move.
+        let room = !failed && in_flight.len() < FORWARD_RPCS_IN_FLIGHT_MAX;
+        let idle = in_flight.is_empty();
+        let answered = tokio::select! {
+            Some(done) = in_flight.join_next(), if !idle => done.ok(),
+            changed = committed.changed(), if room => {
+                if changed.is_err() {
+                    return;
+                }
+                continue;
+            }
+            // The floor moves when another peer applies: look again now and then.
+            _ = tokio::time::sleep(Duration::from_millis(FORWARD_FLOOR_POLL_MS)), if idle => {
+                continue;
+            }
+        };
+        let Some((last, floor, answer)) = answered else {
+            failed = true;
             continue;
+        };
+        if matches!(answer, Some(PeerResponse::Published { .. })) {
+            floor_told = floor_told.max(floor);
         }
         let through = match answer {
-            Ok(PeerResponse::Published { through }) => {
-                retry = FORWARD_RETRY_MIN_MS;
-                Some(through)
-            }
-            Ok(PeerResponse::PublishDeferred { through, reason }) => {
+            Some(PeerResponse::Published { through }) => Some(through),
+            Some(PeerResponse::PublishDeferred { through, reason }) => {
                 tracing::debug!(peer, reason, "forwarded publish deferred");
                 Some(through)
             }
-            Ok(_) | Err(_) => None,
+            _ => None,
         };
-        let progressed = match through {
-            Some(t) => match shared.upgrade() {
-                Some(s) => {
-                    let before = s.forwarding.as_ref().map_or(0, |f| f.sent(&peer));
-                    let moved = record_sent(&s, &peer, t).await;
-                    if let Some(f) = &s.forwarding {
-                        metrics::counter!(m::FORWARDED, "peer" => peer.clone())
-                            .increment(t.saturating_sub(before));
-                        metrics::gauge!(m::FORWARD_LAG, "peer" => peer.clone())
-                            .set(f.lag(&peer) as f64);
-                    }
-                    moved
-                }
-                None => return,
-            },
-            None => false,
-        };
-        if !progressed {
-            tokio::time::sleep(Duration::from_millis(retry)).await;
-            retry = (retry * 2).min(FORWARD_RETRY_MAX_MS);
+        if let Some(t) = through {
+            let Some(s) = shared.upgrade() else { return };
+            let before = s.forwarding.as_ref().map_or(0, |f| f.sent(&peer));
+            record_sent(&s, &peer, t).await;
+            if let Some(f) = &s.forwarding {
+                metrics::counter!(m::FORWARDED, "peer" => peer.clone())
+                    .increment(t.saturating_sub(before));
+                metrics::gauge!(m::FORWARD_LAG, "peer" => peer.clone()).set(f.lag(&peer) as f64);
+            }
+        }
+        // A floor-only call carried nothing (`last` 0): it fails only if unanswered.
+        if through.is_none_or(|t| t < last) {
+            failed = true;
+        } else if last > 0 {
+            retry = FORWARD_RETRY_MIN_MS;
         }
     }
 }
@@ -442,6 +472,7 @@ impl PublishSink for PeerInbox {
         origin: String,
         entries: Vec<(u64, ForwardedPublish)>,
         floor: u64,
+        follows: Option<u64>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>> {
         Box::pin(async move {
             let Some(s) = self.0.upgrade() else {
@@ -457,24 +488,45 @@ impl PublishSink for PeerInbox {
                 };
             };
             s.recent_forwards().origin_floor(&origin, floor);
-            let mut applied = f.applied.lock().await;
-            let mut done = match applied.get(&origin) {
-                Some(a) => *a,
-                None => read_u64(&*s.store, &applied_key(&origin)).unwrap_or(0),
+            let deadline = tokio::time::Instant::now() + Duration::from_millis(FORWARD_GAP_WAIT_MS);
+            let (mut applied, mut done) = loop {
+                let applied = f.applied.lock().await;
+                let done = match applied.get(&origin) {
+                    Some(a) => *a,
+                    None => read_u64(&*s.store, &applied_key(&origin)).unwrap_or(0),
+                };
+                if follows.is_none_or(|after| done >= after) {
+                    break (applied, done);
+                }
+                // The run before this one has not arrived (or not been applied) yet.
+                let changed = f.applied_changed.notified();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                drop(applied);
+                if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                    return PeerResponse::PublishDeferred {
+                        through: done,
+                        reason: "the run before this one has not arrived".into(),
+                    };
+                }
             };
-            let mut appended = Vec::new();
-            for (offset, publish) in entries {
+            // Every entry is submitted to the writer before the first commit is awaited: the
+            // writer commits in submission order, so the run costs one group commit, not one
+            // per entry. The first refusal ends the run; what was submitted before it is
+            // still finished, and the answer says how far it got. (A failed write poisons the
+            // writer, which then refuses every later batch: nothing past `done` commits.)
+            let mut submitted = Vec::new();
+            let mut refused = None;
+            for (offset, publish) in &entries {
+                let offset = *offset;
                 if offset <= done {
                     continue;
                 }
                 let session = match s.forward_session().await {
                     Ok(id) => id,
                     Err(e) => {
-                        applied.insert(origin, done);
-                        return PeerResponse::PublishDeferred {
-                            through: done,
-                            reason: e.message,
-                        };
+                        refused = Some(e);
+                        break;
                     }
                 };
                 let from = Origin {
@@ -487,22 +539,36 @@ impl PublishSink for PeerInbox {
                         offset,
                     },
                 };
-                match s.publish_receipt(session, &publish.ops, Some(&from)).await {
+                match s.submit_publish(session, &publish.ops, Some(&from)).await {
+                    Ok(p) => submitted.push((offset, p)),
+                    Err(e) => {
+                        refused = Some(e);
+                        break;
+                    }
+                }
+            }
+            let mut appended = Vec::new();
+            for (offset, p) in submitted {
+                match s.finish_publish(p).await {
                     Ok(r) => {
                         done = offset;
                         appended.extend(r.appended);
                     }
                     Err(e) => {
-                        applied.insert(origin, done);
-                        return PeerResponse::PublishDeferred {
-                            through: done,
-                            reason: e.message,
-                        };
+                        refused = Some(e);
+                        break;
                     }
                 }
             }
             applied.insert(origin.clone(), done);
             drop(applied);
+            f.applied_changed.notify_waiters();
+            if let Some(e) = refused {
+                return PeerResponse::PublishDeferred {
+                    through: done,
+                    reason: e.message,
+                };
+            }
             // The origin counts a publish as held here once this answer arrives: wait until
             // the queues it reached hold it on their copies too (`--ack replicated`).
             let wait = Duration::from_millis(super::REPLICATED_ACK_TIMEOUT_MS);

@@ -223,6 +223,20 @@ impl Shared {
         ops: &[PublishOp],
         origin: Option<&forward::Origin<'_>>,
     ) -> Result<Receipt, WireError> {
+        let submitted = self.submit_publish(session, ops, origin).await?;
+        self.finish_publish(submitted).await
+    }
+
+    /// The first half of [`Shared::publish_receipt`]: the publish validated, its offsets
+    /// assigned and its batch handed to the writer (waiting for queue space under the block
+    /// policy), not yet committed. The writer commits in submission order, so publishes
+    /// submitted one after the other may be finished together: one group commit for all.
+    pub(crate) async fn submit_publish(
+        self: &Arc<Self>,
+        session: SessionId,
+        ops: &[PublishOp],
+        origin: Option<&forward::Origin<'_>>,
+    ) -> Result<Submitted<'_>, WireError> {
         let block = Duration::from_millis(self.limits.queue_full_block_ms);
         let deadline = tokio::time::Instant::now() + block;
         loop {
@@ -261,8 +275,8 @@ impl Shared {
         session: SessionId,
         ops: &[PublishOp],
         origin: Option<&forward::Origin<'_>>,
-    ) -> Result<Receipt, WireError> {
-        let _permit = self
+    ) -> Result<Submitted<'_>, WireError> {
+        let permit = self
             .write_permits
             .acquire()
             .await
@@ -353,7 +367,34 @@ impl Shared {
                 self.writer.submit(batch, Some(on_commit)),
             )
         };
+        Ok(Submitted {
+            _permit: permit,
+            rx,
+            enqueued,
+            dropped,
+            receipt: Receipt {
+                count,
+                appended: receipt_appended,
+                logged: receipt_logged,
+            },
+        })
+    }
+
+    /// The second half of [`Shared::publish_receipt`]: waits for the commit of a submitted
+    /// publish, then tells the clients whose queues it dropped and counts it.
+    pub(crate) async fn finish_publish(
+        &self,
+        submitted: Submitted<'_>,
+    ) -> Result<Receipt, WireError> {
+        let Submitted {
+            _permit,
+            rx,
+            enqueued,
+            dropped,
+            receipt,
+        } = submitted;
         wait_commit(rx).await?;
+        let count = receipt.count;
         // Clients whose queue was dropped for being full learn it now, and `expired` on their
         // next connection.
         for s in dropped {
@@ -371,11 +412,7 @@ impl Shared {
         metrics::counter!(m::EVENTS_ENQUEUED).increment(enqueued);
         admin::NodeStats::add(&self.stats.published, count);
         admin::NodeStats::add(&self.stats.enqueued, enqueued);
-        Ok(Receipt {
-            count,
-            appended: receipt_appended,
-            logged: receipt_logged,
-        })
+        Ok(receipt)
     }
 
     /// Waits until this node's queues that received `appended` entries hold them on every
@@ -568,6 +605,17 @@ async fn wait_commit(rx: oneshot::Receiver<Result<(), String>>) -> Result<(), Wi
         )),
         Err(_) => Err(shutdown_error()),
     }
+}
+
+/// A publish handed to the writer and not yet committed ([`Shared::submit_publish`]); it holds
+/// its place among the writer's queued requests until [`Shared::finish_publish`].
+pub(crate) struct Submitted<'a> {
+    _permit: tokio::sync::SemaphorePermit<'a>,
+    rx: oneshot::Receiver<Result<(), String>>,
+    enqueued: u64,
+    /// Sessions whose queue the publish dropped for being full (drop-queue policy).
+    dropped: Vec<SessionId>,
+    receipt: Receipt,
 }
 
 /// What a publish did here, for `--ack replicated`.
