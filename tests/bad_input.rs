@@ -20,7 +20,7 @@ use std::net::{SocketAddr, UdpSocket};
 use std::time::Duration;
 
 use common::*;
-use tether::client::{Client, EventStream, Interest};
+use tether::client::{Client, ClientError, EventStream, Interest};
 use tether::limits::*;
 use tether::protocol::*;
 use tether::transport::codec::{self, FRAME_BYTES_MAX, FRAME_HEADER_BYTES, FrameReader};
@@ -827,6 +827,42 @@ async fn pipelined_publishes_are_answered_in_order() {
     sub.close(false).await.ok();
     w.still_served(&n, "after-pipelined-publishes").await;
     w.finish(&n).await;
+}
+
+/// A publish taken just before the connection breaks (a malformed frame right behind it, in
+/// the same write) still finishes: committed, and the client whose queue it dropped for being
+/// full (drop-queue policy) is told and disconnected, as if the publisher had stayed.
+#[tokio::test]
+async fn a_publish_in_flight_when_the_connection_breaks_still_finishes() {
+    let n = TestNode::start_with(tether::config::Limits {
+        queue_entries_max: 1,
+        queue_full_policy: tether::config::QueueFullPolicy::DropQueue,
+        ..tether::config::Limits::default()
+    })
+    .await;
+    let y = n.durable("Y", 600).await;
+    y.region(OTHER)
+        .register(Interest::all_keys())
+        .await
+        .expect("register");
+    timeout(STEP, n.put(OTHER, "k0", "v0")).await.expect("put");
+    let mut raw = Raw::hello(&n, None).await;
+    let mut bytes = encoded(&ClientMsg::Request {
+        id: 1,
+        body: publish(vec![put(OTHER, "k1", b"v1")]),
+    });
+    bytes.extend(frame(&[0xff, 0x00, 0x13, 0x37]));
+    raw.send_raw(&bytes).await;
+    raw.expect_refusal(ErrorCode::MalformedFrame).await;
+    assert_eq!(
+        n.node().get(OTHER, "k1").unwrap().as_deref(),
+        Some(&b"v1"[..]),
+        "the publish taken before the bad frame is committed"
+    );
+    match timeout(STEP, y.queues()).await.expect("Y answered") {
+        Err(ClientError::Server(e)) => assert_eq!(e.code, ErrorCode::QueueFull, "{e:?}"),
+        other => panic!("Y should have been disconnected with queue-full: {other:?}"),
+    }
 }
 
 // ------------------------------------------------------------------------------ requests

@@ -534,11 +534,12 @@ async fn control_loop(
     let mut next_nonce: u64 = 1;
     let mut waiting: Vec<(u64, oneshot::Sender<()>)> = Vec::new();
     let mut publishing = Answering::new();
-    loop {
+    let (stop_tx, stop) = watch::channel(false);
+    let ended = 'session: loop {
         let msg = tokio::select! {
             answer = first_answer(&mut publishing) => {
                 if codec::write_frame(send, &answer).await.is_err() {
-                    return Ended::LOST;
+                    break 'session Ended::LOST;
                 }
                 continue;
             }
@@ -548,7 +549,7 @@ async fn control_loop(
                 next_nonce += 1;
                 waiting.push((nonce, answer));
                 if codec::write_frame(send, &ServerMsg::Ping { nonce }).await.is_err() {
-                    return Ended::LOST;
+                    break 'session Ended::LOST;
                 }
                 continue;
             }
@@ -557,11 +558,11 @@ async fn control_loop(
             Ok(Some(m)) => m,
             // The stream ended or the connection dropped without a close request: a crash or
             // a lost network, which keeps the queue.
-            Ok(None) => return Ended::LOST,
-            Err(CodecError::Stream(_)) => return Ended::LOST,
+            Ok(None) => break 'session Ended::LOST,
+            Err(CodecError::Stream(_)) => break 'session Ended::LOST,
             Err(e) => {
                 refuse(conn, send, codec_error(&e)).await;
-                return Ended::LOST;
+                break 'session Ended::LOST;
             }
         };
         match msg {
@@ -572,7 +573,7 @@ async fn control_loop(
                     WireError::new(ErrorCode::ProtocolViolation, "hello sent twice"),
                 )
                 .await;
-                return Ended::LOST;
+                break 'session Ended::LOST;
             }
             ClientMsg::Pong { nonce } => {
                 if let Some(i) = waiting.iter().position(|(n, _)| *n == nonce) {
@@ -611,7 +612,7 @@ async fn control_loop(
                     Ok(_) => {}
                     Err(e) => {
                         refuse(conn, send, e).await;
-                        return Ended::LOST;
+                        break 'session Ended::LOST;
                     }
                 }
             }
@@ -625,11 +626,12 @@ async fn control_loop(
                     Ok(()) => shared.submit_publish(session, &ops, None).await,
                     Err(e) => Err(e),
                 };
+                let stop = stop.clone();
                 publishing.push_back(match submitted {
                     Ok(p) => Box::pin(async move {
                         ServerMsg::Response {
                             id,
-                            result: published(shared, p, ack).await,
+                            result: published(shared, p, ack, stop).await,
                         }
                     }),
                     Err(e) => Box::pin(std::future::ready(ServerMsg::Response {
@@ -643,7 +645,7 @@ async fn control_loop(
                 // after them.
                 while let Some(answer) = publishing.pop_front() {
                     if codec::write_frame(send, &answer.await).await.is_err() {
-                        return Ended::LOST;
+                        break 'session Ended::LOST;
                     }
                 }
                 let close = match &body {
@@ -657,17 +659,24 @@ async fn control_loop(
                 let answer = ServerMsg::Response { id, result };
                 if let Some(keepalive) = close {
                     // Answered once the session has ended (see `Ended::close_answer`).
-                    return Ended {
+                    break 'session Ended {
                         keepalive,
                         close_answer: Some(answer),
                     };
                 }
                 if codec::write_frame(send, &answer).await.is_err() {
-                    return Ended::LOST;
+                    break 'session Ended::LOST;
                 }
             }
         }
+    };
+    // Publishes taken before the end still finish (committed, counted, the clients of queues
+    // they dropped told), without waiting for copies: there is nobody left to answer.
+    let _ = stop_tx.send(true);
+    for answer in publishing {
+        answer.await;
     }
+    ended
 }
 
 /// Answers of a session's publishes, submitted in request order and awaiting their commit
@@ -688,15 +697,19 @@ async fn first_answer(publishing: &mut Answering<'_>) -> ServerMsg {
 }
 
 /// The answer of a submitted publish: once committed, and with `ack: replicated` once every
-/// matching queue's copies hold it.
+/// matching queue's copies hold it (or once `stop` says the answer is no longer wanted).
 async fn published(
     shared: &Arc<Shared>,
     submitted: super::Submitted<'_>,
     ack: PublishAck,
+    mut stop: watch::Receiver<bool>,
 ) -> Result<ResponseBody, WireError> {
     let receipt = shared.finish_publish(submitted).await?;
     if ack == PublishAck::Replicated {
-        shared.wait_replicated(&receipt).await?;
+        tokio::select! {
+            copied = shared.wait_replicated(&receipt) => copied?,
+            _ = stop.wait_for(|stop| *stop) => {}
+        }
     }
     Ok(ResponseBody::Published {
         count: receipt.count,
@@ -787,8 +800,10 @@ async fn request(
             Ok(ResponseBody::ReplayRate { events_per_s })
         }
         RequestBody::Publish { ops, ack } => {
+            // (The control loop takes publishes itself; this is what it does, unpipelined.)
             let submitted = shared.submit_publish(session, &ops, None).await?;
-            published(shared, submitted, ack).await
+            let (_never, stop) = watch::channel(false);
+            published(shared, submitted, ack, stop).await
         }
         RequestBody::Get { region, key } => Ok(ResponseBody::Value {
             value: shared.get(&region, &key)?,
