@@ -252,6 +252,10 @@ async fn away_queues_placed_on_one_node_are_handed_over_to_the_others() {
         if d.server_addr() != c.node(0).addr() {
             redirected += 1;
         }
+        // Attached, the queue no longer moves: its client is on its primary. (Rebalancing may
+        // still have been moving queues off node 0 when the counts were taken.)
+        let primary = cluster.placement(id).expect("placed").primary;
+        assert_eq!(d.server_addr(), c.node(c.index_of(primary)).addr(), "{id}");
         // The acks reached the node that took the queue over.
         assert_eq!(
             (d.queue_status(), d.pending()),
@@ -282,7 +286,7 @@ async fn away_queues_placed_on_one_node_are_handed_over_to_the_others() {
         assert_eq!(got, want, "{id}");
         d.close(false).await.unwrap();
     }
-    assert_eq!(redirected, QUEUES - counts[0], "{counts:?}");
+    assert!(redirected >= QUEUES - counts[0], "{redirected} {counts:?}");
     c.shutdown().await;
 }
 
