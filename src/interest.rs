@@ -3,15 +3,18 @@
 //!
 //! A registration is identified by `(region, Selector)`; a key list is normalised into one
 //! [`Selector::Key`] per key, so registering the same thing twice is idempotent and
-//! unregistering one key of a list works. Regexes match the whole key and are compiled once
-//! per distinct source per region, with the `regex` crate's size limits.
+//! unregistering one key of a list works. Regexes match the whole key, with the `regex` crate's
+//! size limits; a region's distinct regexes are matched together by one `RegexSet`.
 
 use std::collections::{BTreeMap, HashMap};
 
-use regex::{Regex, RegexBuilder};
+use regex::{Regex, RegexBuilder, RegexSet, RegexSetBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::limits::{KEY_BYTES_MAX, REGEX_COMPILED_BYTES_MAX, REGEX_SOURCE_BYTES_MAX};
+use crate::limits::{
+    KEY_BYTES_MAX, REGEX_COMPILED_BYTES_MAX, REGEX_SET_CHANGES_MIN, REGEX_SET_DFA_BYTES_MAX,
+    REGEX_SOURCE_BYTES_MAX,
+};
 use crate::protocol::{InterestInfo, InterestSpec};
 use tether_storage::QueueId;
 
@@ -93,11 +96,16 @@ pub fn compile_regex(source: &str) -> Result<Regex, String> {
             source.len()
         ));
     }
-    RegexBuilder::new(&format!("^(?:{source})$"))
+    RegexBuilder::new(&anchored(source))
         .size_limit(REGEX_COMPILED_BYTES_MAX)
         .dfa_size_limit(REGEX_COMPILED_BYTES_MAX)
         .build()
         .map_err(|e| format!("invalid regex {source:?}: {e}"))
+}
+
+/// A regex source anchored to match the whole key.
+fn anchored(source: &str) -> String {
+    format!("^(?:{source})$")
 }
 
 /// How one queue registered one selector.
@@ -171,10 +179,165 @@ impl Interests {
     }
 }
 
+/// A region's distinct interest regexes, each with its queues. Most are matched together by
+/// one [`RegexSet`] (one pass of a lazy DFA over the key instead of one per regex: at 1,000
+/// regexes with a literal prefix, the publish rate of BENCHMARKS.md's regex phase); the few
+/// registered since the set was built are matched one by one. The set is rebuilt when those,
+/// plus the removed regexes it still holds, pass [`REGEX_SET_CHANGES_MIN`] or an eighth of the
+/// set: rebuilding is paid by the registrations that call for it, a few regex compilations
+/// each, and registering and removing the same regex again and again rebuilds nothing.
+#[derive(Default)]
+struct RegexIndex {
+    /// Every source registered, by slot; a slot with no queues is free, dropped at the next
+    /// rebuild (or taken again by the same source).
+    slots: Vec<RegexSlot>,
+    by_source: HashMap<String, usize>,
+    /// Matches the sources of `slots[..set_len]` (pattern i is slot i).
+    set: Option<RegexSet>,
+    set_len: usize,
+    /// The slots from `set_len` on, each compiled alone.
+    fresh: Vec<Regex>,
+    /// Free slots below `set_len`.
+    stale: usize,
+}
+
+struct RegexSlot {
+    source: String,
+    queues: BTreeMap<QueueId, bool>,
+}
+
+impl RegexIndex {
+    /// Distinct regexes with queues.
+    fn len(&self) -> usize {
+        self.by_source.len() - self.stale
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn contains(&self, source: &str) -> bool {
+        self.by_source
+            .get(source)
+            .is_some_and(|&i| !self.slots[i].queues.is_empty())
+    }
+
+    /// Adds or updates `queue`'s registration of `source` (validated by the caller).
+    fn insert(&mut self, source: &str, queue: QueueId, receive_values: bool) {
+        if let Some(&i) = self.by_source.get(source) {
+            let slot = &mut self.slots[i];
+            if slot.queues.is_empty() {
+                // A free slot of the set, taken again.
+                self.stale -= 1;
+            }
+            slot.queues.insert(queue, receive_values);
+            return;
+        }
+        let Ok(re) = compile_regex(source) else {
+            return;
+        };
+        self.by_source.insert(source.to_string(), self.slots.len());
+        self.slots.push(RegexSlot {
+            source: source.to_string(),
+            queues: BTreeMap::from([(queue, receive_values)]),
+        });
+        self.fresh.push(re);
+        self.rebuild_if_due();
+    }
+
+    fn remove(&mut self, source: &str, queue: QueueId) {
+        let Some(&i) = self.by_source.get(source) else {
+            return;
+        };
+        let slot = &mut self.slots[i];
+        if slot.queues.remove(&queue).is_none() || !slot.queues.is_empty() {
+            return;
+        }
+        if i < self.set_len {
+            // Still a pattern of the set: free until the next rebuild.
+            self.stale += 1;
+        } else {
+            // Only fresh slots follow a fresh one: the set's patterns keep their slots.
+            self.by_source.remove(source);
+            self.slots.remove(i);
+            self.fresh.remove(i - self.set_len);
+            for j in self.by_source.values_mut() {
+                if *j > i {
+                    *j -= 1;
+                }
+            }
+        }
+        if self.is_empty() {
+            *self = RegexIndex::default();
+        } else {
+            self.rebuild_if_due();
+        }
+    }
+
+    fn rebuild_if_due(&mut self) {
+        if self.fresh.len() + self.stale > REGEX_SET_CHANGES_MIN.max(self.set_len / 8) {
+            self.rebuild();
+        }
+    }
+
+    /// One set of every regex with queues.
+    fn rebuild(&mut self) {
+        self.slots.retain(|s| !s.queues.is_empty());
+        let built = RegexSetBuilder::new(self.slots.iter().map(|s| anchored(&s.source)))
+            // Each pattern compiled alone within REGEX_COMPILED_BYTES_MAX.
+            .size_limit(REGEX_COMPILED_BYTES_MAX.saturating_mul(self.slots.len() + 1))
+            .dfa_size_limit(REGEX_SET_DFA_BYTES_MAX)
+            .build();
+        match built {
+            Ok(set) => {
+                self.set = Some(set);
+                self.set_len = self.slots.len();
+                self.fresh = Vec::new();
+            }
+            Err(e) => {
+                // Not expected (each compiled alone): match them one by one.
+                tracing::warn!(error = %e, regexes = self.slots.len(), "interest regexes not built into one set");
+                let mut fresh = Vec::new();
+                self.slots.retain(|s| match compile_regex(&s.source) {
+                    Ok(re) => {
+                        fresh.push(re);
+                        true
+                    }
+                    Err(_) => false,
+                });
+                self.set = None;
+                self.set_len = 0;
+                self.fresh = fresh;
+            }
+        }
+        self.by_source = self
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.source.clone(), i))
+            .collect();
+        self.stale = 0;
+    }
+
+    /// Hands the queues of every regex matching `key` to `add` (a free slot's are empty).
+    fn matches(&self, key: &str, add: &mut impl FnMut(&BTreeMap<QueueId, bool>)) {
+        if let Some(set) = &self.set {
+            for i in set.matches(key).iter() {
+                add(&self.slots[i].queues);
+            }
+        }
+        for (re, slot) in self.fresh.iter().zip(&self.slots[self.set_len..]) {
+            if re.is_match(key) {
+                add(&slot.queues);
+            }
+        }
+    }
+}
+
 #[derive(Default)]
 struct RegionIndex {
     keys: HashMap<String, BTreeMap<QueueId, bool>>,
-    regexes: HashMap<String, (Regex, BTreeMap<QueueId, bool>)>,
+    regexes: RegexIndex,
     all: BTreeMap<QueueId, bool>,
 }
 
@@ -207,14 +370,7 @@ impl InterestIndex {
                     .or_default()
                     .insert(queue, receive_values);
             }
-            Selector::Regex(src) => {
-                if let Some((_, queues)) = idx.regexes.get_mut(src) {
-                    queues.insert(queue, receive_values);
-                } else if let Ok(re) = compile_regex(src) {
-                    idx.regexes
-                        .insert(src.clone(), (re, BTreeMap::from([(queue, receive_values)])));
-                }
-            }
+            Selector::Regex(src) => idx.regexes.insert(src, queue, receive_values),
             Selector::All => {
                 idx.all.insert(queue, receive_values);
             }
@@ -235,14 +391,7 @@ impl InterestIndex {
                     }
                 }
             }
-            Selector::Regex(src) => {
-                if let Some((_, q)) = idx.regexes.get_mut(src) {
-                    q.remove(&queue);
-                    if q.is_empty() {
-                        idx.regexes.remove(src);
-                    }
-                }
-            }
+            Selector::Regex(src) => idx.regexes.remove(src, queue),
             Selector::All => {
                 idx.all.remove(&queue);
             }
@@ -269,11 +418,19 @@ impl InterestIndex {
         if let Some(q) = idx.keys.get(key) {
             add(q);
         }
-        for (re, q) in idx.regexes.values() {
-            if re.is_match(key) {
-                add(q);
-            }
-        }
+        idx.regexes.matches(key, &mut add);
+    }
+
+    /// Distinct regexes registered in `region`.
+    pub fn regex_count(&self, region: &str) -> usize {
+        self.regions.get(region).map_or(0, |idx| idx.regexes.len())
+    }
+
+    /// Whether `source` is registered in `region` (by any queue).
+    pub fn has_regex(&self, region: &str, source: &str) -> bool {
+        self.regions
+            .get(region)
+            .is_some_and(|idx| idx.regexes.contains(source))
     }
 }
 
@@ -342,6 +499,97 @@ mod tests {
                 .prop_map(|s| Selector::Regex(s.to_string())),
             Just(Selector::All),
         ]
+    }
+
+    /// Many distinct regexes, added and removed in turns: the set is rebuilt, its free slots
+    /// taken again, and the index always answers as each regex alone would.
+    #[test]
+    fn a_regex_set_through_rebuilds_answers_as_each_regex_alone() {
+        use std::collections::BTreeSet;
+        let mut idx = InterestIndex::default();
+        let source = |n: u64| format!("k{n}-.*");
+        // Regex n → the queues holding it.
+        let mut live: BTreeMap<u64, BTreeSet<QueueId>> = BTreeMap::new();
+        let mut out = BTreeMap::new();
+        let mut check = |idx: &InterestIndex, live: &BTreeMap<u64, BTreeSet<QueueId>>| {
+            for n in 0..300 {
+                idx.matches("R", &format!("k{n}-x"), &mut out);
+                let want: BTreeMap<QueueId, bool> = live
+                    .get(&n)
+                    .into_iter()
+                    .flatten()
+                    .map(|&q| (q, true))
+                    .collect();
+                assert_eq!(out, want, "key k{n}-x");
+            }
+        };
+        for round in 0..3u64 {
+            for n in 0..300 {
+                if (n + round) % 3 != 0 {
+                    idx.insert("R", &Selector::Regex(source(n)), n + round, true);
+                    live.entry(n).or_default().insert(n + round);
+                }
+            }
+            assert_eq!(idx.regex_count("R"), live.len());
+            check(&idx, &live);
+            for n in 0..300 {
+                if n % (round + 2) == 0
+                    && let Some(queues) = live.remove(&n)
+                {
+                    for q in queues {
+                        idx.remove("R", &Selector::Regex(source(n)), q);
+                    }
+                }
+            }
+            assert_eq!(idx.regex_count("R"), live.len());
+            assert!(live.keys().all(|&n| idx.has_regex("R", &source(n))));
+            assert!(!idx.has_regex("R", &source(0)));
+            check(&idx, &live);
+        }
+        for (n, queues) in std::mem::take(&mut live) {
+            for q in queues {
+                idx.remove("R", &Selector::Regex(source(n)), q);
+            }
+        }
+        assert_eq!(idx.regex_count("R"), 0);
+        assert!(idx.regions.is_empty(), "an empty region is forgotten");
+    }
+
+    fn many_regexes() -> impl Strategy<Value = Selector> {
+        (0u8..80).prop_map(|n| Selector::Regex(format!("[ab]{{0,2}}{}?(?:x{{{}}})?", n % 3, n)))
+    }
+
+    proptest! {
+        /// With many distinct regexes (set rebuilds, fresh and free slots), the index answers
+        /// exactly what a brute-force scan answers.
+        #[test]
+        fn many_regexes_agree_with_brute_force(
+            ops in proptest::collection::vec((any::<bool>(), 0u64..6, many_regexes(), any::<bool>()), 0..300),
+            keys in proptest::collection::vec("[ab]{0,2}[0-2]?", 1..10),
+        ) {
+            let mut idx = InterestIndex::default();
+            let mut model: BTreeMap<(QueueId, Selector), bool> = BTreeMap::new();
+            for (insert, q, sel, values) in ops {
+                if insert {
+                    idx.insert("R", &sel, q, values);
+                    model.insert((q, sel), values);
+                } else {
+                    idx.remove("R", &sel, q);
+                    model.remove(&(q, sel));
+                }
+            }
+            let mut out = BTreeMap::new();
+            for key in &keys {
+                idx.matches("R", key, &mut out);
+                let mut expect: BTreeMap<QueueId, bool> = BTreeMap::new();
+                for ((q, sel), values) in &model {
+                    if sel.matches(key) {
+                        *expect.entry(*q).or_insert(false) |= *values;
+                    }
+                }
+                prop_assert_eq!(&out, &expect);
+            }
+        }
     }
 
     proptest! {

@@ -24,6 +24,15 @@ pub const HELLO_BYTES_MAX: usize = 16 * 1024;
 pub const REGEX_SOURCE_BYTES_MAX: usize = 1024;
 /// Size limit handed to the `regex` crate for one compiled interest regex, in bytes.
 pub const REGEX_COMPILED_BYTES_MAX: usize = 256 * 1024;
+/// Distinct interest regexes one region may hold, over every queue: each is tried on every key
+/// published to the region.
+pub const REGEXES_PER_REGION_MAX: usize = 10_000;
+/// Regexes registered (or removed) in a region since its regex set was built that make it be
+/// built again, at the least (an eighth of the set, when more).
+pub const REGEX_SET_CHANGES_MIN: usize = 32;
+/// Cache a region's regex set may use for its lazy DFA, in bytes (grown as keys need it): less
+/// makes regexes that match anywhere in the key (`.*x.*`) slower together than one by one.
+pub const REGEX_SET_DFA_BYTES_MAX: usize = 32 * 1024 * 1024;
 /// Interest registrations one client queue may hold (each key of a key list counts once).
 pub const INTERESTS_PER_QUEUE_MAX: usize = 10_000;
 /// Bytes of interest one client queue may hold: region names plus keys or regex sources, each
@@ -75,6 +84,17 @@ pub const FORWARD_GAP_WAIT_MS: u64 = 2_000;
 /// their commit, or their copies under `ack: replicated`); the connection's next frame is read
 /// once the oldest is answered.
 pub const PUBLISHES_IN_FLIGHT_MAX: usize = 64;
+/// Bytes of keys and values in one part of an initial image sent in parts (a part holds at
+/// least one entry, so it may pass this by one entry).
+pub const INITIAL_IMAGE_PART_BYTES_MAX: usize = 1024 * 1024;
+/// Parts of an initial image read ahead of the connection's writes.
+pub const INITIAL_IMAGE_PARTS_AHEAD: usize = 2;
+/// Bytes an initial image answered in one frame may hold (clients that do not take parts),
+/// counted as for a part: the frame limit less room for the answer's envelope.
+pub const INITIAL_IMAGE_ONE_ANSWER_BYTES_MAX: usize = FRAME_BYTES_MAX - 4 * 1024;
+/// What one initial-image entry counts for beyond its key and value, in bytes: at least its
+/// CBOR encoding adds (map header, field names, string and byte-string headers).
+pub const INITIAL_IMAGE_ENTRY_OVERHEAD_BYTES: usize = 24;
 
 const _: () = {
     // A delivery frame holds bodies plus per-entry overhead; keep a wide margin below the
@@ -90,4 +110,12 @@ const _: () = {
             < HELLO_BYTES_MAX / 2
     );
     assert!(LIVENESS_PROBE_TIMEOUT_MS < HANDSHAKE_TIMEOUT_MS);
+    // A part of an initial image, passed by one largest entry, fits a frame with room.
+    assert!(
+        INITIAL_IMAGE_PART_BYTES_MAX
+            + KEY_BYTES_MAX
+            + VALUE_BYTES_MAX
+            + INITIAL_IMAGE_ENTRY_OVERHEAD_BYTES
+            < INITIAL_IMAGE_ONE_ANSWER_BYTES_MAX
+    );
 };

@@ -266,6 +266,7 @@ fn register(region: &str, interest: InterestSpec, durable: bool) -> RequestBody 
         durable,
         policy: ResultPolicy::KeysValues,
         receive_values: true,
+        image_in_parts: false,
     }
 }
 
@@ -826,6 +827,111 @@ async fn pipelined_publishes_are_answered_in_order() {
     assert_eq!(values, accepted, "puts delivered out of request order");
     sub.close(false).await.ok();
     w.still_served(&n, "after-pipelined-publishes").await;
+    w.finish(&n).await;
+}
+
+/// An initial image larger than a frame (issue 22 point 6; it used to drop the connection
+/// with an empty close reason). A client taking the image in parts (the library) gets all of
+/// it, in key order with its values, then live events. A client that does not (a raw
+/// registration without `image_in_parts`) gets `limit-exceeded` before anything is registered,
+/// on a connection that stays usable, and a small image still comes in one answer.
+#[tokio::test]
+async fn an_initial_image_larger_than_a_frame_comes_in_parts() {
+    const KEYS: usize = 40_000;
+    const VALUE_BYTES: usize = 300;
+    let n = TestNode::start().await;
+    let mut w = Watcher::start(&n).await;
+    let value = |i: usize| {
+        let mut v = format!("{i:06}").into_bytes();
+        v.resize(VALUE_BYTES, b'.');
+        v
+    };
+    let key = |i: usize| format!("k{i:06}");
+    let publisher = n.plain().await;
+    for chunk in (0..KEYS).collect::<Vec<_>>().chunks(2_000) {
+        let ops = chunk
+            .iter()
+            .map(|&i| put(OTHER, &key(i), &value(i)))
+            .collect();
+        timeout(STEP, publisher.publish(ops))
+            .await
+            .expect("publish timed out")
+            .expect("publish");
+    }
+    assert!(KEYS * (key(0).len() + VALUE_BYTES) > FRAME_BYTES_MAX);
+
+    let sub = n.plain().await;
+    let image = timeout(STEP, sub.region(OTHER).register(Interest::all_keys()))
+        .await
+        .expect("register timed out")
+        .expect("register");
+    assert_eq!(image.len(), KEYS);
+    for (i, e) in image.iter().enumerate() {
+        assert_eq!(e.key, key(i), "image out of key order");
+        assert_eq!(
+            e.value.as_deref(),
+            Some(&value(i)[..]),
+            "value of {}",
+            e.key
+        );
+    }
+    // The same through a regex, keys only (one part) and with values (parts).
+    let odd = timeout(
+        STEP,
+        sub.region(OTHER)
+            .register(Interest::regex("k[0-9]{5}[13579]").policy(ResultPolicy::KeysValues)),
+    )
+    .await
+    .expect("register timed out")
+    .expect("register regex");
+    assert_eq!(odd.len(), KEYS / 2);
+    assert!(
+        odd.iter()
+            .all(|e| e.value.as_ref().is_some_and(|v| v.len() == VALUE_BYTES))
+    );
+    let mut events = sub.events().expect("events");
+    timeout(STEP, publisher.publish(vec![put(OTHER, "after", b"live")]))
+        .await
+        .expect("publish timed out")
+        .expect("publish");
+    let got = take_events(&mut events, 1).await;
+    assert_eq!(keys(&got), ["after"]);
+
+    // Without image_in_parts: refused, nothing registered.
+    let in_other = |r: &Result<ResponseBody, WireError>| match r {
+        Ok(ResponseBody::Queues { queues }) => queues
+            .iter()
+            .filter(|q| q.interests.iter().any(|i| i.region == OTHER))
+            .count(),
+        other => panic!("expected the queue listing, got {other:?}"),
+    };
+    let mut raw = Raw::hello(&n, None).await;
+    raw.bad_request(
+        1,
+        register(OTHER, InterestSpec::AllKeys, false),
+        ErrorCode::LimitExceeded,
+        "exceeds one answer",
+    )
+    .await;
+    assert_eq!(in_other(&raw.request(2, RequestBody::ListQueues).await), 1);
+    // A small image still comes whole in one answer.
+    let one = raw
+        .request(3, register(OTHER, InterestSpec::Key(key(7)), false))
+        .await;
+    match one {
+        Ok(ResponseBody::Registered {
+            initial,
+            more: false,
+        }) => {
+            assert_eq!(initial.len(), 1);
+            assert_eq!(initial[0].value.as_deref(), Some(&value(7)[..]));
+        }
+        other => panic!("expected a one-part image, got {other:?}"),
+    }
+    assert_eq!(in_other(&raw.request(4, RequestBody::ListQueues).await), 2);
+    sub.close(false).await.ok();
+    publisher.close(false).await.ok();
+    w.still_served(&n, "after-large-image").await;
     w.finish(&n).await;
 }
 

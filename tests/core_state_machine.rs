@@ -388,6 +388,69 @@ proptest! {
     }
 }
 
+/// A region holds at most REGEXES_PER_REGION_MAX distinct regexes over every queue (each is
+/// tried on every key published there, under the core lock); a regex it already holds may
+/// still be registered by another queue, and another region has its own budget.
+#[test]
+fn distinct_regexes_per_region_are_bounded() {
+    use tether::limits::REGEXES_PER_REGION_MAX;
+    let mut sim = Sim::new();
+    let (a, _, _) = sim.connect(Some("regexes-a"), 60);
+    let (b, _, _) = sim.connect(Some("regexes-b"), 60);
+    let regex = |n: usize| InterestSpec::Regex(format!("r{n}-[0-9]+"));
+    let half = REGEXES_PER_REGION_MAX / 2;
+    for n in 0..REGEXES_PER_REGION_MAX {
+        let s = if n < half { a } else { b };
+        let (_, batch) = sim.core.register(s, "R", &regex(n), true, true).unwrap();
+        sim.apply(batch);
+    }
+    let refused = sim
+        .core
+        .register(b, "R", &regex(REGEXES_PER_REGION_MAX), true, true)
+        .unwrap_err();
+    assert_eq!(refused.code, tether::protocol::ErrorCode::LimitExceeded);
+    assert!(
+        refused.message.contains("distinct interest regexes"),
+        "{refused:?}"
+    );
+    // One the region holds: accepted.
+    let (_, batch) = sim.core.register(b, "R", &regex(0), true, true).unwrap();
+    sim.apply(batch);
+    // Another region has its own budget.
+    let (_, batch) = sim
+        .core
+        .register(b, "S", &regex(REGEXES_PER_REGION_MAX), true, true)
+        .unwrap();
+    sim.apply(batch);
+    // A removed regex makes room.
+    let (removed, batch) = sim.core.unregister(a, "R", &regex(1)).unwrap();
+    assert!(removed);
+    sim.apply(batch);
+    let (_, batch) = sim
+        .core
+        .register(b, "R", &regex(REGEXES_PER_REGION_MAX), true, true)
+        .unwrap();
+    sim.apply(batch);
+    // Every regex still matches its keys and only them.
+    let (publisher, _, _) = sim.connect(None, 0);
+    for n in [
+        0,
+        1,
+        2,
+        half,
+        REGEXES_PER_REGION_MAX - 1,
+        REGEXES_PER_REGION_MAX,
+    ] {
+        let key = format!("r{n}-7");
+        let want = match n {
+            0 => 2,
+            1 => 0,
+            _ => 1,
+        };
+        assert_eq!(sim.put(publisher, "R", &key), want, "queues matching {key}");
+    }
+}
+
 /// A queue's interest is bounded in bytes as well as in count: it travels with every
 /// replication message of the queue, which must fit a peer message.
 #[test]

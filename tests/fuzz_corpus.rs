@@ -450,6 +450,7 @@ fn request_frames() -> Vec<Vec<u8>> {
             durable: true,
             policy: ResultPolicy::KeysValues,
             receive_values: false,
+            image_in_parts: true,
         },
         RequestBody::RegisterInterest {
             region: String::new(),
@@ -457,6 +458,7 @@ fn request_frames() -> Vec<Vec<u8>> {
             durable: false,
             policy: ResultPolicy::None,
             receive_values: true,
+            image_in_parts: false,
         },
         RequestBody::UnregisterInterest {
             region: "R".into(),

@@ -52,9 +52,10 @@ impl Store for FaultyStore {
     fn region_scan(
         &self,
         region: &str,
-        visit: &mut dyn FnMut(&str, &[u8]),
+        after: Option<&str>,
+        visit: &mut dyn FnMut(&str, &[u8]) -> std::ops::ControlFlow<()>,
     ) -> Result<(), StorageError> {
-        self.inner.region_scan(region, visit)
+        self.inner.region_scan(region, after, visit)
     }
     fn state_get(&self, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
         self.inner.state_get(key)

@@ -25,6 +25,11 @@
 //!   128,1024): reconnect → status, ready → first event, ready → live, resident memory;
 //! - publish throughput with fan-out to TETHER_BENCH_FANOUT durable queues (default 1,10,1000;
 //!   TETHER_BENCH_FANOUT_EVENTS events, default 100,000, fewer beyond ten queues);
+//! - publish throughput with TETHER_BENCH_REGEXES distinct interest regexes (default 1,000; 0
+//!   skips) registered in the published region by ten durable queues, none matching (the cost
+//!   of matching alone), for each form in TETHER_BENCH_REGEX_SHAPES (default prefix,contains),
+//!   against the same queues with no regex (`regexes.rs`; TETHER_BENCH_REGEX_EVENTS events,
+//!   default 20,000);
 //! - TETHER_BENCH_IDLE_QUEUES idle durable queues (default 100,000) on a server process of
 //!   their own: resident memory per queue, live and recovered after kill -9;
 //! - memory per connection (`connections.rs`): TETHER_BENCH_CONN_CLIENTS durable clients
@@ -50,6 +55,7 @@ mod idle;
 mod matrix;
 mod plot;
 mod progress;
+mod regexes;
 
 use common::rss_kb;
 use std::path::Path;
@@ -284,6 +290,26 @@ async fn main() {
             .clamp(PUBLISH_BATCH_OPS as u64, fanout_events.max(1));
         fanouts.push(fanout::run(dir.path(), queues, events, size).await);
     }
+    let regex_count = env_u64("TETHER_BENCH_REGEXES", 1_000);
+    let regex_events = env_u64("TETHER_BENCH_REGEX_EVENTS", 20_000).max(1);
+    let mut regex_runs = Vec::new();
+    if regex_count > 0 {
+        let shapes =
+            std::env::var("TETHER_BENCH_REGEX_SHAPES").unwrap_or_else(|_| "prefix,contains".into());
+        let shapes: Vec<regexes::Shape> = shapes
+            .split(',')
+            .map(|s| {
+                regexes::Shape::parse(s.trim())
+                    .unwrap_or_else(|| panic!("TETHER_BENCH_REGEX_SHAPES: unknown form {s:?}"))
+            })
+            .collect();
+        if let Some(&first) = shapes.first() {
+            regex_runs.push(regexes::run(dir.path(), first, 0, regex_events, size).await);
+        }
+        for shape in shapes {
+            regex_runs.push(regexes::run(dir.path(), shape, regex_count, regex_events, size).await);
+        }
+    }
     let conn_clients = env_u64("TETHER_BENCH_CONN_CLIENTS", 1_000) as usize;
     let conns = if conn_clients > 0 {
         let stalled = env_u64("TETHER_BENCH_CONN_STALLED", 100) as usize;
@@ -392,6 +418,22 @@ async fn main() {
             );
         }
         println!("# rss: the whole process (node and client) before the replay, and its peak");
+    }
+    if !regex_runs.is_empty() {
+        println!();
+        println!(
+            "{:<30} {:>10} {:>14} {:>14}",
+            "publish with interest regexes", "events", "events/s", "register ms"
+        );
+        for r in &regex_runs {
+            println!(
+                "{:<30} {:>10} {:>14.0} {:>14.0}",
+                format!("{} regexes ({})", r.regexes, r.shape.label()),
+                r.events,
+                r.events_per_s(),
+                r.register.as_secs_f64() * 1e3
+            );
+        }
     }
     if !fanouts.is_empty() {
         println!();
@@ -540,6 +582,32 @@ async fn main() {
                 hi.label(),
                 lo.label(),
                 growth(hi) as f64 / growth(lo) as f64
+            );
+        }
+    }
+    if let Some((none, rest)) = regex_runs.split_first() {
+        println!(
+            "publish_regexes_none_events_per_s={:.0}",
+            none.events_per_s()
+        );
+        for r in rest {
+            println!(
+                "publish_regexes_{}_{}_events_per_s={:.0}",
+                r.regexes,
+                r.shape.label(),
+                r.events_per_s()
+            );
+            println!(
+                "publish_regexes_{}_{}_vs_none={:.3}",
+                r.regexes,
+                r.shape.label(),
+                r.events_per_s() / none.events_per_s()
+            );
+            println!(
+                "regex_register_{}_{}_ms={:.0}",
+                r.regexes,
+                r.shape.label(),
+                r.register.as_secs_f64() * 1e3
             );
         }
     }

@@ -724,7 +724,7 @@ pub(crate) async fn resolve_server(
 
 struct Inner {
     send: AsyncMutex<quinn::SendStream>,
-    pending: Mutex<HashMap<u64, oneshot::Sender<Result<ResponseBody, WireError>>>>,
+    pending: Mutex<HashMap<u64, Waiter>>,
     next_id: AtomicU64,
     /// Processed through, as this session saw it (dropped redeliveries included).
     processed: AtomicU64,
@@ -735,6 +735,38 @@ struct Inner {
     /// What this process processed of the queue, over every session (manual acks, a
     /// checkpoint, earlier sessions).
     dedup: DedupState,
+}
+
+/// A request waiting for its answer.
+struct Waiter {
+    tx: oneshot::Sender<Result<ResponseBody, WireError>>,
+    /// The parts of an initial image received so far (answers with `more` set).
+    image: Vec<InitialEntry>,
+}
+
+impl Waiter {
+    /// Takes one answer: `Some` once the request is answered in full.
+    fn take(
+        &mut self,
+        result: Result<ResponseBody, WireError>,
+    ) -> Option<Result<ResponseBody, WireError>> {
+        match result {
+            Ok(ResponseBody::Registered { mut initial, more }) => {
+                if self.image.is_empty() {
+                    self.image = initial;
+                } else {
+                    self.image.append(&mut initial);
+                }
+                (!more).then(|| {
+                    Ok(ResponseBody::Registered {
+                        initial: std::mem::take(&mut self.image),
+                        more: false,
+                    })
+                })
+            }
+            other => Some(other),
+        }
+    }
 }
 
 impl Inner {
@@ -752,7 +784,13 @@ impl Inner {
         self.pending
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(id, tx);
+            .insert(
+                id,
+                Waiter {
+                    tx,
+                    image: Vec::new(),
+                },
+            );
         if let Err(e) = self.send(&ClientMsg::Request { id, body }).await {
             self.pending
                 .lock()
@@ -800,13 +838,12 @@ async fn control_task(inner: Arc<Inner>, mut reader: FrameReader) {
     loop {
         match reader.next::<ServerMsg>().await {
             Ok(Some(ServerMsg::Response { id, result })) => {
-                if let Some(tx) = inner
-                    .pending
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .remove(&id)
+                let mut pending = inner.pending.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(waiter) = pending.get_mut(&id)
+                    && let Some(result) = waiter.take(result)
                 {
-                    let _ = tx.send(result);
+                    let waiter = pending.remove(&id).expect("just found");
+                    let _ = waiter.tx.send(result);
                 }
             }
             Ok(Some(ServerMsg::Ping { nonce })) => {
@@ -822,8 +859,8 @@ async fn control_task(inner: Arc<Inner>, mut reader: FrameReader) {
                     .unwrap_or_else(|p| p.into_inner())
                     .drain()
                     .collect();
-                for (_, tx) in waiting {
-                    let _ = tx.send(Err(e.clone()));
+                for (_, waiter) in waiting {
+                    let _ = waiter.tx.send(Err(e.clone()));
                 }
             }
             Ok(Some(ServerMsg::Welcome { .. } | ServerMsg::Redirect { .. }))
@@ -1283,9 +1320,10 @@ impl Region<'_> {
             durable: interest.durable.unwrap_or(self.client.durable),
             policy: interest.policy,
             receive_values: interest.receive_values,
+            image_in_parts: true,
         };
         match self.client.inner.call(body).await? {
-            ResponseBody::Registered { initial } => Ok(initial),
+            ResponseBody::Registered { initial, .. } => Ok(initial),
             other => Err(unexpected(other)),
         }
     }

@@ -215,7 +215,8 @@ pub enum ClientMsg {
     },
 }
 
-/// Requests; each gets one [`ServerMsg::Response`] with the same id.
+/// Requests; each gets one [`ServerMsg::Response`] with the same id (a registration taking its
+/// initial image in parts may get several).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum RequestBody {
@@ -225,6 +226,11 @@ pub enum RequestBody {
         durable: bool,
         policy: ResultPolicy,
         receive_values: bool,
+        /// The client takes the initial image in parts: several [`ResponseBody::Registered`]
+        /// answers with this request's id, each but the last with `more` set. Without it, an
+        /// image larger than one frame is refused (`limit-exceeded`) and nothing is registered.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        image_in_parts: bool,
     },
     UnregisterInterest {
         region: String,
@@ -459,8 +465,13 @@ pub struct CopyLag {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum ResponseBody {
+    /// The initial image, or one part of it (see `image_in_parts`): the keys come in key
+    /// order for a scan, in the registration's order for a key list.
     Registered {
         initial: Vec<InitialEntry>,
+        /// More parts of this image follow, with the same request id.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        more: bool,
     },
     Unregistered {
         removed: bool,

@@ -195,6 +195,7 @@ fn register(id: u64, interest: InterestSpec, durable: bool, policy: ResultPolicy
             durable,
             policy,
             receive_values: policy != ResultPolicy::Keys,
+            image_in_parts: false,
         },
     )
 }
@@ -291,6 +292,21 @@ fn vectors() -> Vec<Vector> {
             "request-register-interest-all-keys",
             "Durable interest in every key of the region: all-keys is a unit variant, a bare text string.",
             register(4, InterestSpec::AllKeys, true, ResultPolicy::KeysValues),
+        ),
+        v(
+            "request-register-interest-image-in-parts",
+            "Durable interest in every key, taking the initial image in parts: several registered answers with id 4, each but the last with more set. The field is left out when false.",
+            request(
+                4,
+                RequestBody::RegisterInterest {
+                    region: s(REGION),
+                    interest: InterestSpec::AllKeys,
+                    durable: true,
+                    policy: ResultPolicy::KeysValues,
+                    receive_values: true,
+                    image_in_parts: true,
+                },
+            ),
         ),
         v(
             "request-unregister-interest",
@@ -467,6 +483,21 @@ fn vectors() -> Vec<Vector> {
                             value: None,
                         },
                     ],
+                    more: false,
+                }),
+            ),
+        ),
+        v(
+            "response-registered-part",
+            "One part of an initial image taken in parts (request 4 set image_in_parts): more parts follow with the same id; the last has more false (left out).",
+            response(
+                4,
+                Ok(ResponseBody::Registered {
+                    initial: vec![InitialEntry {
+                        key: s("k1"),
+                        value: Some(b"v1".to_vec()),
+                    }],
+                    more: true,
                 }),
             ),
         ),

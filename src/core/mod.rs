@@ -1269,6 +1269,19 @@ impl NodeCore {
                 ),
             ));
         }
+        let new_regexes = fresh
+            .iter()
+            .filter(|sel| matches!(sel, Selector::Regex(src) if !self.index.has_regex(region, src)))
+            .count();
+        let regexes = self.index.regex_count(region);
+        if new_regexes > 0 && regexes + new_regexes > REGEXES_PER_REGION_MAX {
+            return Err(WireError::new(
+                ErrorCode::LimitExceeded,
+                format!(
+                    "region {region:?} holds {regexes} distinct interest regexes, the most a region may hold ({REGEXES_PER_REGION_MAX}): register one of those, or keys"
+                ),
+            ));
+        }
         let mut durable_changed = false;
         let reg = Registration {
             durable,

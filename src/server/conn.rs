@@ -17,7 +17,6 @@ use super::{SessionHandle, Shared, internal, now_ms};
 use crate::auth::{Access, Principal};
 use crate::core::pace::ReplayPacer;
 use crate::core::{ConnectError, FlagBounds, SessionId, Step};
-use crate::interest::Selector;
 use crate::limits::*;
 use crate::metrics as m;
 use crate::protocol::*;
@@ -653,6 +652,13 @@ async fn control_loop(
                     _ => None,
                 };
                 let result = match authorize(shared, principal, &body) {
+                    // A registration may write parts of its image ahead of its answer.
+                    Ok(()) if matches!(body, RequestBody::RegisterInterest { .. }) => {
+                        match super::image::register(shared, session, id, body, send).await {
+                            Some(result) => result,
+                            None => break 'session Ended::LOST,
+                        }
+                    }
                     Ok(()) => request(shared, session, body).await,
                     Err(e) => Err(e),
                 };
@@ -762,23 +768,9 @@ async fn request(
     body: RequestBody,
 ) -> Result<ResponseBody, WireError> {
     match body {
-        RequestBody::RegisterInterest {
-            region,
-            interest,
-            durable,
-            policy,
-            receive_values,
-        } => {
-            let selectors = shared
-                .apply(|core| core.register(session, &region, &interest, durable, receive_values))
-                .await?;
-            shared.wake(session);
-            if durable {
-                shared.wait_interest_copied(session).await?;
-            }
-            let initial = initial_image(shared, &region, &selectors, policy).await?;
-            Ok(ResponseBody::Registered { initial })
-        }
+        RequestBody::RegisterInterest { .. } | RequestBody::Publish { .. } => Err(internal(
+            "registrations and publishes are answered by the control loop",
+        )),
         RequestBody::UnregisterInterest { region, interest } => {
             let removed = shared
                 .apply(|core| core.unregister(session, &region, &interest))
@@ -798,12 +790,6 @@ async fn request(
             // A paced replay waiting for its next frame sees the new rate at once.
             shared.wake(session);
             Ok(ResponseBody::ReplayRate { events_per_s })
-        }
-        RequestBody::Publish { ops, ack } => {
-            // (The control loop takes publishes itself; this is what it does, unpipelined.)
-            let submitted = shared.submit_publish(session, &ops, None).await?;
-            let (_never, stop) = watch::channel(false);
-            published(shared, submitted, ack, stop).await
         }
         RequestBody::Get { region, key } => Ok(ResponseBody::Value {
             value: shared.get(&region, &key)?,
@@ -837,71 +823,6 @@ async fn request(
             Ok(ResponseBody::Closed { keepalive })
         }
     }
-}
-
-/// The initial image of a registration, read from the region store.
-async fn initial_image(
-    shared: &Arc<Shared>,
-    region: &str,
-    selectors: &[Selector],
-    policy: ResultPolicy,
-) -> Result<Vec<InitialEntry>, WireError> {
-    if policy == ResultPolicy::None {
-        return Ok(Vec::new());
-    }
-    let store = shared.store.clone();
-    let region = region.to_string();
-    let selectors = selectors.to_vec();
-    tokio::task::spawn_blocking(move || {
-        let mut out = Vec::new();
-        let mut push = |key: &str, stored: &[u8]| {
-            let value = match policy {
-                ResultPolicy::KeysValues => super::decode_region_value(stored).map(<[u8]>::to_vec),
-                _ => None,
-            };
-            out.push(InitialEntry {
-                key: key.to_string(),
-                value,
-            });
-        };
-        // One registration is a key list (point reads) or one regex / all keys (one scan).
-        let keys: Vec<&str> = selectors
-            .iter()
-            .filter_map(|s| {
-                if let Selector::Key(k) = s {
-                    Some(k.as_str())
-                } else {
-                    None
-                }
-            })
-            .collect();
-        if keys.len() == selectors.len() {
-            for k in keys {
-                if let Some(v) = store.region_get(&region, k).map_err(internal)? {
-                    push(k, &v);
-                }
-            }
-        } else {
-            let all = selectors.iter().any(|s| matches!(s, Selector::All));
-            let regexes: Vec<regex::Regex> = selectors
-                .iter()
-                .filter_map(|s| match s {
-                    Selector::Regex(r) => crate::interest::compile_regex(r).ok(),
-                    _ => None,
-                })
-                .collect();
-            store
-                .region_scan(&region, &mut |key, v| {
-                    if all || regexes.iter().any(|re| re.is_match(key)) {
-                        push(key, v);
-                    }
-                })
-                .map_err(internal)?;
-        }
-        Ok(out)
-    })
-    .await
-    .map_err(internal)?
 }
 
 /// Body bytes of a session's first delivery frame; each next frame doubles it up to

@@ -17,6 +17,7 @@ mod conn;
 mod copies;
 mod failover;
 mod forward;
+mod image;
 mod locks;
 mod placement;
 mod rebalance;

@@ -3,6 +3,8 @@
 //! Each `pub fn` takes a factory returning a fresh, empty store and panics (assert) on a
 //! deviation. [`run_all`] runs them all.
 
+use std::ops::ControlFlow;
+
 use crate::{Batch, Entry, Offset, QueueId, QueueMeta, Store};
 
 /// Factory of fresh, empty stores.
@@ -429,8 +431,11 @@ pub fn regions_isolated(make: MakeStore<'_>) {
     );
     let scan = |r: &str| {
         let mut v = Vec::new();
-        s.region_scan(r, &mut |k, val| v.push((k.to_owned(), val.to_vec())))
-            .unwrap();
+        s.region_scan(r, None, &mut |k, val| {
+            v.push((k.to_owned(), val.to_vec()));
+            ControlFlow::Continue(())
+        })
+        .unwrap();
         v
     };
     assert_eq!(
@@ -442,6 +447,34 @@ pub fn regions_isolated(make: MakeStore<'_>) {
         ]
     );
     assert_eq!(scan("ab"), vec![("k".to_owned(), b"ab".to_vec())]);
+    // A visit that breaks ends the scan there.
+    let mut seen = Vec::new();
+    s.region_scan("a", None, &mut |k, _| {
+        seen.push(k.to_owned());
+        if seen.len() == 2 {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    })
+    .unwrap();
+    assert_eq!(seen, ["bk", "k1"]);
+    // A scan resumes after a key, present or not, and stays in its region.
+    let after = |r: &str, key: &str| {
+        let mut v = Vec::new();
+        s.region_scan(r, Some(key), &mut |k, _| {
+            v.push(k.to_owned());
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        v
+    };
+    assert_eq!(after("a", "bk"), ["k1", "k2"]);
+    assert_eq!(after("a", "c"), ["k1", "k2"]);
+    assert_eq!(after("a", "k1"), ["k2"]);
+    assert!(after("a", "k2").is_empty());
+    assert_eq!(after("", ""), ["k"]);
+    assert!(after("ab", "k").is_empty());
     assert_eq!(scan(""), vec![("k".to_owned(), b"empty".to_vec())]);
     assert!(scan("c").is_empty());
     let mut b = Batch::new();
@@ -456,7 +489,10 @@ pub fn regions_isolated(make: MakeStore<'_>) {
     // Over-long region names are an error, not a panic.
     let long = "r".repeat(crate::MAX_REGION_NAME_BYTES + 1);
     assert!(s.region_get(&long, "k").is_err());
-    assert!(s.region_scan(&long, &mut |_, _| {}).is_err());
+    assert!(
+        s.region_scan(&long, None, &mut |_, _| ControlFlow::Continue(()))
+            .is_err()
+    );
     let max = "r".repeat(crate::MAX_REGION_NAME_BYTES);
     let mut b = Batch::new();
     b.region_put(&max, "k", b"v".to_vec());

@@ -41,6 +41,8 @@
 //! * Entries of a queue without metadata are stored and readable but not listed.
 //! * Stored records with a bad layout yield [`StorageError::Corrupt`], never a panic.
 
+use std::ops::ControlFlow;
+
 mod batch;
 pub mod conformance;
 mod error;
@@ -83,11 +85,13 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<usize, StorageError>;
     /// Value of `key` in `region`, None if absent.
     fn region_get(&self, region: &str, key: &str) -> Result<Option<Vec<u8>>, StorageError>;
-    /// Visits every key of a region in key (byte) order.
+    /// Visits the keys of a region in key (byte) order, from the first key after `after` (from
+    /// the first key when None), until `visit` breaks.
     fn region_scan(
         &self,
         region: &str,
-        visit: &mut dyn FnMut(&str, &[u8]),
+        after: Option<&str>,
+        visit: &mut dyn FnMut(&str, &[u8]) -> ControlFlow<()>,
     ) -> Result<(), StorageError>;
     /// Value of a node-state key, None if absent.
     fn state_get(&self, key: &str) -> Result<Option<Vec<u8>>, StorageError>;

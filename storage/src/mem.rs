@@ -1,6 +1,7 @@
 //! [`MemStore`]: the in-memory twin of [`crate::RocksStore`], with identical semantics.
 
 use std::collections::BTreeMap;
+use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::batch::Op;
@@ -200,20 +201,28 @@ impl Store for MemStore {
     fn region_scan(
         &self,
         region: &str,
-        visit: &mut dyn FnMut(&str, &[u8]),
+        after: Option<&str>,
+        visit: &mut dyn FnMut(&str, &[u8]) -> ControlFlow<()>,
     ) -> Result<(), StorageError> {
+        use std::ops::Bound;
         crate::keys::check_region(region)?;
+        let from = match after {
+            Some(key) => Bound::Excluded((region.to_owned(), key.to_owned())),
+            None => Bound::Included((region.to_owned(), String::new())),
+        };
         let items: Vec<(String, Vec<u8>)> = {
             let inner = self.lock()?;
             inner
                 .regions
-                .range((region.to_owned(), String::new())..)
+                .range((from, Bound::Unbounded))
                 .take_while(|((r, _), _)| r == region)
                 .map(|((_, k), v)| (k.clone(), v.clone()))
                 .collect()
         };
         for (k, v) in &items {
-            visit(k, v);
+            if visit(k, v).is_break() {
+                break;
+            }
         }
         Ok(())
     }

@@ -2,6 +2,7 @@
 //! described in the crate documentation.
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::path::Path;
 
 use rocksdb::{
@@ -410,16 +411,26 @@ impl Store for RocksStore {
     fn region_scan(
         &self,
         region: &str,
-        visit: &mut dyn FnMut(&str, &[u8]),
+        after: Option<&str>,
+        visit: &mut dyn FnMut(&str, &[u8]) -> ControlFlow<()>,
     ) -> Result<(), StorageError> {
         let prefix = keys::region_prefix(region)?;
+        // The first key after `after` is at least `after` followed by a zero byte.
+        let start = match after {
+            Some(key) => {
+                let mut k = keys::region_key(region, key)?;
+                k.push(0);
+                k
+            }
+            None => prefix.clone(),
+        };
         let mut ro = ReadOptions::default();
-        ro.set_iterate_lower_bound(prefix.clone());
+        ro.set_iterate_lower_bound(start.clone());
         if let Some(upper) = keys::prefix_successor(&prefix) {
             ro.set_iterate_upper_bound(upper);
         }
         let mut it = self.db.raw_iterator_cf_opt(self.cf(CF_REGIONS)?, ro);
-        it.seek(&prefix);
+        it.seek(&start);
         while let Some((k, v)) = it.item() {
             let Some(key) = k.strip_prefix(&prefix[..]) else {
                 break;
@@ -427,7 +438,9 @@ impl Store for RocksStore {
             let key = std::str::from_utf8(key).map_err(|_| {
                 StorageError::Corrupt(format!("non UTF-8 key in region {region:?}"))
             })?;
-            visit(key, v);
+            if visit(key, v).is_break() {
+                return Ok(());
+            }
             it.next();
         }
         it.status()?;
@@ -569,6 +582,8 @@ mod tests {
         assert!(corrupt(s.queues()));
         s.db.put_cf(s.cf(CF_REGIONS).unwrap(), [0u8, 1, b'r', 0xFF], b"v")
             .unwrap();
-        assert!(corrupt(s.region_scan("r", &mut |_, _| {})));
+        assert!(corrupt(
+            s.region_scan("r", None, &mut |_, _| ControlFlow::Continue(()))
+        ));
     }
 }
