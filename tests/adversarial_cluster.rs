@@ -647,6 +647,63 @@ async fn held_rpc_streams_leave_room_for_a_ping() {
     c.shutdown().await;
 }
 
+/// Issue 22 point 10: a member's calls to a peer never take every stream of the connection,
+/// so a ping (failure detection) is answered at once during a burst of slow calls. Here more
+/// forwarded runs than the connection has streams, each held at the receiver for
+/// `FORWARD_GAP_WAIT_MS` (it waits for a predecessor that never comes), then a ping through
+/// the same pool: it must be answered while every run is still waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_slow_calls_leaves_a_stream_for_pings() {
+    use tether::cluster::network::PEER_STREAMS_MAX;
+    use tether::limits::FORWARD_GAP_WAIT_MS;
+    let c = TestCluster::start(2).await;
+    c.leader().await;
+    let receiver = raft_id(&c.names[1]);
+    let tls_dir = c.dirs[0].path().join("tls");
+    let to = c.node(1).addr();
+    let pool = std::sync::Arc::new(pool_with(
+        &ca(&c),
+        &tls_dir.join(tls::SERVER_CERT_FILE),
+        &tls_dir.join(tls::SERVER_KEY_FILE),
+        to,
+    ));
+    let origin = c.names[0].clone();
+    let runs: Vec<_> = (0..PEER_STREAMS_MAX as u64 + 8)
+        .map(|i| {
+            let pool = pool.clone();
+            // Far past anything applied: each waits for its predecessor, then is deferred.
+            let run = run_of(&origin, 1_000_000 + i, &["never"], Some(999_999 + i));
+            tokio::spawn(async move { pool.call(receiver, &to.to_string(), run, STEP).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(FORWARD_GAP_WAIT_MS / 4)).await;
+    assert!(
+        runs.iter().all(|r| !r.is_finished()),
+        "a run was answered before its wait ended"
+    );
+    let pong = pool
+        .call(receiver, &to.to_string(), PeerRequest::Ping, STEP)
+        .await
+        .expect("a ping answered");
+    assert!(matches!(pong, PeerResponse::Pong));
+    let waiting = runs.iter().filter(|r| !r.is_finished()).count();
+    assert_eq!(
+        waiting,
+        runs.len(),
+        "the ping waited for a stream until a run was answered"
+    );
+    for r in runs {
+        match r.await.unwrap() {
+            Ok(PeerResponse::PublishDeferred { .. }) => {}
+            other => panic!(
+                "a run past a gap should be deferred, got {:?}",
+                other.map(|_| ())
+            ),
+        }
+    }
+    c.shutdown().await;
+}
+
 /// A run of `origin`'s publish log: the puts of `keys` at offsets `first`, `first + 1`...
 fn run_of(origin: &str, first: u64, keys: &[&str], follows: Option<u64>) -> PeerRequest {
     PeerRequest::Publish {

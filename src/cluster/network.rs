@@ -24,7 +24,7 @@ use openraft::raft::{
 };
 use serde::{Deserialize, Serialize};
 use tether_transport::{codec, tls};
-use tokio::sync::watch;
+use tokio::sync::{Semaphore, watch};
 
 use super::meta::{MetaCommand, RaftId, raft_id};
 use super::{PeerNode, Raft, TypeConfig};
@@ -38,6 +38,12 @@ pub const FORWARD_TIMEOUT_MS: u64 = 5_000;
 /// [`MAX_CONCURRENT_BIDI_STREAMS`](tether_transport::tls::MAX_CONCURRENT_BIDI_STREAMS)): room
 /// for pings and votes beside a burst of replication and forwarding calls.
 pub const PEER_STREAMS_MAX: u32 = 64;
+/// Streams of one peer connection that only pings and votes may use: every other call waits
+/// for one of the other `PEER_STREAMS_MAX - PEER_PING_STREAMS_RESERVED`, so a burst of slow
+/// calls (replication, forwarded runs waiting for their predecessor) never delays failure
+/// detection or an election.
+pub const PEER_PING_STREAMS_RESERVED: u32 = 8;
+const _: () = assert!(PEER_PING_STREAMS_RESERVED < PEER_STREAMS_MAX);
 /// How long a member's host name, once resolved, is dialed at that address, in milliseconds.
 pub const PEER_RESOLVED_TTL_MS: u64 = 30_000;
 
@@ -285,6 +291,8 @@ struct PoolState {
     /// Member host names resolved, with when.
     resolved: Mutex<HashMap<String, (SocketAddr, std::time::Instant)>>,
     conns: Mutex<HashMap<SocketAddr, PeerConn>>,
+    /// Per peer address: the streams calls other than pings may hold at once.
+    call_slots: Mutex<HashMap<SocketAddr, Arc<Semaphore>>>,
 }
 
 /// An established peer connection and the node names its server certificate carries.
@@ -308,6 +316,7 @@ impl PeerPool {
                 endpoint: Mutex::new(Some(endpoint)),
                 resolved: Mutex::new(HashMap::new()),
                 conns: Mutex::new(HashMap::new()),
+                call_slots: Mutex::new(HashMap::new()),
             }),
             client_config,
         }
@@ -431,6 +440,7 @@ impl PeerPool {
         request: PeerRequest,
         timeout: Duration,
     ) -> Result<PeerResponse, PeerError> {
+        let ping = matches!(request, PeerRequest::Ping | PeerRequest::Vote(_));
         let body =
             codec::encode_body(&Envelope { to, request }).map_err(|e| PeerError::Network {
                 addr: addr.to_string(),
@@ -444,6 +454,19 @@ impl PeerPool {
         let used = Mutex::new(None);
         let exchange = async {
             let sock = self.resolve(addr).await?;
+            // Pings and votes keep streams of their own; other calls hold a slot until their
+            // exchange ends.
+            let _slot = if ping {
+                None
+            } else {
+                let slots = self.state.call_slots(sock);
+                Some(
+                    slots
+                        .acquire_owned()
+                        .await
+                        .map_err(|e| network(e.to_string()))?,
+                )
+            };
             let (conn, names) = self.connection(sock).await?;
             *used.lock().expect("used lock") = Some((sock, conn.clone()));
             // The node that answers there must be the one called, by its certificate.
@@ -461,6 +484,10 @@ impl PeerPool {
                     addr: addr.to_string(),
                     reason: e.to_string(),
                 })?;
+            if ping {
+                // Their bytes go before those of bulk calls queued on the connection.
+                let _ = send.set_priority(1);
+            }
             send.write_all(&body)
                 .await
                 .map_err(|e| network(e.to_string()))?;
@@ -499,6 +526,20 @@ impl PeerPool {
 }
 
 impl PoolState {
+    /// The call slots of the peer at `addr`.
+    fn call_slots(&self, addr: SocketAddr) -> Arc<Semaphore> {
+        self.call_slots
+            .lock()
+            .expect("pool lock")
+            .entry(addr)
+            .or_insert_with(|| {
+                Arc::new(Semaphore::new(
+                    (PEER_STREAMS_MAX - PEER_PING_STREAMS_RESERVED) as usize,
+                ))
+            })
+            .clone()
+    }
+
     /// Records the outcome of the handshake with `addr`.
     fn handshake_done(
         &self,

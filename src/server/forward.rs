@@ -422,9 +422,9 @@ pub(crate) async fn forward_loop(
 }
 
 /// Records that `peer` applied the log through `through` (durably) and trims what every
-/// peer has applied. Returns whether the cursor moved.
-async fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) -> bool {
-    let Some(f) = &s.forwarding else { return false };
+/// peer has applied.
+async fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) {
+    let Some(f) = &s.forwarding else { return };
     let (moved, min) = {
         let mut sent = f.sent.lock().expect("forward lock");
         let cur = sent.entry(peer.to_string()).or_insert(0);
@@ -435,7 +435,7 @@ async fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) -> bool {
         (moved, sent.values().copied().min().unwrap_or(0))
     };
     if !moved {
-        return false;
+        return;
     }
     let mut b = Batch::new();
     b.state_put(&sent_key(peer), through.to_be_bytes().to_vec());
@@ -448,7 +448,6 @@ async fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) -> bool {
     }
     let _ = s.writer.submit(b, None).await;
     f.sent_changed.notify_waiters();
-    true
 }
 
 /// Applies publishes forwarded by peers (held weakly: a stopping node refuses them).
