@@ -451,6 +451,65 @@ fn distinct_regexes_per_region_are_bounded() {
     }
 }
 
+/// Issue 22 point 7: a durable id stays its owner's after its queue expired (also across a
+/// restart): another principal can neither take it nor learn that it expired; its owner
+/// learns `expired` once. A queue created while the node was open belongs to the first
+/// principal that resumes it.
+#[test]
+fn an_expired_durable_id_stays_its_owners() {
+    use tether::core::ConnectError;
+    let hello = |id: &str| DurableHello {
+        id: id.into(),
+        timeout_secs: 1,
+        redundancy: 0,
+        failed_primary: None,
+    };
+    let forbidden = |r: Result<tether::core::Connected, ConnectError>| match r {
+        Err(ConnectError::Invalid(e)) => {
+            assert_eq!(e.code, tether::protocol::ErrorCode::Forbidden, "{e:?}");
+            assert!(e.message.contains("another principal"), "{e:?}");
+        }
+        Err(ConnectError::Attached(_)) => panic!("expected forbidden, got attached"),
+        Ok(c) => panic!("expected forbidden, got {:?}", c.status),
+    };
+    let mut sim = Sim::new();
+    for id in ["alices", "open"] {
+        let owner = (id == "alices").then_some("alice");
+        let c = sim.core.connect_as(Some(&hello(id)), owner).unwrap();
+        sim.apply(c.batch);
+        sim.disconnect(0, c.session, true);
+    }
+    let (b, mut ids) = sim.core.tick(5_000);
+    sim.apply(b);
+    ids.sort();
+    assert_eq!(ids, ["alices", "open"]);
+    forbidden(sim.core.connect_as(Some(&hello("alices")), Some("bob")));
+    let mut core = sim.recover(6_000);
+    forbidden(core.connect_as(Some(&hello("alices")), Some("bob")));
+    let c = core
+        .connect_as(Some(&hello("alices")), Some("alice"))
+        .unwrap();
+    assert_eq!(c.status, QueueStatus::Expired);
+    // An id no principal owned: anyone may take it, once told it expired.
+    let c = core.connect_as(Some(&hello("open")), Some("bob")).unwrap();
+    assert_eq!(c.status, QueueStatus::Expired);
+    // A queue created while the node was open: the first principal to resume it owns it.
+    let mut sim = Sim::new();
+    let c = sim.core.connect_as(Some(&hello("old")), None).unwrap();
+    sim.apply(c.batch);
+    sim.disconnect(0, c.session, true);
+    let c = sim
+        .core
+        .connect_as(Some(&hello("old")), Some("carol"))
+        .unwrap();
+    assert_eq!(c.status, QueueStatus::Resumed);
+    sim.apply(c.batch);
+    sim.disconnect(0, c.session, true);
+    forbidden(sim.core.connect_as(Some(&hello("old")), Some("bob")));
+    let mut core = sim.recover(500);
+    forbidden(core.connect_as(Some(&hello("old")), Some("bob")));
+}
+
 /// A queue's interest is bounded in bytes as well as in count: it travels with every
 /// replication message of the queue, which must fit a peer message.
 #[test]

@@ -16,7 +16,7 @@ pub mod bytes;
 pub mod cursor;
 pub mod pace;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -388,6 +388,23 @@ pub enum ConnectError {
     Invalid(WireError),
 }
 
+/// A remembered expired durable id, as stored: a plain id (as before owners were kept, and
+/// for queues no principal owned), or the id with its owner.
+#[derive(Serialize, Deserialize)]
+#[serde(untagged)]
+enum ExpiredId {
+    Id(String),
+    Owned { id: String, owner: String },
+}
+
+/// The refusal of a durable id that another principal owns.
+fn not_yours(id: &str) -> WireError {
+    WireError::new(
+        ErrorCode::Forbidden,
+        format!("durable id {id:?} belongs to another principal"),
+    )
+}
+
 /// A publish turned into storage writes.
 #[derive(Debug, Default)]
 pub struct PublishPlan {
@@ -657,8 +674,11 @@ pub struct NodeCore {
     index: InterestIndex,
     next_queue_id: QueueId,
     next_session_id: SessionId,
+    /// Durable ids whose queue expired (or was dropped for being full), oldest first, at most
+    /// `EXPIRED_IDS_REMEMBERED_MAX`: the next connection with the id learns `expired`, and only
+    /// the principal that owned the queue (when one did) may take the id again meanwhile.
     expired: VecDeque<String>,
-    expired_set: HashSet<String>,
+    expired_owner: HashMap<String, Option<String>>,
     /// Region keys written by plans not yet committed: (exists after the write, plan seq).
     overlay: HashMap<(String, String), (bool, u64)>,
     write_seq: u64,
@@ -680,7 +700,7 @@ impl NodeCore {
             next_queue_id: 1,
             next_session_id: 1,
             expired: VecDeque::new(),
-            expired_set: HashSet::new(),
+            expired_owner: HashMap::new(),
             overlay: HashMap::new(),
             write_seq: 0,
             scratch: BTreeMap::new(),
@@ -715,10 +735,13 @@ impl NodeCore {
         core.next_queue_id = read_u64(STATE_NEXT_QUEUE_ID)?.unwrap_or(1);
         core.next_session_id = read_u64(STATE_NEXT_SESSION_ID)?.unwrap_or(1);
         if let Some(bytes) = state(STATE_EXPIRED_IDS) {
-            let ids: Vec<String> =
+            let ids: Vec<ExpiredId> =
                 decode_body(&bytes).map_err(|e| format!("corrupt expired ids: {e}"))?;
-            for id in ids {
-                core.remember_expired(id);
+            for record in ids {
+                match record {
+                    ExpiredId::Id(id) => core.remember_expired(id, None),
+                    ExpiredId::Owned { id, owner } => core.remember_expired(id, Some(owner)),
+                }
             }
         }
         let mut batch = Batch::new();
@@ -1012,25 +1035,43 @@ impl NodeCore {
     pub fn note_expired_elsewhere(&mut self, id: &str) -> Batch {
         let mut batch = Batch::new();
         if !self.durable.contains_key(id) {
-            self.remember_expired(id.to_string());
+            self.remember_expired(id.to_string(), None);
             self.persist_expired(&mut batch);
         }
         batch
     }
 
-    fn remember_expired(&mut self, id: String) {
-        if self.expired_set.insert(id.clone()) {
-            self.expired.push_back(id);
-            while self.expired.len() > EXPIRED_IDS_REMEMBERED_MAX {
-                if let Some(old) = self.expired.pop_front() {
-                    self.expired_set.remove(&old);
+    fn remember_expired(&mut self, id: String, owner: Option<String>) {
+        match self.expired_owner.get_mut(&id) {
+            Some(known) => {
+                if owner.is_some() {
+                    *known = owner;
+                }
+            }
+            None => {
+                self.expired_owner.insert(id.clone(), owner);
+                self.expired.push_back(id);
+                while self.expired.len() > EXPIRED_IDS_REMEMBERED_MAX {
+                    if let Some(old) = self.expired.pop_front() {
+                        self.expired_owner.remove(&old);
+                    }
                 }
             }
         }
     }
 
     fn persist_expired(&self, batch: &mut Batch) {
-        let ids: Vec<&String> = self.expired.iter().collect();
+        let ids: Vec<ExpiredId> = self
+            .expired
+            .iter()
+            .map(|id| match &self.expired_owner[id] {
+                Some(owner) => ExpiredId::Owned {
+                    id: id.clone(),
+                    owner: owner.clone(),
+                },
+                None => ExpiredId::Id(id.clone()),
+            })
+            .collect();
         batch.state_put(STATE_EXPIRED_IDS, encode_body(&ids).expect("ids encode"));
     }
 
@@ -1095,10 +1136,7 @@ impl NodeCore {
                 .as_deref()
                 .is_some_and(|owner| Some(owner) != principal)
             {
-                return Err(ConnectError::Invalid(WireError::new(
-                    ErrorCode::Forbidden,
-                    format!("durable id {:?} belongs to another principal", hello.id),
-                )));
+                return Err(ConnectError::Invalid(not_yours(&hello.id)));
             }
             if let QueueState::Attached(holder) = q.state {
                 return Err(ConnectError::Attached(holder));
@@ -1114,6 +1152,10 @@ impl NodeCore {
             }
             let session = self.alloc_session(&mut batch);
             let q = self.queues.get_mut(&qid).expect("queue");
+            if q.owner.is_none() && principal.is_some() {
+                // Created while the node was open: the first principal to resume it owns it.
+                q.owner = principal.map(str::to_string);
+            }
             q.timeout_secs = hello.timeout_secs; // the latest presented timeout wins
             q.state = QueueState::Attached(session);
             q.persist_info(&mut batch);
@@ -1127,7 +1169,13 @@ impl NodeCore {
                 batch,
             });
         }
-        let status = if self.expired_set.remove(&hello.id) {
+        if let Some(Some(owner)) = self.expired_owner.get(&hello.id)
+            && Some(owner.as_str()) != principal
+        {
+            // Nor may another principal learn that it expired.
+            return Err(ConnectError::Invalid(not_yours(&hello.id)));
+        }
+        let status = if self.expired_owner.remove(&hello.id).is_some() {
             self.expired.retain(|id| id != &hello.id);
             self.persist_expired(&mut batch);
             QueueStatus::Expired
@@ -1458,8 +1506,10 @@ impl NodeCore {
                 if let Some(s) = self.attached_session(qid) {
                     plan.dropped_sessions.push(s);
                 }
-                if let Some(id) = self.queues[&qid].durable_id.clone() {
-                    self.remember_expired(id);
+                let q = &self.queues[&qid];
+                if let Some(id) = q.durable_id.clone() {
+                    let owner = q.owner.clone();
+                    self.remember_expired(id, owner);
                 }
                 self.drop_queue(qid, &mut plan.batch);
                 plan.dropped_queues += 1;
@@ -1765,12 +1815,11 @@ impl NodeCore {
             .collect();
         let mut ids = Vec::new();
         for qid in due {
-            let id = self.queues[&qid]
-                .durable_id
-                .clone()
-                .expect("away queues are durable");
+            let q = &self.queues[&qid];
+            let id = q.durable_id.clone().expect("away queues are durable");
+            let owner = q.owner.clone();
             self.drop_queue(qid, &mut batch);
-            self.remember_expired(id.clone());
+            self.remember_expired(id.clone(), owner);
             ids.push(id);
         }
         if !ids.is_empty() {
