@@ -936,8 +936,9 @@ async fn an_initial_image_larger_than_a_frame_comes_in_parts() {
 }
 
 /// A publish taken just before the connection breaks (a malformed frame right behind it, in
-/// the same write) still finishes: committed, and the client whose queue it dropped for being
-/// full (drop-queue policy) is told and disconnected, as if the publisher had stayed.
+/// the same write) still finishes: committed and answered before the refusal, and the client
+/// whose queue it dropped for being full (drop-queue policy) is told and disconnected, as if
+/// the publisher had stayed.
 #[tokio::test]
 async fn a_publish_in_flight_when_the_connection_breaks_still_finishes() {
     let n = TestNode::start_with(tether::config::Limits {
@@ -959,6 +960,14 @@ async fn a_publish_in_flight_when_the_connection_breaks_still_finishes() {
     });
     bytes.extend(frame(&[0xff, 0x00, 0x13, 0x37]));
     raw.send_raw(&bytes).await;
+    // The client learns the fate of every request read before the bad frame, then the error.
+    match raw.next().await {
+        Some(ServerMsg::Response {
+            id: 1,
+            result: Ok(ResponseBody::Published { count: 1 }),
+        }) => {}
+        other => panic!("expected the publish's answer before the refusal, got {other:?}"),
+    }
     raw.expect_refusal(ErrorCode::MalformedFrame).await;
     assert_eq!(
         n.node().get(OTHER, "k1").unwrap().as_deref(),

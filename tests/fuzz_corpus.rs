@@ -22,10 +22,17 @@ use tether::transport::ErrorCode;
 
 const DEFAULT_SEED: u64 = 0x7e7e_5eed_2026_0001;
 
+/// The package's directory as cargo names it when it runs this test. The path compiled in
+/// (`env!`) may be another checkout's: a target directory shared between checkouts reuses a
+/// test binary whose sources did not change.
+fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf())
+}
+
 fn corpus_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fuzz")
-        .join("corpus")
+    manifest_dir().join("fuzz").join("corpus")
 }
 
 fn env_u64(name: &str) -> Option<u64> {

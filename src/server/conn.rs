@@ -560,12 +560,14 @@ async fn control_loop(
             Ok(None) => break 'session Ended::LOST,
             Err(CodecError::Stream(_)) => break 'session Ended::LOST,
             Err(e) => {
+                answer_all(send, &mut publishing).await;
                 refuse(conn, send, codec_error(&e)).await;
                 break 'session Ended::LOST;
             }
         };
         match msg {
             ClientMsg::Hello { .. } => {
+                answer_all(send, &mut publishing).await;
                 refuse(
                     conn,
                     send,
@@ -610,6 +612,7 @@ async fn control_loop(
                     }
                     Ok(_) => {}
                     Err(e) => {
+                        answer_all(send, &mut publishing).await;
                         refuse(conn, send, e).await;
                         break 'session Ended::LOST;
                     }
@@ -642,10 +645,8 @@ async fn control_loop(
             ClientMsg::Request { id, body } => {
                 // Every other request sees the publishes before it committed, and is answered
                 // after them.
-                while let Some(answer) = publishing.pop_front() {
-                    if codec::write_frame(send, &answer.await).await.is_err() {
-                        break 'session Ended::LOST;
-                    }
+                if !answer_all(send, &mut publishing).await {
+                    break 'session Ended::LOST;
                 }
                 let close = match &body {
                     RequestBody::Close { keepalive } => Some(*keepalive),
@@ -688,6 +689,20 @@ async fn control_loop(
 /// Answers of a session's publishes, submitted in request order and awaiting their commit
 /// (and, with `ack: replicated`, their copies); written in request order.
 type Answering<'a> = VecDeque<Pin<Box<dyn Future<Output = ServerMsg> + Send + 'a>>>;
+
+/// Writes the answers of every publish in flight, in request order: before a later request's
+/// answer, and before a refusal (the client learns the fate of every request read before the
+/// bad one). False if the stream broke; the publishes not answered stay in `publishing`.
+async fn answer_all(send: &mut quinn::SendStream, publishing: &mut Answering<'_>) -> bool {
+    while let Some(first) = publishing.front_mut() {
+        let answer = first.await;
+        publishing.pop_front();
+        if codec::write_frame(send, &answer).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
 
 /// The answer of the oldest publish in flight, once it is ready (never, with none in flight).
 /// Cancel-safe: a publish not finished stays first.
