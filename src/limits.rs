@@ -37,7 +37,8 @@ pub const REGEX_SET_DFA_BYTES_MAX: usize = 32 * 1024 * 1024;
 pub const INTERESTS_PER_QUEUE_MAX: usize = 10_000;
 /// Bytes of interest one client queue may hold: region names plus keys or regex sources, each
 /// registration counted with [`INTEREST_OVERHEAD_BYTES`]. A queue's durable interest travels
-/// with every replication message of its queue, which must fit a peer message.
+/// with the replication messages of its queue (each message until the copies acknowledge a
+/// change), which must fit a peer message.
 pub const INTEREST_BYTES_PER_QUEUE_MAX: usize = 2 * 1024 * 1024;
 /// What one interest registration counts for beyond its text, in bytes.
 pub const INTEREST_OVERHEAD_BYTES: usize = 16;

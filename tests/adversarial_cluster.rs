@@ -10,6 +10,8 @@
 //! - A node certificate is never a client, a node dialing a peer checks that the certificate
 //!   there names the node it called, and a node whose own certificate does not name it does
 //!   not start.
+//! - A member's calls keep streams free for pings, and a queue's info (its interest, up to
+//!   2 MiB) travels to its copies once per change, not with every heartbeat.
 
 mod common;
 
@@ -799,5 +801,150 @@ async fn forwarded_runs_out_of_order_are_applied_in_order() {
     pool.close();
     drop(ev);
     d.close(false).await.ok();
+    c.shutdown().await;
+}
+
+/// Issue 22 point 5: a queue's info (its durable interest, up to
+/// `INTEREST_BYTES_PER_QUEUE_MAX`, its timeout and away time) goes to a copy when it changes,
+/// not with every replication message. An idle queue with a large interest costs its primary's
+/// peer connection heartbeats only; each change still reaches the copy: the registration is
+/// answered once the copy holds it, and the copy learns of its client going away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queues_info_goes_to_its_copies_once_per_change() {
+    use tether::protocol::QueuesQuery;
+    /// Keys of the large interest, each of `KEY_BYTES` bytes.
+    const KEYS: usize = 1_500;
+    const KEY_BYTES: usize = 1_000;
+    /// The window in which the queue is idle: many heartbeats long.
+    const IDLE: Duration = Duration::from_secs(3);
+    let c = TestCluster::start(2).await;
+    c.leader().await;
+    let (d, ev) = watcher(&c).await;
+    let big: Vec<String> = (0..KEYS)
+        .map(|i| format!("{i:05}{}", "k".repeat(KEY_BYTES - 5)))
+        .collect();
+    let interest_bytes = KEYS * KEY_BYTES;
+    d.region(REGION)
+        .register(Interest::keys(big))
+        .await
+        .expect("a large interest, within the per-queue limit");
+    let primary = (0..2)
+        .find(|&i| {
+            c.node(i)
+                .queues()
+                .iter()
+                .any(|q| q.durable_id.as_deref() == Some(WATCHER))
+        })
+        .expect("a primary holds the watcher's queue");
+    let sent = || {
+        c.node(primary)
+            .cluster()
+            .expect("clustered")
+            .peer_bytes_sent()
+    };
+    // Settled: the registration is answered once the copy holds it.
+    let before = sent();
+    tokio::time::sleep(IDLE).await;
+    let idle = sent().saturating_sub(before);
+    println!(
+        "idle queue with a {interest_bytes}-byte interest: {idle} bytes to its copy in {IDLE:?}"
+    );
+    assert!(
+        idle < (interest_bytes / 8) as u64,
+        "an idle queue sent {idle} bytes to its copy in {IDLE:?}: its {interest_bytes}-byte interest rides on its heartbeats"
+    );
+    // A node that holds no copy of a queue asks for the info of a message without it (here
+    // one from the real primary of a queue without copies, with that node's certificate).
+    let placed = c
+        .node(0)
+        .cluster()
+        .expect("clustered")
+        .placement(WATCHER)
+        .expect("placed");
+    let copy_node = c.index_of(placed.secondaries[0]);
+    let mut solo = None;
+    for k in 0..32 {
+        let id = format!("solo-{k}");
+        let client = ClientBuilder::new()
+            .servers(addrs(&c))
+            .ca_file(ca(&c))
+            .durable(&id, 600)
+            .connect()
+            .await
+            .expect("a durable client without copies");
+        let p = c.node(0).cluster().unwrap().placement(&id).expect("placed");
+        if p.primary == placed.primary {
+            solo = Some((client, id, p.epoch));
+            break;
+        }
+        client.close(false).await.expect("close");
+    }
+    let (solo_client, solo_id, solo_epoch) = solo.expect("a queue placed on the primary");
+    let tls_dir = c.dirs[primary].path().join("tls");
+    let to = c.node(copy_node).addr();
+    let as_primary = pool_with(
+        &ca(&c),
+        &tls_dir.join(tls::SERVER_CERT_FILE),
+        &tls_dir.join(tls::SERVER_KEY_FILE),
+        to,
+    );
+    let answer = as_primary
+        .call(
+            placed.secondaries[0],
+            &to.to_string(),
+            forged_replicate(placed.primary, &solo_id, solo_epoch),
+            STEP,
+        )
+        .await
+        .expect("an answer");
+    assert!(
+        matches!(answer, PeerResponse::QueueInfoNeeded),
+        "a message without info for a queue the node holds no copy of was not answered queue-info-needed"
+    );
+    solo_client.close(false).await.expect("close");
+    // A change still reaches the copy: one more key, then the client goes away.
+    d.region(REGION)
+        .register(Interest::key("one-more"))
+        .await
+        .expect("register one more key");
+    drop(ev);
+    d.close(true).await.expect("close, keeping the queue");
+    let admin = ClientBuilder::new()
+        .servers(addrs(&c))
+        .ca_file(ca(&c))
+        .connect()
+        .await
+        .expect("an admin client");
+    let copy_view = || async {
+        let page = admin
+            .queues_page(QueuesQuery {
+                role: Some("secondary".into()),
+                prefix: Some(WATCHER.into()),
+                ..QueuesQuery::default()
+            })
+            .await
+            .expect("the listing");
+        page.queues
+            .into_iter()
+            .find(|q| q.durable_id.as_deref() == Some(WATCHER))
+    };
+    let deadline = tokio::time::Instant::now() + STEP;
+    loop {
+        let view = copy_view().await;
+        let held = view.as_ref().is_some_and(|q| {
+            q.state == "away"
+                && q.interests
+                    .iter()
+                    .any(|i| i.spec.as_deref() == Some("one-more"))
+        });
+        if held {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the copy never learnt of the change: {view:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     c.shutdown().await;
 }

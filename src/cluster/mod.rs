@@ -386,6 +386,12 @@ impl Cluster {
         ));
     }
 
+    /// Bytes this node sent to its peers on the connections it opened (replication, forwarded
+    /// publishes, metadata calls), for operators and tests.
+    pub fn peer_bytes_sent(&self) -> u64 {
+        self.pool.bytes_sent()
+    }
+
     /// Sends `request` to member `to` at its configured address.
     pub async fn call(
         &self,

@@ -89,7 +89,9 @@ pub struct ReplicateMsg {
     /// The queue's durable id (the same on every copy).
     pub durable_id: String,
     pub header: ReplicateHeader,
-    /// The primary's queue info (durable interest, timeout, away time), CBOR.
+    /// The primary's queue info (durable interest, timeout, away time), CBOR; empty when it
+    /// has not changed since the copy acknowledged a message carrying it (a copy without one
+    /// answers [`PeerResponse::QueueInfoNeeded`]).
     #[serde(with = "serde_bytes")]
     pub info: Vec<u8>,
     /// The entries `[first, last)` of an append, or the whole log of a snapshot, in order:
@@ -170,6 +172,9 @@ pub enum PeerResponse {
     },
     /// The answer to a [`PeerRequest::Replicate`]: the secondary's reply, if it has one.
     Replicated(Option<crate::replication::Reply>),
+    /// The answer to a [`PeerRequest::Replicate`] without queue info (the info is sent once per
+    /// change) for a queue this node holds no copy of: send the info again.
+    QueueInfoNeeded,
     /// The answer to a [`PeerRequest::Ping`].
     Pong,
     /// The answer to a [`PeerRequest::ListQueues`].
@@ -512,6 +517,21 @@ impl PeerPool {
             self.state.discard(sock, &conn);
         }
         result
+    }
+
+    /// Bytes sent so far on the open outgoing connections (UDP payloads: QUIC framing and
+    /// retransmissions included). A connection replaced since no longer counts.
+    pub fn bytes_sent(&self) -> u64 {
+        self.state
+            .conns
+            .lock()
+            .expect("pool lock")
+            .values()
+            .map(|c| match c {
+                PeerConn::Up((c, _)) => c.stats().udp_tx.bytes,
+                PeerConn::Connecting(_) => 0,
+            })
+            .sum()
     }
 
     /// Closes every outgoing connection.

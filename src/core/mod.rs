@@ -157,6 +157,10 @@ pub struct Queue {
     /// [`NodeCore::begin_handover`]): no client attaches meanwhile. Not stored: a restart ends
     /// the attempt, and the metadata then says whether the queue moved.
     pub moving: bool,
+    /// Counts the changes of what [`Queue::info_for_copies`] returns (each one is stored through
+    /// `persist_info`, which bumps it): a shipper sends the info to the copies again only
+    /// after it changed. Not stored.
+    pub info_generation: u64,
     /// Enqueue, delivery and ack rates, sampled by the node's tick ([`NodeCore::sample_rates`]).
     pub rates: crate::admin::QueueRates,
 }
@@ -329,7 +333,8 @@ impl Queue {
         })
     }
 
-    fn persist_info(&self, batch: &mut Batch) {
+    fn persist_info(&mut self, batch: &mut Batch) {
+        self.info_generation += 1;
         let bytes = encode_body(&self.info()).expect("queue info always encodes");
         batch.put_queue_info(self.id, self.epoch, bytes);
     }
@@ -818,6 +823,7 @@ impl NodeCore {
             seen: (!info.copy_seen.is_empty()).then(|| Box::new(info.copy_seen)),
             held_through: (!info.copy_through.is_empty()).then(|| Box::new(info.copy_through)),
             moving: false,
+            info_generation: 0,
             rates: Default::default(),
         };
         for (region, sel, reg) in info.interests {
@@ -870,7 +876,7 @@ impl NodeCore {
         };
         let mut batch = Batch::new();
         self.restore_queue(id, &meta, info, bytes, now_ms, &mut batch);
-        let q = &self.queues[&id];
+        let q = self.queues.get_mut(&id).expect("restored above");
         q.persist_info(&mut batch);
         batch.set_acked(id, meta.acked);
         batch.set_delivered(id, meta.delivered);
@@ -1210,7 +1216,7 @@ impl NodeCore {
         batch: &mut Batch,
     ) -> QueueId {
         let id = self.alloc_queue(batch);
-        let q = Queue {
+        let mut q = Queue {
             id,
             durable_id,
             owner: owner.map(str::to_string),
@@ -1231,6 +1237,7 @@ impl NodeCore {
             seen: None,
             held_through: None,
             moving: false,
+            info_generation: 0,
             rates: Default::default(),
         };
         q.persist_info(batch);

@@ -176,23 +176,37 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     if msg.more && !matches!(msg.header, ReplicateHeader::Snapshot(_)) {
         return PeerResponse::BadRequest("only a snapshot comes in several messages".into());
     }
-    let mut info: QueueInfo = match decode_body(&msg.info) {
-        Ok(i) => i,
-        Err(e) => return PeerResponse::BadRequest(format!("queue info: {e}")),
-    };
-    // A copy's own (stored below), never the primary's.
-    info.copy_through.clear();
-    info.copy_seen.clear();
-    if info.durable_id.as_deref() != Some(msg.durable_id.as_str()) || info.copy.is_some() {
-        return PeerResponse::BadRequest("queue info does not match the queue".into());
-    }
-    let placed_at = msg.placement_epoch.max(epoch);
-    let cell = match copy_for(shared, &msg.durable_id, &info, placed_at).await {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::warn!(durable_id = %msg.durable_id, error = %e, "cannot start a copy");
-            return PeerResponse::Replicated(None);
+    // No info: unchanged since this copy acknowledged it (the primary sends it once per change).
+    let info = match msg.info.is_empty() {
+        true => None,
+        false => {
+            let mut info: QueueInfo = match decode_body(&msg.info) {
+                Ok(i) => i,
+                Err(e) => return PeerResponse::BadRequest(format!("queue info: {e}")),
+            };
+            // A copy's own (stored below), never the primary's.
+            info.copy_through.clear();
+            info.copy_seen.clear();
+            if info.durable_id.as_deref() != Some(msg.durable_id.as_str()) || info.copy.is_some() {
+                return PeerResponse::BadRequest("queue info does not match the queue".into());
+            }
+            Some(info)
         }
+    };
+    let placed_at = msg.placement_epoch.max(epoch);
+    let cell = match &info {
+        Some(info) => match copy_for(shared, &msg.durable_id, info, placed_at).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(durable_id = %msg.durable_id, error = %e, "cannot start a copy");
+                return PeerResponse::Replicated(None);
+            }
+        },
+        // A copy started anew (a node that lost its data) cannot start without it.
+        None => match shared.copies.get(&msg.durable_id) {
+            Some(c) => c,
+            None => return PeerResponse::QueueInfoNeeded,
+        },
     };
     let mut copy = cell.lock().await;
     if copy.gone {
@@ -243,8 +257,13 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
         Decision::Reply(r) => reply = Some(r),
         Decision::Write(w) => writes.push(w),
     }
-    let info_changed = copy.info != info;
-    copy.info = info;
+    let info_changed = match info {
+        Some(info) if copy.info != info => {
+            copy.info = info;
+            true
+        }
+        _ => false,
+    };
     let acked = copy.replica.acked();
     if let Some(w) = copy.replica.trim(acked) {
         writes.push(w);

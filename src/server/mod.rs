@@ -472,7 +472,8 @@ impl Shared {
     }
 
     /// Waits until every copy of session `session`'s queue holds the queue's current state
-    /// (interest, away time and acked offset travel with every replication message). True at
+    /// (interest and away time, sent again after each change, and the acked offset, which every
+    /// replication message carries: a fresh message is forced and awaited). True at
     /// once for a queue without copies; false if that takes over `REPLICATED_ACK_TIMEOUT_MS`.
     async fn wait_queue_state_copied(&self, session: SessionId) -> bool {
         let qid = match self.core().session(session) {

@@ -81,8 +81,10 @@ pub(crate) struct ShipQueue {
     stopped: std::sync::atomic::AtomicBool,
     /// The shipper's `replicated_end`, for publishers waiting on `--ack replicated`.
     replicated: tokio::sync::watch::Sender<u64>,
-    /// Bumped after every change of the queue's interest, which must reach the copies before
-    /// the change is acknowledged to the client.
+    /// Bumped after every change of the queue's info (by the ship loop when the core's
+    /// `info_generation` moves) and whenever a waiter needs the copies to confirm the queue's
+    /// current state ([`Shipping::info_changed`]). A copy gets the info with every message until
+    /// it acknowledges one carrying the current version; then messages go without it.
     info_version: std::sync::atomic::AtomicU64,
     /// Per secondary: the highest `info_version` carried by a message it acknowledged.
     info_acked: tokio::sync::watch::Sender<HashMap<RaftId, u64>>,
@@ -295,8 +297,10 @@ impl Shipping {
             drop(current);
             sq.shipper().set_secondaries(secondaries, mono_ms());
             sq.wake.notify_one();
-            // Registrations wait for the copies of the current set only.
-            sq.info_acked.send_modify(|_| {});
+            // Registrations wait for the copies of the current set only, and a secondary added
+            // again later gets the info again (it may have dropped its copy meanwhile).
+            sq.info_acked
+                .send_modify(|m| m.retain(|p, _| secondaries.contains(p)));
         }
         true
     }
@@ -381,6 +385,10 @@ impl ShipQueue {
 /// Drives one queue's shipper until the queue stops being shipped here.
 async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>) {
     let mut info_noted = 0;
+    // The core's info generation last turned into an info version, and the info encoded.
+    let mut generation_noted = None;
+    let mut info_cache: Option<(u64, Arc<[u8]>)> = None;
+    let unchanged: Arc<[u8]> = Arc::from(Vec::new());
     loop {
         if sq.is_stopped() {
             return;
@@ -393,13 +401,19 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
         let seen = shared
             .core()
             .queue(sq.qid)
-            .map(|q| (q.visible_end, q.acked_stored));
-        let Some((visible_end, acked)) = seen else {
+            .map(|q| (q.visible_end, q.acked_stored, q.info_generation));
+        let Some((visible_end, acked, info_generation)) = seen else {
             shared.shipping.stop(&sq.durable_id);
             return;
         };
         sq.coverage().note(applied, visible_end);
         let now = mono_ms();
+        if generation_noted != Some(info_generation) {
+            // The info changed (interest, timeout, away time...): every copy must get it.
+            sq.info_version
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            generation_noted = Some(info_generation);
+        }
         // Read before the info (below): the info sent is at least this version.
         let info_version = sq.info_version.load(std::sync::atomic::Ordering::Acquire);
         let (transmits, replicated_end, fenced, timeout) = {
@@ -456,18 +470,20 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
         if let Some(s) = wake {
             shared.wake(s);
         }
-        // The queue info travels with every message (durable interest, away time): read it only
-        // when there is something to send.
-        let info = match transmits.is_empty() {
-            true => None,
-            false => shared.core().queue(sq.qid).map(|q| q.info_for_copies()),
-        };
-        if let Some(info) = info {
-            let info: Arc<[u8]> = encode_body(&info)
-                .expect("queue info always encodes")
-                .into();
-            for (t, pipeline) in transmits {
-                queue_for_peer(&weak, &cluster, &sq, t, pipeline, &info, info_version);
+        // The queue info (durable interest, timeout, away time: up to
+        // INTEREST_BYTES_PER_QUEUE_MAX) goes to a copy until it acknowledged this version.
+        if !transmits.is_empty() {
+            let held = sq.info_acked.borrow().clone();
+            let behind = |peer: RaftId| held.get(&peer).is_none_or(|&v| v < info_version);
+            let info = match transmits.iter().any(|(t, _)| behind(t.to)) {
+                true => encoded_info(&shared, sq.qid, &mut info_cache),
+                false => Some(unchanged.clone()),
+            };
+            if let Some(info) = info {
+                for (t, pipeline) in transmits {
+                    let info = if behind(t.to) { &info } else { &unchanged };
+                    queue_for_peer(&weak, &cluster, &sq, t, pipeline, info, info_version);
+                }
             }
         }
         drop(shared);
@@ -480,6 +496,30 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
             _ = tokio::time::sleep(Duration::from_millis(sleep_ms)) => {}
         }
     }
+}
+
+/// The queue's info as its copies get it, encoded once per change of the queue (`cache`
+/// holds the core's info generation it was read at). None if the queue is gone.
+fn encoded_info(
+    shared: &Shared,
+    qid: QueueId,
+    cache: &mut Option<(u64, Arc<[u8]>)>,
+) -> Option<Arc<[u8]>> {
+    let (generation, info) = {
+        let core = shared.core();
+        let q = core.queue(qid)?;
+        if let Some((g, bytes)) = cache.as_ref()
+            && *g == q.info_generation
+        {
+            return Some(bytes.clone());
+        }
+        (q.info_generation, q.info_for_copies())
+    };
+    let bytes: Arc<[u8]> = encode_body(&info)
+        .expect("queue info always encodes")
+        .into();
+    *cache = Some((generation, bytes.clone()));
+    Some(bytes)
 }
 
 /// Queues a transmit on the peer's ordered sender (started on the first one).
@@ -739,6 +779,15 @@ fn on_result(
         }
         Ok(PeerResponse::Replicated(None)) => {
             tracing::debug!(peer, durable_id = %sq.durable_id, "replication message ignored");
+        }
+        Ok(PeerResponse::QueueInfoNeeded) => {
+            // A copy started anew (or lost) since it acknowledged the info: send it again.
+            tracing::debug!(peer, durable_id = %sq.durable_id, "the copy asks for the queue info");
+            sq.info_acked.send_modify(|m| {
+                m.remove(&peer);
+            });
+            sq.shipper().on_peer_lost(peer);
+            return false;
         }
         other => {
             match &other {
