@@ -229,6 +229,10 @@ pub struct ServerConfig {
     /// Durable queues exported one by one in `/metrics` (the most pending events first,
     /// label `durable_id`); 0 exports none. The rest is in the queue-size histogram.
     pub metrics_top_queues: usize,
+    /// Shifts this node's clock by this many milliseconds, to simulate clock skew between
+    /// members in tests. Not read from the configuration file or the command line; 0 in
+    /// production.
+    pub clock_offset_ms: i64,
 }
 
 /// Default of [`ServerConfig::metrics_top_queues`].
@@ -277,6 +281,7 @@ impl Default for ServerConfig {
             rebalance: true,
             advertise: Vec::new(),
             metrics_top_queues: METRICS_TOP_QUEUES_DEFAULT,
+            clock_offset_ms: 0,
         }
     }
 }

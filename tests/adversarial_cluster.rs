@@ -12,6 +12,8 @@
 //!   not start.
 //! - A member's calls keep streams free for pings, and a queue's info (its interest, up to
 //!   2 MiB) travels to its copies once per change, not with every heartbeat.
+//! - A copy keeps a queue's away time in its own clock: skew between members never expires a
+//!   queue early after a failover.
 
 mod common;
 
@@ -135,6 +137,7 @@ fn forged_replicate(from: u64, queue: &str, placement_epoch: u64) -> PeerRequest
             log_end: 1,
             acked: 0,
         }),
+        sent_ms: 0,
         info: Vec::new(),
         entries: vec![ShippedEntry {
             flags: 0,
@@ -946,5 +949,144 @@ async fn a_queues_info_goes_to_its_copies_once_per_change() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    c.shutdown().await;
+}
+
+/// Issue 22 point 13: members' clocks may disagree by any amount. Here n2's clock runs an
+/// hour ahead. A durable client (timeout 600 s) whose copy is on n2 goes away with events
+/// waiting; its primary n1 stops, and n2 promotes the copy. The queue must last the client's
+/// whole timeout on n2's clock: the copy measured the away time against the primary's clock
+/// and keeps it in its own (before, it kept n1's instant, an hour old on n2's clock, and the
+/// promoted queue expired at once with its events).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_whose_clock_runs_ahead_keeps_the_away_queue() {
+    use tether::protocol::{QueueStatus, QueuesQuery};
+    /// How far n2's clock runs ahead of the others, in milliseconds.
+    const SKEW_MS: i64 = 3_600_000;
+    const TIMEOUT_SECS: u64 = 600;
+    let mut c = TestCluster::start_full(3, tether::config::Limits::default(), None, |cfg| {
+        if cfg.node_id.as_deref() == Some("n2") {
+            cfg.clock_offset_ms = SKEW_MS;
+        }
+    })
+    .await;
+    c.leader().await;
+    // A durable id whose primary is n1 (the node it connects to) and whose copy is on n2.
+    let mut chosen = None;
+    for k in 0..64 {
+        let id = format!("skewed-{k}");
+        let d = ClientBuilder::new()
+            .server(c.node(0).addr())
+            .ca_file(ca(&c))
+            .durable(&id, TIMEOUT_SECS)
+            .redundancy(1)
+            .connect()
+            .await
+            .expect("the durable client connects");
+        let placed = c.node(0).cluster().unwrap().placement(&id).expect("placed");
+        if c.index_of(placed.primary) == 0 && c.index_of(placed.secondaries[0]) == 1 {
+            chosen = Some((d, id));
+            break;
+        }
+        d.close(false).await.expect("close");
+    }
+    let (d, id) = chosen.expect("an id placed on n1 with its copy on n2");
+    d.region(REGION)
+        .register(Interest::all_keys())
+        .await
+        .expect("register");
+    d.close(true).await.expect("away, keeping the queue");
+    let publisher = ClientBuilder::new()
+        .server(c.node(2).addr())
+        .ca_file(ca(&c))
+        .connect()
+        .await
+        .expect("a publisher");
+    for k in ["a", "b", "c"] {
+        publisher
+            .region(REGION)
+            .put(k, b"v".to_vec())
+            .await
+            .expect("put");
+    }
+    // The copy holds the events and the away time, in its own clock.
+    let admin = ClientBuilder::new()
+        .server(c.node(1).addr())
+        .ca_file(ca(&c))
+        .connect()
+        .await
+        .expect("an admin client");
+    let deadline = tokio::time::Instant::now() + STEP;
+    let away_since = loop {
+        let page = admin
+            .queues_page(QueuesQuery {
+                role: Some("secondary".into()),
+                prefix: Some(id.clone()),
+                ..QueuesQuery::default()
+            })
+            .await
+            .expect("the listing");
+        let copy = page
+            .queues
+            .into_iter()
+            .find(|q| q.durable_id.as_deref() == Some(id.as_str()));
+        if let Some(q) = &copy
+            && q.end_offset - q.acked_offset == 3
+            && let Some(since) = q.away_since_ms
+        {
+            break since;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the copy never held the away queue: {copy:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let wall = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    assert!(
+        away_since + 60_000 >= wall + SKEW_MS as u64,
+        "the copy keeps the away time in the primary's clock: {away_since}, its own clock reads about {}",
+        wall + SKEW_MS as u64
+    );
+    publisher.close(false).await.ok();
+    admin.close(false).await.ok();
+    // n1 stops; n2 promotes its copy once n1 is declared failed.
+    c.nodes[0].take().unwrap().shutdown().await;
+    let deadline = tokio::time::Instant::now() + STEP * 3;
+    while c
+        .node(1)
+        .queues()
+        .iter()
+        .all(|q| q.durable_id.as_deref() != Some(id.as_str()))
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the copy was never promoted"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Expiry is checked every EXPIRY_TICK_MS: give it several ticks to act.
+    tokio::time::sleep(Duration::from_millis(5 * tether::limits::EXPIRY_TICK_MS)).await;
+    let d = ClientBuilder::new()
+        .servers([c.node(1).addr(), c.node(2).addr()])
+        .ca_file(ca(&c))
+        .durable(&id, TIMEOUT_SECS)
+        .redundancy(1)
+        .connect()
+        .await
+        .expect("the client comes back");
+    assert_eq!(d.queue_status(), QueueStatus::Resumed, "the queue expired");
+    assert_eq!(d.pending(), Some(3));
+    d.region(REGION)
+        .register(Interest::all_keys())
+        .await
+        .expect("register");
+    d.ready_for_events().await.expect("ready");
+    let mut ev = d.events().expect("events");
+    assert_eq!(keys(&take_events(&mut ev, 3).await), ["a", "b", "c"]);
+    d.close(false).await.ok();
     c.shutdown().await;
 }

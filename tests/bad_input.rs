@@ -1600,6 +1600,7 @@ async fn bad_peer_messages_get_error_answers_and_hurt_nothing() {
                 log_end: last,
                 acked: 0,
             }),
+            sent_ms: 0,
             info,
             entries: (0..entries)
                 .map(|_| ShippedEntry {

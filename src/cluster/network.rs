@@ -89,6 +89,10 @@ pub struct ReplicateMsg {
     /// The queue's durable id (the same on every copy).
     pub durable_id: String,
     pub header: ReplicateHeader,
+    /// The primary's clock when it built the message (ms since the Unix epoch; 0: unknown). A
+    /// copy measures the queue's away time against it, never against its own clock.
+    #[serde(default)]
+    pub sent_ms: u64,
     /// The primary's queue info (durable interest, timeout, away time), CBOR; empty when it
     /// has not changed since the copy acknowledged a message carrying it (a copy without one
     /// answers [`PeerResponse::QueueInfoNeeded`]).
@@ -847,6 +851,7 @@ mod tests {
                 log_end: 0,
                 acked: 0,
             }),
+            sent_ms: 0,
             info: Vec::new(),
             entries: Vec::new(),
             more: false,

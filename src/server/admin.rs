@@ -19,7 +19,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde_json::{Value, json};
 
-use super::{Shared, now_ms};
+use super::Shared;
 use crate::admin::{ListQuery, Page, QUEUES_PAGE_MAX, QueueView, RoleFilter};
 use crate::cluster::network::{PeerRequest, PeerResponse};
 use crate::protocol::CopyLag;
@@ -206,7 +206,7 @@ async fn readyz(State(a): State<AdminState>) -> Response {
 async fn metrics(State(a): State<AdminState>) -> Response {
     let mut body = crate::metrics::handle().render();
     if let Some(shared) = a.shared.upgrade() {
-        let now = now_ms();
+        let now = shared.clock.now_ms();
         let (top, sizes) = shared
             .core()
             .lag_summary(&shared.node_id, a.top_queues, now);
@@ -253,7 +253,7 @@ fn authorized(a: &Admin, headers: &HeaderMap) -> Result<Arc<Shared>, ApiError> {
 
 async fn api_node(State(a): State<AdminState>, headers: HeaderMap) -> Result<Response, ApiError> {
     let shared = authorized(&a, &headers)?;
-    let now = now_ms();
+    let now = shared.clock.now_ms();
     let c = shared.core().counts(now);
     let reasons = not_ready_reasons(&shared);
     let s = &shared.stats;
@@ -344,7 +344,7 @@ async fn api_queues(
     let shared = authorized(&a, &headers)?;
     let (q, cluster_wide) = ListQuery::from_params(
         params.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-        now_ms(),
+        shared.clock.now_ms(),
     )
     .map_err(bad_request)?;
     let (page, unreachable) = shared.list_queues(&q, cluster_wide).await;
@@ -367,7 +367,7 @@ async fn api_queue(
         limit: QUEUES_PAGE_MAX,
         prefix: Some(id.clone()),
         role: RoleFilter::All,
-        now_ms: now_ms(),
+        now_ms: shared.clock.now_ms(),
         ..ListQuery::default()
     };
     let (page, _) = shared.list_queues(&q, true).await;

@@ -13,7 +13,7 @@ use tether_transport::codec::{self, CodecError, FrameReader};
 use tether_transport::{PROTOCOL_VERSION, tls};
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
-use super::{SessionHandle, Shared, internal, now_ms};
+use super::{SessionHandle, Shared, internal};
 use crate::auth::{Access, Principal};
 use crate::core::pace::ReplayPacer;
 use crate::core::{ConnectError, FlagBounds, SessionId, Step};
@@ -358,7 +358,7 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
     // Teardown: the delivery task has stopped, so no more delivered-mark writes for this queue.
     let dropped = shared
         .apply(|core| {
-            let d = core.disconnect(now_ms(), session, keepalive);
+            let d = core.disconnect(shared.clock.now_ms(), session, keepalive);
             Ok((d.queue_dropped, d.batch))
         })
         .await
@@ -813,8 +813,9 @@ async fn request(
             queues: shared.queue_reports().await,
         }),
         RequestBody::ListQueuesPage(query) => {
-            let (q, cluster_wide) = crate::admin::ListQuery::from_wire(&query, super::now_ms())
-                .map_err(|e| WireError::new(ErrorCode::InvalidArgument, e))?;
+            let (q, cluster_wide) =
+                crate::admin::ListQuery::from_wire(&query, shared.clock.now_ms())
+                    .map_err(|e| WireError::new(ErrorCode::InvalidArgument, e))?;
             let (page, unreachable) = shared.list_queues(&q, cluster_wide).await;
             let next = page.next(&q).map(|t| t.encode());
             Ok(ResponseBody::QueuesPage(QueuesPage {

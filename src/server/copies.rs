@@ -190,6 +190,14 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
             if info.durable_id.as_deref() != Some(msg.durable_id.as_str()) || info.copy.is_some() {
                 return PeerResponse::BadRequest("queue info does not match the queue".into());
             }
+            // The away time in this node's clock: members' clocks may differ by any amount,
+            // but both readings of the elapsed time come from the primary's.
+            if let Some(since) = info.away_since_ms
+                && msg.sent_ms > 0
+            {
+                let away_for = msg.sent_ms.saturating_sub(since);
+                info.away_since_ms = Some(shared.clock.now_ms().saturating_sub(away_for));
+            }
             Some(info)
         }
     };

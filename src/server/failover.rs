@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use tether_storage::{Batch, Entry, QueueId, Store};
 use tether_transport::ErrorCode;
 
+use super::Shared;
 use super::watermark::Through;
-use super::{Shared, now_ms};
 use crate::cluster::Cluster;
 use crate::cluster::meta::{MetaCommand, MetaResponse, Placement, RaftId};
 use crate::cluster::network::{PeerRequest, PeerResponse};
@@ -1145,7 +1145,7 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
     }
     let adopted = shared
         .apply(|core| {
-            let now = now_ms();
+            let now = shared.clock.now_ms();
             let (late, _) = shared.recent_forwards().snapshot_for(id, upto);
             load_kept(&*shared.store, &late, &mut |chunk| {
                 events.extend(crate::core::events_to_reapply(

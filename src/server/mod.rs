@@ -13,6 +13,7 @@
 
 mod admin;
 mod auth_reload;
+mod clock;
 mod conn;
 mod copies;
 mod failover;
@@ -80,13 +81,6 @@ pub enum NodeError {
     Request(#[from] WireError),
 }
 
-pub(crate) fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 /// What the node keeps per live session, for waking its delivery and probing its liveness.
 struct SessionHandle {
     wake: Arc<Notify>,
@@ -101,6 +95,8 @@ struct SessionHandle {
 /// State shared by the node's tasks.
 pub(crate) struct Shared {
     core: Mutex<NodeCore>,
+    /// The node's clock (`clock.rs`): every timestamp the core keeps comes from it.
+    pub(crate) clock: clock::Clock,
     store: Arc<dyn Store>,
     writer: Writer,
     /// After `writer`: dropping the shared state closes the channel, then joins the thread.
@@ -294,9 +290,13 @@ impl Shared {
             }
             let store = self.store.clone();
             let ids = origin.map(|o| &o.ids);
-            let plan = core.publish_from(now_ms(), session, ops, ids, &mut |region, key| {
-                matches!(store.region_get(region, key), Ok(Some(_)))
-            })?;
+            let plan = core.publish_from(
+                self.clock.now_ms(),
+                session,
+                ops,
+                ids,
+                &mut |region, key| matches!(store.region_get(region, key), Ok(Some(_))),
+            )?;
             let mut batch = plan.batch;
             let logged = match (origin, &self.forwarding) {
                 (Some(o), _) => {
@@ -573,7 +573,7 @@ impl Shared {
     pub(crate) async fn queue_reports(&self) -> Vec<QueueReport> {
         let mut reports = self.primary_reports();
         let mut copies = self
-            .queue_views(crate::admin::RoleFilter::Secondary, now_ms())
+            .queue_views(crate::admin::RoleFilter::Secondary, self.clock.now_ms())
             .await;
         copies.sort_by(|a, b| a.id.cmp(&b.id));
         reports.extend(copies.into_iter().map(|v| v.into_report()));
@@ -695,7 +695,9 @@ impl Publisher {
 
 impl Drop for Publisher {
     fn drop(&mut self) {
-        self.shared.core().disconnect(now_ms(), self.session, true);
+        self.shared
+            .core()
+            .disconnect(self.shared.clock.now_ms(), self.session, true);
     }
 }
 
@@ -776,6 +778,7 @@ impl Node {
     ) -> Result<Node, NodeError> {
         tls::install_crypto_provider();
         config.limits.validate().map_err(NodeError::Config)?;
+        let clock = clock::Clock::start(config.clock_offset_ms);
         if let Some(w) = crate::config::open_node_warning(config.listen, config.auth.is_some()) {
             tracing::warn!("{w}");
         }
@@ -870,7 +873,7 @@ impl Node {
         let st = store.clone();
         let (core, batch) = NodeCore::recover(
             node_id.clone(),
-            now_ms(),
+            clock.now_ms(),
             queues,
             |k| st.state_get(k).ok().flatten(),
             entry_bytes,
@@ -910,6 +913,7 @@ impl Node {
         );
         let shared = Arc::new(Shared {
             core: Mutex::new(core),
+            clock,
             store,
             writer,
             _writer_thread: WriterThread::new(writer_thread),
@@ -1193,7 +1197,7 @@ async fn tick_loop(shared: Arc<Shared>) {
         ticks += 1;
         let expired = shared
             .apply(|core| {
-                let (batch, ids) = core.tick(now_ms());
+                let (batch, ids) = core.tick(shared.clock.now_ms());
                 Ok((ids, batch))
             })
             .await;
@@ -1208,7 +1212,7 @@ async fn tick_loop(shared: Arc<Shared>) {
             metrics::counter!(m::QUEUES_EXPIRED).increment(ids.len() as u64);
         }
         let c = {
-            let now = now_ms();
+            let now = shared.clock.now_ms();
             let mut core = shared.core();
             core.sample_rates(now);
             core.counts(now)

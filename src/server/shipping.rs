@@ -647,6 +647,7 @@ fn build_messages(
         from: cluster.id(),
         durable_id: sq.durable_id.clone(),
         header: header.clone(),
+        sent_ms: shared.clock.now_ms(),
         info: info.to_vec(),
         entries,
         more,
