@@ -12,6 +12,7 @@
 //!   not start.
 //! - A member's calls keep streams free for pings, and a queue's info (its interest, up to
 //!   2 MiB) travels to its copies once per change, not with every heartbeat.
+//! - A hello refused after its id was placed leaves no placement behind.
 //! - A copy keeps a queue's away time in its own clock: skew between members never expires a
 //!   queue early after a failover.
 
@@ -1088,5 +1089,75 @@ async fn a_copy_whose_clock_runs_ahead_keeps_the_away_queue() {
     let mut ev = d.events().expect("events");
     assert_eq!(keys(&take_events(&mut ev, 3).await), ["a", "b", "c"]);
     d.close(false).await.ok();
+    c.shutdown().await;
+}
+
+/// Issue 22 point 2: a placement committed for a durable hello whose queue is then refused
+/// is released at once, so refused hellos leave nothing in the cluster's metadata. Here bob
+/// asks for the id of alice's expired queue: the node places it, then refuses bob
+/// (`forbidden`: the expired id stays alice's). The placement must go; alice still learns
+/// `expired` and gets her id back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_hello_leaves_no_placement() {
+    use tether::auth::{AuthConfig, TokenEntry, hash_token};
+    use tether::protocol::QueueStatus;
+    let token = |principal: &str| TokenEntry {
+        principal: principal.into(),
+        sha256: hash_token(&format!("{principal}-secret")),
+    };
+    let auth = AuthConfig {
+        client_ca: None,
+        client_crl: None,
+        admins: vec![],
+        tokens: vec![token("alice"), token("bob")],
+        acl: vec![tether::auth::AclEntry {
+            principal: "*".into(),
+            publish: vec![REGION.into()],
+            subscribe: vec![REGION.into()],
+        }],
+    };
+    let c = TestCluster::start_full(3, tether::config::Limits::default(), Some(auth), |_| {}).await;
+    c.leader().await;
+    let connect_as = |token: &'static str| {
+        ClientBuilder::new()
+            .server(c.node(0).addr())
+            .ca_file(ca(&c))
+            .token(token)
+            .durable("brief", 1)
+            .connect()
+    };
+    let a = connect_as("alice-secret").await.expect("alice connects");
+    assert_eq!(a.node_id(), "n1");
+    a.close(true).await.expect("away");
+    let meta = c.node(0).cluster().expect("clustered");
+    let deadline = tokio::time::Instant::now() + STEP;
+    while meta.placement("brief").is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "alice's queue never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let hello = DurableHello {
+        id: "brief".into(),
+        timeout_secs: 1,
+        redundancy: 0,
+        failed_primary: None,
+    };
+    match raw_hello_as(c.node(0).addr(), &ca(&c), hello, Some("bob-secret")).await {
+        ServerMsg::Error(e) => assert_eq!(e.code, ErrorCode::Forbidden, "{e:?}"),
+        other => panic!("bob's hello for alice's expired id was answered {other:?}"),
+    }
+    let deadline = tokio::time::Instant::now() + STEP;
+    while let Some(p) = meta.placement("brief") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the refused hello's placement stayed: {p:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let a = connect_as("alice-secret").await.expect("alice comes back");
+    assert_eq!(a.queue_status(), QueueStatus::Expired);
+    a.close(false).await.ok();
     c.shutdown().await;
 }

@@ -257,6 +257,10 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         return Err(());
     }
     let mut placed = None;
+    let placing = match (durable.as_ref(), shared.cluster.get()) {
+        (Some(d), Some(_)) => Some(shared.placing.enter(&d.id)),
+        _ => None,
+    };
     if let (Some(d), Some(cluster)) = (durable.as_ref(), shared.cluster.get()) {
         match super::placement::place_durable(shared, cluster, d, owner).await {
             Ok(super::placement::Placed::Here(p)) => placed = Some(p),
@@ -277,10 +281,14 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
     let connected = match connect(shared, durable.as_ref(), owner, placed.as_ref()).await {
         Ok(c) => c,
         Err(e) => {
+            if let (Some(d), Some(guard), Some(_)) = (&durable, &placing, &placed) {
+                super::placement::release_unused(shared, &d.id, guard);
+            }
             refuse(&conn, &mut send, e).await;
             return Err(());
         }
     };
+    drop(placing);
     let session = connected.session;
     if let (Some(p), Some(d)) = (&placed, &durable) {
         // Before the welcome: a queue with copies must not deliver what they may lack.

@@ -123,6 +123,8 @@ pub(crate) struct Shared {
     pub(crate) forwarding: Option<forward::Forwarding>,
     /// Copies of other primaries' queues held here (clustered nodes).
     pub(crate) copies: copies::Copies,
+    /// Durable hellos between placing and attaching (`placement.rs`).
+    pub(crate) placing: placement::Placing,
     /// Queues this node ships to their secondaries (clustered nodes).
     pub(crate) shipping: shipping::Shipping,
     /// When each member last answered (clustered nodes).
@@ -930,6 +932,7 @@ impl Node {
             cluster_ca: tls_files.ca.clone(),
             forwarding,
             copies,
+            placing: Default::default(),
             shipping: shipping::Shipping::default(),
             liveness: failover::Liveness::default(),
             recent: Mutex::new(recent),

@@ -1,11 +1,13 @@
 //! Where durable queues live in a cluster: placing a new queue on the node its client first
 //! reaches, redirecting a client that reaches another node, and removing the placement when
-//! the queue ends (expiry, close, drop) so the id can start anew anywhere.
+//! the queue ends (expiry, close, drop) so the id can start anew anywhere. A placement made
+//! for a hello whose queue is then refused is released at once ([`release_unused`]).
 //!
 //! A new queue gets up to `redundancy` secondaries among the members that answer pings,
 //! chosen by rendezvous hashing of (durable id, member) so placements spread evenly.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use tether_transport::ErrorCode;
 
@@ -13,6 +15,63 @@ use super::Shared;
 use crate::cluster::Cluster;
 use crate::cluster::meta::{MetaCommand, MetaResponse, REDUNDANCY_MAX, RaftId, raft_id};
 use crate::protocol::{DurableHello, WireError};
+
+/// Durable ids whose hellos are between placing and attaching on this node, with how many.
+#[derive(Default)]
+pub(crate) struct Placing(Mutex<HashMap<String, usize>>);
+
+impl Placing {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts a hello for `id` until the guard drops.
+    pub(crate) fn enter(&self, id: &str) -> PlacingGuard<'_> {
+        *self.map().entry(id.to_string()).or_insert(0) += 1;
+        PlacingGuard {
+            placing: self,
+            id: id.to_string(),
+        }
+    }
+
+    /// Hellos for `id` under way here.
+    fn count(&self, id: &str) -> usize {
+        self.map().get(id).copied().unwrap_or(0)
+    }
+}
+
+/// See [`Placing::enter`].
+pub(crate) struct PlacingGuard<'a> {
+    placing: &'a Placing,
+    id: String,
+}
+
+impl Drop for PlacingGuard<'_> {
+    fn drop(&mut self) {
+        let mut map = self.placing.map();
+        if let Some(n) = map.get_mut(&self.id) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.id);
+            }
+        }
+    }
+}
+
+/// After a durable hello for `id` was refused past its placement (`guard` still counts it):
+/// releases the placement when it makes this node primary and nothing here holds the id (no
+/// queue, no copy, no other hello under way), so refused hellos leave nothing in the
+/// metadata. Without this, each refused hello for a new id would keep a placement forever.
+pub(crate) fn release_unused(shared: &Arc<Shared>, id: &str, guard: &PlacingGuard<'_>) {
+    debug_assert_eq!(guard.id, id);
+    let unused = shared.core().durable_queue(id).is_none()
+        && shared.copies.get(id).is_none()
+        && shared.placing.count(id) == 1;
+    if unused {
+        tracing::debug!(durable_id = %id, "releasing the placement of a refused hello");
+        forget(shared, id, false);
+    }
+}
 
 /// Where a durable hello should be served.
 pub(crate) enum Placed {
