@@ -102,6 +102,21 @@ async fn watcher(c: &TestCluster) -> (Client, EventStream) {
     (d, ev)
 }
 
+/// The report of a secondary's copy of queue `id`, through the cluster-wide listing.
+async fn copy_report(admin: &Client, id: &str) -> Option<tether::protocol::QueueReport> {
+    let page = admin
+        .queues_page(tether::protocol::QueuesQuery {
+            role: Some("secondary".into()),
+            prefix: Some(id.into()),
+            ..Default::default()
+        })
+        .await
+        .expect("the listing");
+    page.queues
+        .into_iter()
+        .find(|q| q.durable_id.as_deref() == Some(id))
+}
+
 /// A publish of `key` forged in the name of `origin`.
 fn forged_publish(origin: &str, key: &str) -> PeerRequest {
     PeerRequest::Publish {
@@ -523,19 +538,15 @@ async fn a_bad_durable_hello_never_reaches_consensus() {
     c.shutdown().await;
 }
 
-/// Client-managed failover asks a secondary to promote its copy when the client lost the
-/// primary. Only the queue's owner may: another principal naming the lost primary is refused
-/// before any promotion, and the placement stays as it was; the owner's own failover then
-/// promotes the copy and resumes the queue. (Failure detection is slowed down so that only
-/// the hellos can promote.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_the_owner_can_have_a_copy_promoted() {
+/// Client authentication with two principals, alice and bob (token `<name>-secret`), each
+/// allowed to publish and subscribe in [`REGION`].
+fn alice_and_bob() -> tether::auth::AuthConfig {
     use tether::auth::{AuthConfig, TokenEntry, hash_token};
     let token = |principal: &str| TokenEntry {
         principal: principal.into(),
         sha256: hash_token(&format!("{principal}-secret")),
     };
-    let auth = AuthConfig {
+    AuthConfig {
         client_ca: None,
         client_crl: None,
         admins: vec![],
@@ -545,7 +556,17 @@ async fn only_the_owner_can_have_a_copy_promoted() {
             publish: vec![REGION.into()],
             subscribe: vec![REGION.into()],
         }],
-    };
+    }
+}
+
+/// Client-managed failover asks a secondary to promote its copy when the client lost the
+/// primary. Only the queue's owner may: another principal naming the lost primary is refused
+/// before any promotion, and the placement stays as it was; the owner's own failover then
+/// promotes the copy and resumes the queue. (Failure detection is slowed down so that only
+/// the hellos can promote.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_owner_can_have_a_copy_promoted() {
+    let auth = alice_and_bob();
     let mut c = TestCluster::start_full(3, tether::config::Limits::default(), Some(auth), |cfg| {
         cfg.node_failure_ms = tether::config::NODE_FAILURE_MS_MAX
     })
@@ -815,7 +836,6 @@ async fn forwarded_runs_out_of_order_are_applied_in_order() {
 /// answered once the copy holds it, and the copy learns of its client going away.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queues_info_goes_to_its_copies_once_per_change() {
-    use tether::protocol::QueuesQuery;
     /// Keys of the large interest, each of `KEY_BYTES` bytes.
     const KEYS: usize = 1_500;
     const KEY_BYTES: usize = 1_000;
@@ -919,19 +939,7 @@ async fn a_queues_info_goes_to_its_copies_once_per_change() {
         .connect()
         .await
         .expect("an admin client");
-    let copy_view = || async {
-        let page = admin
-            .queues_page(QueuesQuery {
-                role: Some("secondary".into()),
-                prefix: Some(WATCHER.into()),
-                ..QueuesQuery::default()
-            })
-            .await
-            .expect("the listing");
-        page.queues
-            .into_iter()
-            .find(|q| q.durable_id.as_deref() == Some(WATCHER))
-    };
+    let copy_view = || copy_report(&admin, WATCHER);
     let deadline = tokio::time::Instant::now() + STEP;
     loop {
         let view = copy_view().await;
@@ -961,7 +969,7 @@ async fn a_queues_info_goes_to_its_copies_once_per_change() {
 /// promoted queue expired at once with its events).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_whose_clock_runs_ahead_keeps_the_away_queue() {
-    use tether::protocol::{QueueStatus, QueuesQuery};
+    use tether::protocol::QueueStatus;
     /// How far n2's clock runs ahead of the others, in milliseconds.
     const SKEW_MS: i64 = 3_600_000;
     const TIMEOUT_SECS: u64 = 600;
@@ -1019,18 +1027,7 @@ async fn a_copy_whose_clock_runs_ahead_keeps_the_away_queue() {
         .expect("an admin client");
     let deadline = tokio::time::Instant::now() + STEP;
     let away_since = loop {
-        let page = admin
-            .queues_page(QueuesQuery {
-                role: Some("secondary".into()),
-                prefix: Some(id.clone()),
-                ..QueuesQuery::default()
-            })
-            .await
-            .expect("the listing");
-        let copy = page
-            .queues
-            .into_iter()
-            .find(|q| q.durable_id.as_deref() == Some(id.as_str()));
+        let copy = copy_report(&admin, &id).await;
         if let Some(q) = &copy
             && q.end_offset - q.acked_offset == 3
             && let Some(since) = q.away_since_ms
@@ -1099,23 +1096,8 @@ async fn a_copy_whose_clock_runs_ahead_keeps_the_away_queue() {
 /// `expired` and gets her id back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_hello_leaves_no_placement() {
-    use tether::auth::{AuthConfig, TokenEntry, hash_token};
     use tether::protocol::QueueStatus;
-    let token = |principal: &str| TokenEntry {
-        principal: principal.into(),
-        sha256: hash_token(&format!("{principal}-secret")),
-    };
-    let auth = AuthConfig {
-        client_ca: None,
-        client_crl: None,
-        admins: vec![],
-        tokens: vec![token("alice"), token("bob")],
-        acl: vec![tether::auth::AclEntry {
-            principal: "*".into(),
-            publish: vec![REGION.into()],
-            subscribe: vec![REGION.into()],
-        }],
-    };
+    let auth = alice_and_bob();
     let c = TestCluster::start_full(3, tether::config::Limits::default(), Some(auth), |_| {}).await;
     c.leader().await;
     let connect_as = |token: &'static str| {
