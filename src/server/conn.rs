@@ -257,11 +257,10 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         return Err(());
     }
     let mut placed = None;
-    let placing = match (durable.as_ref(), shared.cluster.get()) {
-        (Some(d), Some(_)) => Some(shared.placing.enter(&d.id)),
-        _ => None,
-    };
+    // Counted from placing to attaching: a refused hello releases a placement nobody uses.
+    let mut placing = None;
     if let (Some(d), Some(cluster)) = (durable.as_ref(), shared.cluster.get()) {
+        placing = Some(shared.placing.enter(&d.id));
         match super::placement::place_durable(shared, cluster, d, owner).await {
             Ok(super::placement::Placed::Here(p)) => placed = Some(p),
             Ok(super::placement::Placed::Elsewhere { node_id, addr }) => {
@@ -281,8 +280,8 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
     let connected = match connect(shared, durable.as_ref(), owner, placed.as_ref()).await {
         Ok(c) => c,
         Err(e) => {
-            if let (Some(d), Some(guard), Some(_)) = (&durable, &placing, &placed) {
-                super::placement::release_unused(shared, &d.id, guard);
+            if let (Some(guard), Some(_)) = (&placing, &placed) {
+                super::placement::release_unused(shared, guard);
             }
             refuse(&conn, &mut send, e).await;
             return Err(());
@@ -568,20 +567,14 @@ async fn control_loop(
             Ok(None) => break 'session Ended::LOST,
             Err(CodecError::Stream(_)) => break 'session Ended::LOST,
             Err(e) => {
-                answer_all(send, &mut publishing).await;
-                refuse(conn, send, codec_error(&e)).await;
+                refuse_after(conn, send, &mut publishing, codec_error(&e)).await;
                 break 'session Ended::LOST;
             }
         };
         match msg {
             ClientMsg::Hello { .. } => {
-                answer_all(send, &mut publishing).await;
-                refuse(
-                    conn,
-                    send,
-                    WireError::new(ErrorCode::ProtocolViolation, "hello sent twice"),
-                )
-                .await;
+                let twice = WireError::new(ErrorCode::ProtocolViolation, "hello sent twice");
+                refuse_after(conn, send, &mut publishing, twice).await;
                 break 'session Ended::LOST;
             }
             ClientMsg::Pong { nonce } => {
@@ -620,8 +613,7 @@ async fn control_loop(
                     }
                     Ok(_) => {}
                     Err(e) => {
-                        answer_all(send, &mut publishing).await;
-                        refuse(conn, send, e).await;
+                        refuse_after(conn, send, &mut publishing, e).await;
                         break 'session Ended::LOST;
                     }
                 }
@@ -702,14 +694,24 @@ type Answering<'a> = VecDeque<Pin<Box<dyn Future<Output = ServerMsg> + Send + 'a
 /// answer, and before a refusal (the client learns the fate of every request read before the
 /// bad one). False if the stream broke; the publishes not answered stay in `publishing`.
 async fn answer_all(send: &mut quinn::SendStream, publishing: &mut Answering<'_>) -> bool {
-    while let Some(first) = publishing.front_mut() {
-        let answer = first.await;
-        publishing.pop_front();
+    while !publishing.is_empty() {
+        let answer = first_answer(publishing).await;
         if codec::write_frame(send, &answer).await.is_err() {
             return false;
         }
     }
     true
+}
+
+/// Refuses the session with `err` once the publishes read before the bad frame are answered.
+async fn refuse_after(
+    conn: &quinn::Connection,
+    send: &mut quinn::SendStream,
+    publishing: &mut Answering<'_>,
+    err: WireError,
+) {
+    answer_all(send, publishing).await;
+    refuse(conn, send, err).await;
 }
 
 /// The answer of the oldest publish in flight, once it is ready (never, with none in flight).

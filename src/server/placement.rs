@@ -58,12 +58,12 @@ impl Drop for PlacingGuard<'_> {
     }
 }
 
-/// After a durable hello for `id` was refused past its placement (`guard` still counts it):
-/// releases the placement when it makes this node primary and nothing here holds the id (no
+/// After a durable hello was refused past its placement (`guard` still counts it): releases
+/// the placement of its id when it makes this node primary and nothing here holds the id (no
 /// queue, no copy, no other hello under way), so refused hellos leave nothing in the
 /// metadata. Without this, each refused hello for a new id would keep a placement forever.
-pub(crate) fn release_unused(shared: &Arc<Shared>, id: &str, guard: &PlacingGuard<'_>) {
-    debug_assert_eq!(guard.id, id);
+pub(crate) fn release_unused(shared: &Arc<Shared>, guard: &PlacingGuard<'_>) {
+    let id = guard.id.as_str();
     let unused = shared.core().durable_queue(id).is_none()
         && shared.copies.get(id).is_none()
         && shared.placing.count(id) == 1;
