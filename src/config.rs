@@ -233,6 +233,12 @@ pub struct ServerConfig {
     /// members in tests. Not read from the configuration file or the command line; 0 in
     /// production.
     pub clock_offset_ms: i64,
+    /// Longest wait for the copies of queues to hold a change before answering a client that
+    /// asked for it (`--ack replicated`, a durable registration, a close with keepalive) or a
+    /// peer that forwarded publishes, in milliseconds. Default
+    /// [`REPLICATED_ACK_TIMEOUT_MS`](crate::server::REPLICATED_ACK_TIMEOUT_MS); tests shorten
+    /// it. Not read from the configuration file or the command line.
+    pub replicated_ack_timeout_ms: u64,
 }
 
 /// Default of [`ServerConfig::metrics_top_queues`].
@@ -282,6 +288,7 @@ impl Default for ServerConfig {
             advertise: Vec::new(),
             metrics_top_queues: METRICS_TOP_QUEUES_DEFAULT,
             clock_offset_ms: 0,
+            replicated_ack_timeout_ms: crate::server::REPLICATED_ACK_TIMEOUT_MS,
         }
     }
 }

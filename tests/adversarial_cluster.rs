@@ -15,6 +15,8 @@
 //! - A hello refused after its id was placed leaves no placement behind.
 //! - A copy keeps a queue's away time in its own clock: skew between members never expires a
 //!   queue early after a failover.
+//! - A member whose copies did not confirm forwarded publishes in time says so, and the origin
+//!   never acknowledges such a publish as replicated (`--ack replicated`).
 
 mod common;
 
@@ -115,6 +117,32 @@ async fn copy_report(admin: &Client, id: &str) -> Option<tether::protocol::Queue
     page.queues
         .into_iter()
         .find(|q| q.durable_id.as_deref() == Some(id))
+}
+
+/// A durable client (redundancy 1, `timeout_secs`) connected to n1 under an id starting with
+/// `prefix` whose primary is n1 and whose copy is on n2 (ids are tried until one is placed so).
+async fn durable_on_n1_copied_on_n2(
+    c: &TestCluster,
+    prefix: &str,
+    timeout_secs: u64,
+) -> (Client, String) {
+    for k in 0..64 {
+        let id = format!("{prefix}-{k}");
+        let d = ClientBuilder::new()
+            .server(c.node(0).addr())
+            .ca_file(ca(c))
+            .durable(&id, timeout_secs)
+            .redundancy(1)
+            .connect()
+            .await
+            .expect("the durable client connects");
+        let placed = c.node(0).cluster().unwrap().placement(&id).expect("placed");
+        if c.index_of(placed.primary) == 0 && c.index_of(placed.secondaries[0]) == 1 {
+            return (d, id);
+        }
+        d.close(false).await.expect("close");
+    }
+    panic!("no id placed on n1 with its copy on n2");
 }
 
 /// A publish of `key` forged in the name of `origin`.
@@ -981,25 +1009,7 @@ async fn a_copy_whose_clock_runs_ahead_keeps_the_away_queue() {
     .await;
     c.leader().await;
     // A durable id whose primary is n1 (the node it connects to) and whose copy is on n2.
-    let mut chosen = None;
-    for k in 0..64 {
-        let id = format!("skewed-{k}");
-        let d = ClientBuilder::new()
-            .server(c.node(0).addr())
-            .ca_file(ca(&c))
-            .durable(&id, TIMEOUT_SECS)
-            .redundancy(1)
-            .connect()
-            .await
-            .expect("the durable client connects");
-        let placed = c.node(0).cluster().unwrap().placement(&id).expect("placed");
-        if c.index_of(placed.primary) == 0 && c.index_of(placed.secondaries[0]) == 1 {
-            chosen = Some((d, id));
-            break;
-        }
-        d.close(false).await.expect("close");
-    }
-    let (d, id) = chosen.expect("an id placed on n1 with its copy on n2");
+    let (d, id) = durable_on_n1_copied_on_n2(&c, "skewed", TIMEOUT_SECS).await;
     d.region(REGION)
         .register(Interest::all_keys())
         .await
@@ -1141,5 +1151,111 @@ async fn a_refused_hello_leaves_no_placement() {
     let a = connect_as("alice-secret").await.expect("alice comes back");
     assert_eq!(a.queue_status(), QueueStatus::Expired);
     a.close(false).await.ok();
+    c.shutdown().await;
+}
+
+/// Issue 22 point 11: a member that applied forwarded publishes but whose copies do not hold
+/// them within its wait says so (`PublishedUnconfirmed`), and the origin does not count them as
+/// replicated there: a `--ack replicated` publish gets `unavailable` naming what is replicated
+/// where, never a success. A retried run (its first answer lost) is confirmed only once every
+/// copy on the member holds what the member holds.
+///
+/// n1 holds a durable queue whose copy is on n2; n2 stops, and is not declared failed during
+/// the test (`node_failure_ms`), so n1's copy never confirms. n3 publishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_whose_copies_lag_never_claims_a_publish_replicated() {
+    use tether::protocol::PublishAck;
+    /// The wait of n1 and n2 for their copies, in milliseconds: short, so n1 answers before
+    /// n2 is declared down.
+    const MEMBER_WAIT_MS: u64 = 300;
+    /// The wait of n3 (the origin), in milliseconds: long enough for n1's answer to arrive.
+    const ORIGIN_WAIT_MS: u64 = 8_000;
+    let mut c = TestCluster::start_full(3, tether::config::Limits::default(), None, |cfg| {
+        cfg.node_failure_ms = 60_000;
+        cfg.replicated_ack_timeout_ms = if cfg.node_id.as_deref() == Some("n3") {
+            ORIGIN_WAIT_MS
+        } else {
+            MEMBER_WAIT_MS
+        };
+    })
+    .await;
+    c.leader().await;
+    let (d, _id) = durable_on_n1_copied_on_n2(&c, "lagging", 600).await;
+    d.region(REGION)
+        .register(Interest::all_keys())
+        .await
+        .expect("register");
+    d.ready_for_events().await.expect("ready");
+    let mut ev = d.events().expect("events");
+    until_live(&mut ev, REGION).await;
+    let publisher = ClientBuilder::new()
+        .server(c.node(2).addr())
+        .ca_file(ca(&c))
+        .publish_ack(PublishAck::Replicated)
+        .connect()
+        .await
+        .expect("a publisher on n3");
+    // Every member up: the publish is replicated everywhere (n3's publish log offset 1).
+    publisher
+        .region(REGION)
+        .put("before", b"v".to_vec())
+        .await
+        .expect("replicated while every member is up");
+    assert_eq!(keys(&take_events(&mut ev, 1).await), ["before"]);
+    c.nodes[1].take().unwrap().shutdown().await;
+    // Until n3 sees n2 down it waits for n2 too; then n2 is not waited for, and n1's answer
+    // decides.
+    let deadline = tokio::time::Instant::now() + STEP * 2;
+    let refused = loop {
+        match publisher.region(REGION).put("after", b"v".to_vec()).await {
+            Ok(_) => panic!("a publish n1 holds unreplicated was acknowledged as replicated"),
+            Err(e) if e.to_string().contains("not applied yet on n2") => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "n3 never saw n2 down: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => break e.to_string(),
+        }
+    };
+    assert!(
+        refused.contains("applied on n1 but not confirmed"),
+        "the refusal names n1 as applied but unconfirmed: {refused}"
+    );
+    assert!(
+        refused.contains("n2 down"),
+        "the refusal names n2 as down: {refused}"
+    );
+    // A retry of n3's first run, as after a lost answer: n1 applied it long ago, and it is
+    // confirmed only if every copy on n1 holds what n1 holds, which n2's does not.
+    let tls_dir = c.dirs[2].path().join("tls");
+    let to = c.node(0).addr();
+    let pool = pool_with(
+        &ca(&c),
+        &tls_dir.join(tls::SERVER_CERT_FILE),
+        &tls_dir.join(tls::SERVER_KEY_FILE),
+        to,
+    );
+    match pool
+        .call(
+            raft_id("n1"),
+            &to.to_string(),
+            run_of("n3", 1, &["before"], None),
+            STEP,
+        )
+        .await
+    {
+        Ok(PeerResponse::PublishedUnconfirmed { through, .. }) => assert!(through >= 1),
+        Ok(PeerResponse::Published { .. }) => {
+            panic!("a retried run was confirmed while a copy on n1 lags")
+        }
+        Ok(_) => panic!("the retried run was not applied"),
+        Err(e) => panic!("no answer: {e}"),
+    }
+    pool.close();
+    publisher.close(false).await.ok();
+    drop(ev);
+    d.close(false).await.ok();
     c.shutdown().await;
 }

@@ -168,6 +168,13 @@ pub enum PeerResponse {
     Published {
         through: u64,
     },
+    /// Every entry up to `through` is applied (or was already), but the copies of the queues
+    /// they reached did not all confirm them within the node's replicated-ack wait: the origin
+    /// must not count them as replicated on this node (`--ack replicated`).
+    PublishedUnconfirmed {
+        through: u64,
+        reason: String,
+    },
     /// Entries up to `through` are applied; the next one was refused (a full queue, the node
     /// stopping, a storage error) and must be sent again later.
     PublishDeferred {

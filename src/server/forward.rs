@@ -23,10 +23,10 @@
 //! events of one publisher stay in order on every node. Publishes of different origins
 //! interleave differently on different nodes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tether_storage::{Batch, Entry, Offset, QueueId, Store};
 use tether_transport::codec;
@@ -62,6 +62,13 @@ pub const FORWARD_RPC_TIMEOUT_MS: u64 = 10_000;
 pub const FORWARD_RETRY_MIN_MS: u64 = 50;
 /// Longest pause between forwarding attempts to an unreachable peer, in milliseconds.
 pub const FORWARD_RETRY_MAX_MS: u64 = 2_000;
+/// Most runs a peer applied without confirming their copies kept per peer; past it they merge
+/// into one span (see [`UnconfirmedRuns`]).
+pub const UNCONFIRMED_RUNS_PER_PEER_MAX: usize = 1_024;
+/// How long a peer's unconfirmed run is kept, in multiples of the replicated-ack wait: a
+/// `--ack replicated` publish waits at most twice that (for this node's copies, then for the
+/// members), so every waiter sees the runs that concern it.
+pub const UNCONFIRMED_RUNS_KEPT_WAITS: u32 = 3;
 /// With nothing to forward, how often a forwarding task checks whether the floor (what every
 /// peer has applied) moved and should be told, in milliseconds.
 pub const FORWARD_FLOOR_POLL_MS: u64 = 250;
@@ -103,6 +110,89 @@ pub(crate) struct Forwarding {
     applied_changed: tokio::sync::Notify,
     /// The session forwarded publishes are made under (created on first use).
     session: Mutex<Option<SessionId>>,
+    /// Per peer: runs it applied without confirming that its queues' copies hold them.
+    unconfirmed: Mutex<HashMap<String, UnconfirmedRuns>>,
+    /// How long an unconfirmed run is kept.
+    unconfirmed_kept: Duration,
+}
+
+/// Runs of this node's publish log a peer applied without confirming that the copies of the
+/// queues they reached hold them (the peer's own wait for its copies ran out): a
+/// `--ack replicated` publish among them is not confirmed replicated there. A run is kept for
+/// a while (longer than any such wait); past [`UNCONFIRMED_RUNS_PER_PEER_MAX`] runs they merge
+/// into one span, which may count more publishes as unconfirmed, never fewer.
+#[derive(Default)]
+pub(crate) struct UnconfirmedRuns {
+    /// `(first, last, noted at)`, oldest first.
+    runs: VecDeque<(Offset, Offset, Instant)>,
+}
+
+impl UnconfirmedRuns {
+    /// The peer applied offsets `first..=last` without confirming their copies.
+    pub(crate) fn note(&mut self, first: Offset, last: Offset, now: Instant, kept: Duration) {
+        while self
+            .runs
+            .front()
+            .is_some_and(|(_, _, at)| now.saturating_duration_since(*at) >= kept)
+        {
+            self.runs.pop_front();
+        }
+        self.runs.push_back((first, last, now));
+        if self.runs.len() > UNCONFIRMED_RUNS_PER_PEER_MAX {
+            let lo = self.runs.iter().map(|r| r.0).min().unwrap_or(first);
+            let hi = self.runs.iter().map(|r| r.1).max().unwrap_or(last);
+            self.runs.clear();
+            self.runs.push_back((lo, hi, now));
+        }
+    }
+
+    /// Whether `offset` is in a run kept as unconfirmed.
+    pub(crate) fn covers(&self, offset: Offset) -> bool {
+        self.runs
+            .iter()
+            .any(|&(first, last, _)| (first..=last).contains(&offset))
+    }
+}
+
+/// Where a publish of this node's log stands on the other members (`--ack replicated`).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Replication {
+    /// Applied, and held by the copies of the queues it reached there.
+    pub(crate) replicated: Vec<String>,
+    /// Applied, but the member's copies did not confirm it within its wait.
+    pub(crate) unconfirmed: Vec<String>,
+    /// Not applied yet, the member alive.
+    pub(crate) pending: Vec<String>,
+    /// Not applied yet, the member down: not waited for (its queues' copies take over).
+    pub(crate) down: Vec<String>,
+}
+
+impl Replication {
+    /// Nothing left to wait for and nothing unconfirmed.
+    pub(crate) fn done(&self) -> bool {
+        self.pending.is_empty() && self.unconfirmed.is_empty()
+    }
+}
+
+impl std::fmt::Display for Replication {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts = [
+            (&self.replicated, "replicated on ", ""),
+            (
+                &self.unconfirmed,
+                "applied on ",
+                " but not confirmed by the copies of the queues it reached there",
+            ),
+            (&self.pending, "not applied yet on ", ""),
+            (&self.down, "", " down (the copies of its queues take over)"),
+        ];
+        let described: Vec<String> = parts
+            .iter()
+            .filter(|(names, _, _)| !names.is_empty())
+            .map(|(names, before, after)| format!("{before}{}{after}", names.join(", ")))
+            .collect();
+        f.write_str(&described.join("; "))
+    }
 }
 
 impl Forwarding {
@@ -113,6 +203,7 @@ impl Forwarding {
         me: &str,
         peers: &[(String, String)],
         limits: &Limits,
+        replicated_wait: Duration,
     ) -> Result<Self, String> {
         let meta = store
             .queue_meta(PUBLISH_LOG_QUEUE)
@@ -158,6 +249,8 @@ impl Forwarding {
             applied: tokio::sync::Mutex::new(HashMap::new()),
             applied_changed: tokio::sync::Notify::new(),
             session: Mutex::new(None),
+            unconfirmed: Mutex::new(HashMap::new()),
+            unconfirmed_kept: replicated_wait * UNCONFIRMED_RUNS_KEPT_WAITS,
         })
     }
 
@@ -255,6 +348,43 @@ impl Forwarding {
         self.trimmed.load(Ordering::SeqCst)
     }
 
+    /// `peer` applied `first..=last` without confirming that its copies hold them.
+    fn note_unconfirmed(&self, peer: &str, first: Offset, last: Offset) {
+        self.unconfirmed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(peer.to_string())
+            .or_default()
+            .note(first, last, Instant::now(), self.unconfirmed_kept);
+        self.sent_changed.notify_waiters();
+    }
+
+    /// Where the publish at `offset` of this node's log stands on each peer; `is_live` tells
+    /// whether a member is up.
+    pub(crate) fn replication_of(
+        &self,
+        offset: Offset,
+        is_live: impl Fn(RaftId) -> bool,
+    ) -> Replication {
+        let unconfirmed = self.unconfirmed.lock().unwrap_or_else(|p| p.into_inner());
+        let mut r = Replication::default();
+        for (name, id) in &self.peers {
+            let into = if self.sent(name) < offset {
+                if is_live(*id) {
+                    &mut r.pending
+                } else {
+                    &mut r.down
+                }
+            } else if unconfirmed.get(name).is_some_and(|u| u.covers(offset)) {
+                &mut r.unconfirmed
+            } else {
+                &mut r.replicated
+            };
+            into.push(name.clone());
+        }
+        r
+    }
+
     /// Publish-log entries waiting for `peer`.
     pub(crate) fn lag(&self, peer: &str) -> u64 {
         self.committed.borrow().saturating_sub(self.sent(peer))
@@ -313,8 +443,8 @@ pub(crate) async fn forward_loop(
     let mut retry = FORWARD_RETRY_MIN_MS;
     // The floor the peer was last told (see `PeerRequest::Publish::floor`).
     let mut floor_told = 0;
-    // Runs in flight, each answering with the last offset it carried and its floor.
-    let mut in_flight: tokio::task::JoinSet<(Offset, Offset, Option<PeerResponse>)> =
+    // Runs in flight, each answering with the first and last offsets it carried and its floor.
+    let mut in_flight: tokio::task::JoinSet<(Offset, Offset, Offset, Option<PeerResponse>)> =
         tokio::task::JoinSet::new();
     // The last offset handed to a run (in flight or answered).
     let mut handed = match shared.upgrade() {
@@ -362,11 +492,15 @@ pub(crate) async fn forward_loop(
                     follows: (!in_flight.is_empty()).then_some(follows),
                 };
                 let cluster = cluster.clone();
-                let last = if floor_only { 0 } else { handed };
+                let (first, last) = if floor_only {
+                    (0, 0)
+                } else {
+                    (follows + 1, handed)
+                };
                 in_flight.spawn(async move {
                     let timeout = Duration::from_millis(FORWARD_RPC_TIMEOUT_MS);
                     let answer = cluster.call(peer_id, request, timeout).await.ok();
-                    (last, floor, answer)
+                    (first, last, floor, answer)
                 });
                 continue;
             }
@@ -387,15 +521,29 @@ pub(crate) async fn forward_loop(
                 continue;
             }
         };
-        let Some((last, floor, answer)) = answered else {
+        let Some((first, last, floor, answer)) = answered else {
             failed = true;
             continue;
         };
-        if matches!(answer, Some(PeerResponse::Published { .. })) {
+        if matches!(
+            answer,
+            Some(PeerResponse::Published { .. } | PeerResponse::PublishedUnconfirmed { .. })
+        ) {
             floor_told = floor_told.max(floor);
         }
         let through = match answer {
             Some(PeerResponse::Published { through }) => Some(through),
+            Some(PeerResponse::PublishedUnconfirmed { through, reason }) => {
+                tracing::debug!(peer, reason, "forwarded publishes not confirmed on copies");
+                if let Some(s) = shared.upgrade()
+                    && let Some(f) = &s.forwarding
+                    && through >= first
+                    && first > 0
+                {
+                    f.note_unconfirmed(&peer, first, through);
+                }
+                Some(through)
+            }
             Some(PeerResponse::PublishDeferred { through, reason }) => {
                 tracing::debug!(peer, reason, "forwarded publish deferred");
                 Some(through)
@@ -516,6 +664,7 @@ impl PublishSink for PeerInbox {
             // writer, which then refuses every later batch: nothing past `done` commits.)
             let mut submitted = Vec::new();
             let mut refused = None;
+            let skipped = entries.iter().any(|(offset, _)| *offset <= done);
             for (offset, publish) in &entries {
                 let offset = *offset;
                 if offset <= done {
@@ -569,10 +718,25 @@ impl PublishSink for PeerInbox {
                 };
             }
             // The origin counts a publish as held here once this answer arrives: wait until
-            // the queues it reached hold it on their copies too (`--ack replicated`).
-            let wait = Duration::from_millis(super::REPLICATED_ACK_TIMEOUT_MS);
-            if !s.wait_local_replicated(&appended, wait).await {
-                tracing::warn!(origin, "forwarded publishes not replicated in time");
+            // the queues it reached hold it on their copies too (`--ack replicated`). Entries
+            // applied by an earlier call (a retry after a lost answer) reached queues this call
+            // does not know: every shipped queue's copies must then hold what it holds now.
+            if skipped {
+                appended.extend(s.shipped_ends());
+            }
+            if !s.wait_local_replicated(&appended, s.replicated_wait).await {
+                tracing::warn!(
+                    origin,
+                    through = done,
+                    "forwarded publishes not replicated in time"
+                );
+                return PeerResponse::PublishedUnconfirmed {
+                    through: done,
+                    reason: format!(
+                        "applied, but the copies of the queues they reached do not all hold them within {} ms",
+                        s.replicated_wait.as_millis()
+                    ),
+                };
             }
             PeerResponse::Published { through: done }
         })
@@ -607,5 +771,60 @@ pub(crate) fn applied_marker(origin: &str, offset: Offset) -> (String, Vec<u8>) 
 impl Forwarding {
     pub(crate) fn session_slot(&self) -> &Mutex<Option<SessionId>> {
         &self.session
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEPT: Duration = Duration::from_secs(30);
+
+    #[test]
+    fn an_unconfirmed_run_covers_its_offsets_until_it_is_old() {
+        let start = Instant::now();
+        let mut runs = UnconfirmedRuns::default();
+        runs.note(5, 8, start, KEPT);
+        assert!(!runs.covers(4));
+        assert!(runs.covers(5) && runs.covers(8));
+        assert!(!runs.covers(9));
+        // A later note drops the runs older than `kept`.
+        runs.note(20, 20, start + KEPT, KEPT);
+        assert!(!runs.covers(5));
+        assert!(runs.covers(20));
+    }
+
+    #[test]
+    fn too_many_unconfirmed_runs_merge_into_one_span() {
+        let now = Instant::now();
+        let mut runs = UnconfirmedRuns::default();
+        for i in 0..=UNCONFIRMED_RUNS_PER_PEER_MAX as u64 {
+            runs.note(10 * i + 1, 10 * i + 2, now, KEPT);
+        }
+        assert_eq!(runs.runs.len(), 1);
+        // Offsets between the runs now count as unconfirmed too: more, never fewer.
+        assert!(runs.covers(1) && runs.covers(5) && runs.covers(10 * 1_024 + 2));
+        assert!(!runs.covers(10 * 1_024 + 3));
+    }
+
+    #[test]
+    fn a_replication_status_names_each_member_once() {
+        let r = Replication {
+            replicated: vec!["n2".into()],
+            unconfirmed: vec!["n3".into(), "n4".into()],
+            pending: vec!["n5".into()],
+            down: vec!["n6".into()],
+        };
+        assert!(!r.done());
+        assert_eq!(
+            r.to_string(),
+            "replicated on n2; applied on n3, n4 but not confirmed by the copies of the queues it reached there; not applied yet on n5; n6 down (the copies of its queues take over)"
+        );
+        let r = Replication {
+            replicated: vec!["n2".into()],
+            down: vec!["n3".into()],
+            ..Default::default()
+        };
+        assert!(r.done());
     }
 }

@@ -97,6 +97,9 @@ pub(crate) struct Shared {
     core: Mutex<NodeCore>,
     /// The node's clock (`clock.rs`): every timestamp the core keeps comes from it.
     pub(crate) clock: clock::Clock,
+    /// Longest wait for the copies of queues to hold a change before an answer
+    /// ([`ServerConfig::replicated_ack_timeout_ms`]).
+    pub(crate) replicated_wait: Duration,
     store: Arc<dyn Store>,
     writer: Writer,
     /// After `writer`: dropping the shared state closes the channel, then joins the thread.
@@ -444,7 +447,8 @@ impl Shared {
         Err(WireError::new(
             ErrorCode::Unavailable,
             format!(
-                "the interest change is committed here but not on every copy of the queue within {REPLICATED_ACK_TIMEOUT_MS} ms; retry (registration is idempotent)"
+                "the interest change is committed here but not on every copy of the queue within {} ms; retry (registration is idempotent)",
+                self.replicated_wait.as_millis()
             ),
         ))
     }
@@ -468,7 +472,8 @@ impl Shared {
         Err(WireError::new(
             ErrorCode::Unavailable,
             format!(
-                "the session is closed and its acks are committed here, but not on every copy of the queue within {REPLICATED_ACK_TIMEOUT_MS} ms; events acknowledged last may come again, flagged possible_duplicate"
+                "the session is closed and its acks are committed here, but not on every copy of the queue within {} ms; events acknowledged last may come again, flagged possible_duplicate",
+                self.replicated_wait.as_millis()
             ),
         ))
     }
@@ -476,7 +481,7 @@ impl Shared {
     /// Waits until every copy of session `session`'s queue holds the queue's current state
     /// (interest and away time, sent again after each change, and the acked offset, which every
     /// replication message carries: a fresh message is forced and awaited). True at
-    /// once for a queue without copies; false if that takes over `REPLICATED_ACK_TIMEOUT_MS`.
+    /// once for a queue without copies; false if that takes over `replicated_wait`.
     async fn wait_queue_state_copied(&self, session: SessionId) -> bool {
         let qid = match self.core().session(session) {
             Some(s) => s.queue,
@@ -485,40 +490,57 @@ impl Shared {
         let Some((sq, version)) = self.shipping.info_changed(qid) else {
             return true;
         };
-        let deadline =
-            tokio::time::Instant::now() + Duration::from_millis(REPLICATED_ACK_TIMEOUT_MS);
+        let deadline = tokio::time::Instant::now() + self.replicated_wait;
         shipping::Shipping::wait_info(sq, version, deadline).await
+    }
+
+    /// The committed end of every queue this node ships to copies: once each copy holds its
+    /// queue up to there, it holds everything this node applied so far.
+    pub(crate) fn shipped_ends(&self) -> Vec<(tether_storage::QueueId, tether_storage::Offset)> {
+        let qids = self.shipping.shipped();
+        let core = self.core();
+        qids.into_iter()
+            .filter_map(|qid| core.queue(qid).map(|q| (qid, q.visible_end)))
+            .collect()
     }
 
     /// `--ack replicated`: waits until every matching queue in the cluster and each of its
     /// copies holds the publish of `receipt` (members that are down are not waited for: their
-    /// queues' copies take over with the publish, see `failover.rs`).
+    /// queues' copies take over with the publish, see `failover.rs`). A member that applied
+    /// the publish but whose copies did not confirm it in its own wait fails the wait at once;
+    /// the error says which members hold it replicated, which applied it only, and which have
+    /// not applied it yet.
     pub(crate) async fn wait_replicated(&self, receipt: &Receipt) -> Result<(), WireError> {
-        let timeout = Duration::from_millis(REPLICATED_ACK_TIMEOUT_MS);
-        let late = || {
-            WireError::new(
+        let wait_ms = self.replicated_wait.as_millis();
+        if !self
+            .wait_local_replicated(&receipt.appended, self.replicated_wait)
+            .await
+        {
+            return Err(WireError::new(
                 ErrorCode::Unavailable,
                 format!(
-                    "the publish is committed but not replicated within {REPLICATED_ACK_TIMEOUT_MS} ms; it will reach every queue"
+                    "the publish is committed here but the copies of this node's queues it reached do not all hold it within {wait_ms} ms; it will reach every queue"
                 ),
-            )
-        };
-        if !self.wait_local_replicated(&receipt.appended, timeout).await {
-            return Err(late());
+            ));
         }
         let (Some(offset), Some(f)) = (receipt.logged, &self.forwarding) else {
             return Ok(());
         };
-        let deadline = tokio::time::Instant::now() + timeout;
+        let deadline = tokio::time::Instant::now() + self.replicated_wait;
         loop {
             let applied = f.sent_changed.notified();
             tokio::pin!(applied);
             applied.as_mut().enable();
-            let waiting = f
-                .peers
-                .iter()
-                .any(|(name, id)| f.sent(name) < offset && self.liveness.is_live(*id));
-            if !waiting {
+            let status = f.replication_of(offset, |id| self.liveness.is_live(id));
+            if !status.unconfirmed.is_empty() {
+                return Err(WireError::new(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "the publish is committed here and on this node's copies, but not confirmed replicated on every member: {status}; it will reach every queue"
+                    ),
+                ));
+            }
+            if status.done() {
                 return Ok(());
             }
             // Liveness changes without a notification: look again at least this often.
@@ -528,7 +550,12 @@ impl Shared {
                 .is_err()
                 && tokio::time::Instant::now() >= deadline
             {
-                return Err(late());
+                return Err(WireError::new(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "the publish is committed here and on this node's copies, but not replicated on every member within {wait_ms} ms: {status}; it will reach every queue"
+                    ),
+                ));
             }
         }
     }
@@ -896,8 +923,14 @@ impl Node {
         );
         let forwarding = if clustered {
             Some(
-                forward::Forwarding::open(&*store, &node_id, &config.peers, &config.limits)
-                    .map_err(NodeError::Recovery)?,
+                forward::Forwarding::open(
+                    &*store,
+                    &node_id,
+                    &config.peers,
+                    &config.limits,
+                    Duration::from_millis(config.replicated_ack_timeout_ms),
+                )
+                .map_err(NodeError::Recovery)?,
             )
         } else {
             None
@@ -916,6 +949,7 @@ impl Node {
         let shared = Arc::new(Shared {
             core: Mutex::new(core),
             clock,
+            replicated_wait: Duration::from_millis(config.replicated_ack_timeout_ms),
             store,
             writer,
             _writer_thread: WriterThread::new(writer_thread),

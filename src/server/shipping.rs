@@ -192,6 +192,11 @@ impl Shipping {
         self.ids().get(id).cloned()
     }
 
+    /// The queues this node ships to copies.
+    pub(crate) fn shipped(&self) -> Vec<QueueId> {
+        self.qids().keys().copied().collect()
+    }
+
     /// Wakes the shipping task of a queue that grew.
     pub(crate) fn wake(&self, qid: QueueId) {
         if let Some(sq) = self.qids().get(&qid) {
