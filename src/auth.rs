@@ -153,6 +153,13 @@ impl Authorizer {
             if t.principal.is_empty() {
                 return Err("auth.tokens: a token needs a principal".into());
             }
+            if t.principal.len() > crate::limits::PRINCIPAL_BYTES_MAX {
+                return Err(format!(
+                    "auth.tokens: a principal name of {} bytes (at most {})",
+                    t.principal.len(),
+                    crate::limits::PRINCIPAL_BYTES_MAX
+                ));
+            }
             let h = parse_hash(&t.sha256.to_ascii_lowercase()).ok_or_else(|| {
                 format!(
                     "auth.tokens: the sha256 of {:?} must be 64 hex digits (see tether hash-token)",
@@ -192,6 +199,11 @@ impl Authorizer {
         let token = match (token, cert_name) {
             (Some(t), _) => t,
             (None, Some(name)) => {
+                if name.len() > crate::limits::PRINCIPAL_BYTES_MAX {
+                    return Err(unauthenticated(
+                        "the client certificate's common name is too long",
+                    ));
+                }
                 return Ok(Principal {
                     name: name.to_string(),
                     admin: self.admins.contains(name),

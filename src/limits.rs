@@ -17,6 +17,9 @@ pub const KEY_BYTES_MAX: usize = 1024;
 pub const VALUE_BYTES_MAX: usize = 1024 * 1024;
 /// Longest durable id, in bytes of UTF-8.
 pub const DURABLE_ID_BYTES_MAX: usize = 256;
+/// Longest principal name (a token's principal or a client certificate's common name), in
+/// bytes: the owner of a durable id travels in the cluster's metadata commands.
+pub const PRINCIPAL_BYTES_MAX: usize = 1024;
 /// Largest first frame (the hello) of a client connection, in bytes: it is read before the
 /// client is authenticated, so it is held far below the frame limit.
 pub const HELLO_BYTES_MAX: usize = 16 * 1024;

@@ -17,6 +17,7 @@
 //!   queue early after a failover.
 //! - A member whose copies did not confirm forwarded publishes in time says so, and the origin
 //!   never acknowledges such a publish as replicated (`--ack replicated`).
+//! - An expired durable id stays its owner's on every member, not only where it expired.
 
 mod common;
 
@@ -1257,5 +1258,63 @@ async fn a_member_whose_copies_lag_never_claims_a_publish_replicated() {
     publisher.close(false).await.ok();
     drop(ev);
     d.close(false).await.ok();
+    c.shutdown().await;
+}
+
+/// Issue 22 point 7: an expired durable id keeps its owner on every member, not only on the
+/// node where it expired. Alice's queue expires on n1; Bob asks n2 for the id and is refused
+/// `forbidden` before anything is placed (he neither takes the id nor learns that it expired);
+/// Alice then gets it back on n2 as `expired`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_id_keeps_its_owner_on_every_member() {
+    use tether::protocol::QueueStatus;
+    let auth = alice_and_bob();
+    let c = TestCluster::start_full(3, tether::config::Limits::default(), Some(auth), |_| {}).await;
+    c.leader().await;
+    let a = ClientBuilder::new()
+        .server(c.node(0).addr())
+        .ca_file(ca(&c))
+        .token("alice-secret")
+        .durable("kept", 1)
+        .connect()
+        .await
+        .expect("alice connects");
+    assert_eq!(a.node_id(), "n1");
+    a.close(true).await.expect("away");
+    let meta = c.node(1).cluster().expect("clustered");
+    let deadline = tokio::time::Instant::now() + STEP;
+    while meta.placement("kept").is_some() || !meta.read(|s| s.expired.iter().any(|e| e == "kept"))
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "n2 never learned that alice's queue expired"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let hello = DurableHello {
+        id: "kept".into(),
+        timeout_secs: 1,
+        redundancy: 0,
+        failed_primary: None,
+    };
+    match raw_hello_as(c.node(1).addr(), &ca(&c), hello, Some("bob-secret")).await {
+        ServerMsg::Error(e) => assert_eq!(e.code, ErrorCode::Forbidden, "{e:?}"),
+        other => panic!("bob's hello on n2 for alice's expired id was answered {other:?}"),
+    }
+    assert!(
+        meta.placement("kept").is_none(),
+        "bob's refused hello placed the id"
+    );
+    let a = ClientBuilder::new()
+        .server(c.node(1).addr())
+        .ca_file(ca(&c))
+        .token("alice-secret")
+        .durable("kept", 1)
+        .connect()
+        .await
+        .expect("alice comes back on n2");
+    assert_eq!(a.node_id(), "n2");
+    assert_eq!(a.queue_status(), QueueStatus::Expired);
+    a.close(false).await.ok();
     c.shutdown().await;
 }

@@ -130,6 +130,7 @@ async fn metadata_survives_a_full_cluster_restart() {
     let expire = MetaCommand::Expire {
         id: "q3".into(),
         expected_epoch: cl.placement("q3").unwrap().epoch,
+        owner: None,
     };
     assert_eq!(cl.write(expire).await.unwrap(), MetaResponse::Expired);
     drop(cl);

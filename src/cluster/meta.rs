@@ -107,8 +107,14 @@ pub enum MetaCommand {
         expected_epoch: u64,
         node: RaftId,
     },
-    /// Expires the queue cluster-wide, once: its next client learns `expired`.
-    Expire { id: String, expected_epoch: u64 },
+    /// Expires the queue cluster-wide, once: its next client learns `expired`. `owner`: the
+    /// principal that owned the queue, if any; the id stays theirs on every member.
+    Expire {
+        id: String,
+        expected_epoch: u64,
+        #[serde(default)]
+        owner: Option<String>,
+    },
     /// Removes the queue without recording an expiry (the client closed it, or it was
     /// dropped): its next client starts a `new` queue.
     Release { id: String, expected_epoch: u64 },
@@ -152,6 +158,17 @@ impl MetaCommand {
             | MetaCommand::Release { id, .. } => (id, 0),
             MetaCommand::NodeFailed { .. } | MetaCommand::Barrier => return Ok(()),
         };
+        if let MetaCommand::Expire {
+            owner: Some(owner), ..
+        } = self
+            && owner.len() > crate::limits::PRINCIPAL_BYTES_MAX
+        {
+            return Err(format!(
+                "an owner of {} bytes (at most {})",
+                owner.len(),
+                crate::limits::PRINCIPAL_BYTES_MAX
+            ));
+        }
         if id.is_empty() || id.len() > DURABLE_ID_BYTES_MAX {
             return Err(format!(
                 "a durable id of {} bytes (1 to {DURABLE_ID_BYTES_MAX})",
@@ -194,6 +211,9 @@ pub struct MetaState {
     pub queues: BTreeMap<String, Placement>,
     /// Expired ids, oldest first, bounded by [`EXPIRED_IDS_MAX`].
     pub expired: VecDeque<String>,
+    /// The owner (principal) of each id in `expired` whose queue had one.
+    #[serde(default)]
+    pub expired_owners: BTreeMap<String, String>,
 }
 
 fn valid_replicas(primary: RaftId, secondaries: &[RaftId]) -> bool {
@@ -223,6 +243,7 @@ impl MetaState {
                     return MetaResponse::Stale(None);
                 }
                 self.expired.retain(|e| e != id);
+                self.expired_owners.remove(id);
                 let p = Placement {
                     primary: *primary,
                     secondaries: secondaries.clone(),
@@ -296,7 +317,9 @@ impl MetaState {
                 p.syncing.retain(|s| s != node);
                 MetaResponse::Placed(p.clone())
             }
-            MetaCommand::Expire { id, expected_epoch }
+            MetaCommand::Expire {
+                id, expected_epoch, ..
+            }
             | MetaCommand::Release { id, expected_epoch } => {
                 let Some(p) = self.queues.get(id) else {
                     return self.unknown(id);
@@ -309,8 +332,16 @@ impl MetaState {
                     return MetaResponse::Released;
                 }
                 self.expired.push_back(id.clone());
+                if let MetaCommand::Expire {
+                    owner: Some(owner), ..
+                } = cmd
+                {
+                    self.expired_owners.insert(id.clone(), owner.clone());
+                }
                 while self.expired.len() > EXPIRED_IDS_MAX {
-                    self.expired.pop_front();
+                    if let Some(old) = self.expired.pop_front() {
+                        self.expired_owners.remove(&old);
+                    }
                 }
                 MetaResponse::Expired
             }
@@ -544,17 +575,60 @@ mod tests {
         let expire = MetaCommand::Expire {
             id: "q".into(),
             expected_epoch: 1,
+            owner: Some("alice".into()),
         };
         assert_eq!(s.apply(2, &expire), MetaResponse::Expired);
+        assert_eq!(s.expired_owners.get("q").map(String::as_str), Some("alice"));
         assert_eq!(s.apply(3, &expire), MetaResponse::Unknown { expired: true });
         s.apply(4, &place("q", 2, &[]));
-        assert!(s.expired.is_empty());
+        assert!(s.expired.is_empty() && s.expired_owners.is_empty());
         let release = MetaCommand::Release {
             id: "q".into(),
             expected_epoch: 4,
         };
         assert_eq!(s.apply(5, &release), MetaResponse::Released);
         assert!(s.queues.is_empty() && s.expired.is_empty());
+    }
+
+    #[test]
+    fn the_oldest_expired_id_goes_with_its_owner() {
+        let mut s = MetaState::default();
+        let expire = |s: &mut MetaState, id: &str, index: u64, owner: Option<&str>| {
+            s.apply(index, &place(id, 1, &[]));
+            let cmd = MetaCommand::Expire {
+                id: id.into(),
+                expected_epoch: index,
+                owner: owner.map(str::to_string),
+            };
+            assert_eq!(s.apply(index + 1, &cmd), MetaResponse::Expired);
+        };
+        expire(&mut s, "q0", 1, Some("alice"));
+        // Fill the list without owners (directly: placing each would take long).
+        s.expired
+            .extend((1..EXPIRED_IDS_MAX).map(|i| format!("filler-{i}")));
+        expire(&mut s, "last", 3, None);
+        assert_eq!(s.expired.len(), EXPIRED_IDS_MAX);
+        assert_eq!(s.expired.front().map(String::as_str), Some("filler-1"));
+        assert!(s.expired_owners.is_empty(), "q0's owner outlived its id");
+    }
+
+    #[test]
+    fn an_owner_past_the_limit_is_refused_before_proposal() {
+        let expire = |len: usize| MetaCommand::Expire {
+            id: "q".into(),
+            expected_epoch: 1,
+            owner: Some("a".repeat(len)),
+        };
+        assert!(
+            expire(crate::limits::PRINCIPAL_BYTES_MAX)
+                .validate()
+                .is_ok()
+        );
+        assert!(
+            expire(crate::limits::PRINCIPAL_BYTES_MAX + 1)
+                .validate()
+                .is_err()
+        );
     }
 
     #[test]

@@ -403,7 +403,7 @@ enum ExpiredId {
 }
 
 /// The refusal of a durable id that another principal owns.
-fn not_yours(id: &str) -> WireError {
+pub(crate) fn not_yours(id: &str) -> WireError {
     WireError::new(
         ErrorCode::Forbidden,
         format!("durable id {id:?} belongs to another principal"),
@@ -1038,13 +1038,18 @@ impl NodeCore {
 
     /// Records that durable id `id` expired on another node of the cluster (so its next
     /// connection here reports `expired` once), unless a queue with that id lives here.
-    pub fn note_expired_elsewhere(&mut self, id: &str) -> Batch {
+    pub fn note_expired_elsewhere(&mut self, id: &str, owner: Option<&str>) -> Batch {
         let mut batch = Batch::new();
         if !self.durable.contains_key(id) {
-            self.remember_expired(id.to_string(), None);
+            self.remember_expired(id.to_string(), owner.map(str::to_string));
             self.persist_expired(&mut batch);
         }
         batch
+    }
+
+    /// The owner of expired id `id`, if it is remembered and had one.
+    pub fn expired_owner(&self, id: &str) -> Option<&str> {
+        self.expired_owner.get(id)?.as_deref()
     }
 
     fn remember_expired(&mut self, id: String, owner: Option<String>) {

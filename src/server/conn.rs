@@ -373,7 +373,7 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
     match durable.as_ref() {
         Some(d) if dropped => {
             tracing::info!(durable_id = %d.id, session, "durable client left; its queue is dropped");
-            super::placement::forget(shared, &d.id, false);
+            super::placement::forget(shared, &d.id, super::placement::Ended::Released);
         }
         Some(d) => tracing::info!(
             durable_id = %d.id,
@@ -839,7 +839,7 @@ async fn request(
             shared
                 .apply(|core| Ok(((), core.close_durable(&durable_id)?)))
                 .await?;
-            super::placement::forget(shared, &durable_id, false);
+            super::placement::forget(shared, &durable_id, super::placement::Ended::Released);
             Ok(ResponseBody::ClosedDurable { durable_id })
         }
         RequestBody::Close { keepalive } => {

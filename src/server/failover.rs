@@ -819,12 +819,17 @@ pub(crate) async fn drop_unplaced(shared: &Arc<Shared>, cluster: &Cluster, id: &
         return false;
     }
     shared.shipping.stop(id);
-    let expired = cluster.read(|s| s.expired.iter().any(|e| e == id));
+    let (expired, owner) = cluster.read(|s| {
+        (
+            s.expired.iter().any(|e| e == id),
+            s.expired_owners.get(id).cloned(),
+        )
+    });
     let dropped = shared
         .apply(|core| {
             let (mut batch, session) = core.depose(id);
             if expired {
-                batch.extend(core.note_expired_elsewhere(id));
+                batch.extend(core.note_expired_elsewhere(id, owner.as_deref()));
             }
             Ok((session, batch))
         })

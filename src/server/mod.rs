@@ -1244,7 +1244,8 @@ async fn tick_loop(shared: Arc<Shared>) {
         if let Ok(ids) = expired {
             for id in &ids {
                 tracing::info!(durable_id = %id, "durable queue expired");
-                placement::forget(&shared, id, true);
+                let owner = shared.core().expired_owner(id).map(str::to_string);
+                placement::forget(&shared, id, placement::Ended::Expired { owner });
             }
             metrics::counter!(m::QUEUES_EXPIRED).increment(ids.len() as u64);
         }

@@ -69,7 +69,7 @@ pub(crate) fn release_unused(shared: &Arc<Shared>, guard: &PlacingGuard<'_>) {
         && shared.placing.count(id) == 1;
     if unused {
         tracing::debug!(durable_id = %id, "releasing the placement of a refused hello");
-        forget(shared, id, false);
+        forget(shared, id, Ended::Released);
     }
 }
 
@@ -106,10 +106,20 @@ pub(crate) async fn place_durable(
         None => {
             // A queue left here from before the queue moved (this node was down) and ended.
             super::failover::drop_unplaced(shared, cluster, &d.id).await;
-            // Expired on whichever node held it: this connection must say `expired` once.
-            if cluster.read(|s| s.expired.contains(&d.id)) {
+            // Expired on whichever node held it: this connection must say `expired` once, to
+            // the id's owner only (checked before anything is placed).
+            let (expired, owner) = cluster.read(|s| {
+                (
+                    s.expired.contains(&d.id),
+                    s.expired_owners.get(&d.id).cloned(),
+                )
+            });
+            if owner.as_deref().is_some_and(|o| Some(o) != principal) {
+                return Err(crate::core::not_yours(&d.id));
+            }
+            if expired {
                 shared
-                    .apply(|core| Ok(((), core.note_expired_elsewhere(&d.id))))
+                    .apply(|core| Ok(((), core.note_expired_elsewhere(&d.id, owner.as_deref()))))
                     .await?;
             }
             let cmd = MetaCommand::Place {
@@ -195,11 +205,19 @@ async fn check_copy_owner(
     }
 }
 
+/// How a durable queue ended on this node.
+pub(crate) enum Ended {
+    /// Its timeout passed: its next client learns `expired`, and the id stays `owner`'s.
+    Expired { owner: Option<String> },
+    /// Closed by its client, or dropped: its next client starts a `new` queue.
+    Released,
+}
+
 /// Removes durable id `id`'s placement if this node holds it: its queue ended here, by expiry
-/// (`expired`: its next client learns `expired`) or by a close or drop. Runs in the background;
+/// or by a close or drop (`ended`). Runs in the background;
 /// a failed removal is not retried yet and only means the next client with this id is sent
 /// here, where it starts a new queue.
-pub(crate) fn forget(shared: &Arc<Shared>, id: &str, expired: bool) {
+pub(crate) fn forget(shared: &Arc<Shared>, id: &str, ended: Ended) {
     let Some(cluster) = shared.cluster.get().cloned() else {
         return;
     };
@@ -211,16 +229,16 @@ pub(crate) fn forget(shared: &Arc<Shared>, id: &str, expired: bool) {
     }
     let id = id.to_string();
     tokio::spawn(async move {
-        let cmd = if expired {
-            MetaCommand::Expire {
+        let cmd = match ended {
+            Ended::Expired { owner } => MetaCommand::Expire {
                 id: id.clone(),
                 expected_epoch: p.epoch,
-            }
-        } else {
-            MetaCommand::Release {
+                owner,
+            },
+            Ended::Released => MetaCommand::Release {
                 id: id.clone(),
                 expected_epoch: p.epoch,
-            }
+            },
         };
         if let Err(e) = cluster.write(cmd).await {
             tracing::warn!(durable_id = %id, error = %e, "could not remove the queue's placement");
