@@ -618,7 +618,7 @@ impl SessionSim {
         let first_seq = self.core.session(s).map_or(0, |x| x.next_seq);
         let store = &self.store;
         let res = self.core.publish(self.now, s, &ops, &mut |r, k| {
-            matches!(store.region_get(r, k), Ok(Some(_)))
+            Ok(matches!(store.region_get(r, k), Ok(Some(_))))
         });
         match res {
             Ok(plan) => {

@@ -88,6 +88,16 @@ pub const FORWARD_GAP_WAIT_MS: u64 = 2_000;
 /// their commit, or their copies under `ack: replicated`); the connection's next frame is read
 /// once the oldest is answered.
 pub const PUBLISHES_IN_FLIGHT_MAX: usize = 64;
+/// Bytes of publish operations (region names, keys and values) of one client connection
+/// submitted and not yet answered; the connection's next frame is read once fewer are in
+/// flight, so a connection makes the node hold at most this plus one frame of publishes.
+pub const PUBLISH_BYTES_IN_FLIGHT_PER_CONNECTION_MAX: usize = 16 * 1024 * 1024;
+/// Bytes of publish operations submitted to the storage writer and not yet committed, on the
+/// whole node; a publish beyond it waits (its connection stops reading) until commits free
+/// room. Counted in KiB ([`WRITER_QUEUE_KIB_MAX`]).
+pub const WRITER_QUEUE_BYTES_MAX: usize = 64 * 1024 * 1024;
+/// [`WRITER_QUEUE_BYTES_MAX`] in KiB, the unit of the writer's byte permits.
+pub const WRITER_QUEUE_KIB_MAX: usize = WRITER_QUEUE_BYTES_MAX / 1024;
 /// Bytes of keys and values in one part of an initial image sent in parts (a part holds at
 /// least one entry, so it may pass this by one entry).
 pub const INITIAL_IMAGE_PART_BYTES_MAX: usize = 1024 * 1024;
@@ -106,6 +116,9 @@ const _: () = {
     assert!(DELIVERY_FRAME_BODY_BYTES_MAX + VALUE_BYTES_MAX + 64 * 1024 < FRAME_BYTES_MAX);
     // One publish of maximal values must fit a frame when sent one op at a time.
     assert!(VALUE_BYTES_MAX + KEY_BYTES_MAX + REGION_NAME_BYTES_MAX < FRAME_BYTES_MAX);
+    // One largest publish always fits the budgets.
+    assert!(FRAME_BYTES_MAX <= PUBLISH_BYTES_IN_FLIGHT_PER_CONNECTION_MAX);
+    assert!(FRAME_BYTES_MAX <= WRITER_QUEUE_BYTES_MAX);
     assert!(DURABLE_TIMEOUT_SECS_DEFAULT <= DURABLE_TIMEOUT_SECS_MAX);
     // A hello with the longest durable id, token and node name fits its limit with room to
     // spare (field names, the client's name).

@@ -57,7 +57,7 @@ impl Sim {
                     key: key.into(),
                     value: b"v".to_vec(),
                 }],
-                &mut |r, k| store.region_get(r, k).unwrap().is_some(),
+                &mut |r, k| Ok(store.region_get(r, k).unwrap().is_some()),
             )
             .unwrap();
         self.store.write(&plan.batch, true).unwrap();

@@ -612,7 +612,7 @@ mod findings {
             .register(c.session, "R", &InterestSpec::AllKeys, true, true)
             .unwrap();
         store.write(&b, true).unwrap();
-        let exists = |s: &MemStore, r: &str, k: &str| matches!(s.region_get(r, k), Ok(Some(_)));
+        let exists = |s: &MemStore, r: &str, k: &str| Ok(matches!(s.region_get(r, k), Ok(Some(_))));
         let first = core
             .publish(0, p, &[invalidate("k")], &mut |r, k| exists(&store, r, k))
             .unwrap();
@@ -705,7 +705,7 @@ mod findings {
         ];
         let (mut core, _) = NodeCore::recover("n1", 0, metas, |_| None, |_, _, _| Ok(0)).unwrap();
         let (p, _) = core.publisher_session();
-        core.publish(0, p, &[put("a"), put("b")], &mut |_, _| false)
+        core.publish(0, p, &[put("a"), put("b")], &mut |_, _| Ok(false))
             .expect_err("the second op finds queue 2 full");
         let ends = (core.queue(1).unwrap().end, core.queue(2).unwrap().end);
         assert_eq!(

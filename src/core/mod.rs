@@ -1410,15 +1410,16 @@ impl NodeCore {
     }
 
     /// Turns publish operations into events, appends them to every matching queue and updates
-    /// the region store. `exists(region, key)` reads the committed region store; keys written by
-    /// uncommitted plans are tracked here. Every op is validated and every full queue found
-    /// before anything takes effect, so a refused publish changes nothing.
+    /// the region store. `exists(region, key)` reads the committed region store (an error, such
+    /// as a failed read, refuses the publish with it); keys written by uncommitted plans are
+    /// tracked here. Every op is validated, every key's existence read and every full queue
+    /// found before anything takes effect, so a refused publish changes nothing.
     pub fn publish(
         &mut self,
         now_ms: u64,
         session: SessionId,
         ops: &[PublishOp],
-        exists: &mut dyn FnMut(&str, &str) -> bool,
+        exists: &mut dyn FnMut(&str, &str) -> Result<bool, WireError>,
     ) -> Result<PublishPlan, WireError> {
         self.publish_from(now_ms, session, ops, None, exists)
     }
@@ -1431,7 +1432,7 @@ impl NodeCore {
         session: SessionId,
         ops: &[PublishOp],
         origin: Option<&EventOrigin>,
-        exists: &mut dyn FnMut(&str, &str) -> bool,
+        exists: &mut dyn FnMut(&str, &str) -> Result<bool, WireError>,
     ) -> Result<PublishPlan, WireError> {
         if ops.len() > PUBLISH_OPS_PER_REQUEST_MAX {
             return Err(WireError::new(
@@ -1457,6 +1458,20 @@ impl NodeCore {
         }
         if !self.sessions.contains_key(&session) {
             return Err(WireError::new(ErrorCode::NotFound, "no such session"));
+        }
+        // Whether each op's key exists in the committed region store (None: written by an
+        // uncommitted plan, known here), read before anything takes effect.
+        let mut existed_before = Vec::with_capacity(ops.len());
+        for op in ops {
+            let (region, key) = op_target(op);
+            let known = self
+                .overlay
+                .contains_key(&(region.to_string(), key.to_string()));
+            existed_before.push(if known {
+                None
+            } else {
+                Some(exists(region, key)?)
+            });
         }
         // Pass 1: match every op, and count the entries each queue would receive.
         let mut scratch = std::mem::take(&mut self.scratch);
@@ -1546,7 +1561,7 @@ impl NodeCore {
             let ok = (region.clone(), key.clone());
             let existed = match self.overlay.get(&ok) {
                 Some(&(e, _)) => e,
-                None => exists(region, key),
+                None => existed_before[i].unwrap_or(false),
             };
             let event_op = match kind {
                 None if existed => EventOp::Update,

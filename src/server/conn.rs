@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -539,17 +539,17 @@ async fn control_loop(
 ) -> Ended {
     let mut next_nonce: u64 = 1;
     let mut waiting: Vec<(u64, oneshot::Sender<()>)> = Vec::new();
-    let mut publishing = Answering::new();
+    let mut publishing = Answering::new(&shared.publish_bytes_in_flight);
     let (stop_tx, stop) = watch::channel(false);
     let ended = 'session: loop {
         let msg = tokio::select! {
-            answer = first_answer(&mut publishing) => {
+            answer = publishing.first_answer() => {
                 if codec::write_frame(send, &answer).await.is_err() {
                     break 'session Ended::LOST;
                 }
                 continue;
             }
-            m = reader.next::<ClientMsg>(), if publishing.len() < PUBLISHES_IN_FLIGHT_MAX => m,
+            m = reader.next::<ClientMsg>(), if publishing.has_room() => m,
             Some(answer) = probes.recv() => {
                 let nonce = next_nonce;
                 next_nonce += 1;
@@ -629,18 +629,22 @@ async fn control_loop(
                     Err(e) => Err(e),
                 };
                 let stop = stop.clone();
-                publishing.push_back(match submitted {
-                    Ok(p) => Box::pin(async move {
-                        ServerMsg::Response {
+                let bytes = super::publish_ops_bytes(&ops);
+                publishing.push(
+                    bytes,
+                    match submitted {
+                        Ok(p) => Box::pin(async move {
+                            ServerMsg::Response {
+                                id,
+                                result: published(shared, p, ack, stop).await,
+                            }
+                        }),
+                        Err(e) => Box::pin(std::future::ready(ServerMsg::Response {
                             id,
-                            result: published(shared, p, ack, stop).await,
-                        }
-                    }),
-                    Err(e) => Box::pin(std::future::ready(ServerMsg::Response {
-                        id,
-                        result: Err(e),
-                    })),
-                });
+                            result: Err(e),
+                        })),
+                    },
+                );
             }
             ClientMsg::Request { id, body } => {
                 // Every other request sees the publishes before it committed, and is answered
@@ -680,22 +684,82 @@ async fn control_loop(
     // Publishes taken before the end still finish (committed, counted, the clients of queues
     // they dropped told), without waiting for copies: there is nobody left to answer.
     let _ = stop_tx.send(true);
-    for answer in publishing {
-        answer.await;
+    while !publishing.is_empty() {
+        publishing.first_answer().await;
     }
     ended
 }
 
-/// Answers of a session's publishes, submitted in request order and awaiting their commit
-/// (and, with `ack: replicated`, their copies); written in request order.
-type Answering<'a> = VecDeque<Pin<Box<dyn Future<Output = ServerMsg> + Send + 'a>>>;
+/// An answer to come: a submitted publish awaiting its commit (and, with `ack: replicated`,
+/// its copies).
+type Answer<'a> = Pin<Box<dyn Future<Output = ServerMsg> + Send + 'a>>;
+
+/// Answers of a session's publishes, submitted in request order and written in request
+/// order, with the bytes of their operations: at most [`PUBLISHES_IN_FLIGHT_MAX`] publishes
+/// and [`PUBLISH_BYTES_IN_FLIGHT_PER_CONNECTION_MAX`] bytes (plus the last one read) are in
+/// flight. The bytes are also counted node-wide (`Shared::publish_bytes_in_flight`) until
+/// answered or dropped.
+struct Answering<'a> {
+    queue: VecDeque<(usize, Answer<'a>)>,
+    bytes: usize,
+    node_bytes: &'a AtomicU64,
+}
+
+impl<'a> Answering<'a> {
+    fn new(node_bytes: &'a AtomicU64) -> Self {
+        Answering {
+            queue: VecDeque::new(),
+            bytes: 0,
+            node_bytes,
+        }
+    }
+
+    fn push(&mut self, bytes: usize, answer: Answer<'a>) {
+        self.bytes += bytes;
+        self.node_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.queue.push_back((bytes, answer));
+    }
+
+    fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// Whether another frame may be read: a publish it carries fits the budgets.
+    fn has_room(&self) -> bool {
+        self.queue.len() < PUBLISHES_IN_FLIGHT_MAX
+            && self.bytes < PUBLISH_BYTES_IN_FLIGHT_PER_CONNECTION_MAX
+    }
+
+    /// The answer of the oldest publish in flight, once it is ready (never, with none in
+    /// flight). Cancel-safe: a publish not finished stays first.
+    async fn first_answer(&mut self) -> ServerMsg {
+        match self.queue.front_mut() {
+            Some((_, first)) => {
+                let answer = first.await;
+                if let Some((bytes, _)) = self.queue.pop_front() {
+                    self.bytes -= bytes;
+                    self.node_bytes.fetch_sub(bytes as u64, Ordering::Relaxed);
+                }
+                answer
+            }
+            None => std::future::pending().await,
+        }
+    }
+}
+
+impl Drop for Answering<'_> {
+    fn drop(&mut self) {
+        self.node_bytes
+            .fetch_sub(self.bytes as u64, Ordering::Relaxed);
+    }
+}
 
 /// Writes the answers of every publish in flight, in request order: before a later request's
 /// answer, and before a refusal (the client learns the fate of every request read before the
 /// bad one). False if the stream broke; the publishes not answered stay in `publishing`.
 async fn answer_all(send: &mut quinn::SendStream, publishing: &mut Answering<'_>) -> bool {
     while !publishing.is_empty() {
-        let answer = first_answer(publishing).await;
+        let answer = publishing.first_answer().await;
         if codec::write_frame(send, &answer).await.is_err() {
             return false;
         }
@@ -714,24 +778,11 @@ async fn refuse_after(
     refuse(conn, send, err).await;
 }
 
-/// The answer of the oldest publish in flight, once it is ready (never, with none in flight).
-/// Cancel-safe: a publish not finished stays first.
-async fn first_answer(publishing: &mut Answering<'_>) -> ServerMsg {
-    match publishing.front_mut() {
-        Some(first) => {
-            let answer = first.await;
-            publishing.pop_front();
-            answer
-        }
-        None => std::future::pending().await,
-    }
-}
-
 /// The answer of a submitted publish: once committed, and with `ack: replicated` once every
 /// matching queue's copies hold it (or once `stop` says the answer is no longer wanted).
 async fn published(
     shared: &Arc<Shared>,
-    submitted: super::Submitted<'_>,
+    submitted: super::Submitted,
     ack: PublishAck,
     mut stop: watch::Receiver<bool>,
 ) -> Result<ResponseBody, WireError> {

@@ -104,7 +104,14 @@ pub(crate) struct Shared {
     writer: Writer,
     /// After `writer`: dropping the shared state closes the channel, then joins the thread.
     _writer_thread: WriterThread,
-    write_permits: Semaphore,
+    write_permits: Arc<Semaphore>,
+    /// KiB of publish operations submitted to the writer and not committed
+    /// ([`WRITER_QUEUE_KIB_MAX`](crate::limits::WRITER_QUEUE_KIB_MAX) permits).
+    write_kib: Arc<Semaphore>,
+    /// Bytes of publish operations read from client connections and not answered yet.
+    pub(crate) publish_bytes_in_flight: std::sync::atomic::AtomicU64,
+    /// Bytes of publish operations submitted to the writer and not committed.
+    writer_queue_bytes: std::sync::atomic::AtomicU64,
     /// Delivery reads of queue entries running at once (each on a blocking thread with a
     /// storage iterator and its frame buffer).
     pub(crate) delivery_reads: Semaphore,
@@ -238,7 +245,7 @@ impl Shared {
         session: SessionId,
         ops: &[PublishOp],
         origin: Option<&forward::Origin<'_>>,
-    ) -> Result<Submitted<'_>, WireError> {
+    ) -> Result<Submitted, WireError> {
         let block = Duration::from_millis(self.limits.queue_full_block_ms);
         let deadline = tokio::time::Instant::now() + block;
         loop {
@@ -277,12 +284,32 @@ impl Shared {
         session: SessionId,
         ops: &[PublishOp],
         origin: Option<&forward::Origin<'_>>,
-    ) -> Result<Submitted<'_>, WireError> {
-        let permit = self
-            .write_permits
-            .acquire()
-            .await
-            .map_err(|_| shutdown_error())?;
+    ) -> Result<Submitted, WireError> {
+        let bytes = publish_ops_bytes(ops);
+        let kib = bytes
+            .div_ceil(1024)
+            .min(crate::limits::WRITER_QUEUE_KIB_MAX) as u32;
+        // Given back once the writer has committed the publish (or failed it), not when its
+        // answer is written: a connection waiting here for room must not wait on its own
+        // committed publishes, which it answers only after this.
+        let queued = QueuedBytes {
+            _kib: self
+                .write_kib
+                .clone()
+                .acquire_many_owned(kib)
+                .await
+                .map_err(|_| shutdown_error())?,
+            _request: self
+                .write_permits
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| shutdown_error())?,
+            shared: self.clone(),
+            bytes: bytes as u64,
+        };
+        self.writer_queue_bytes
+            .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
         let receipt_appended;
         let receipt_logged;
         let (count, enqueued, dropped, rx) = {
@@ -300,7 +327,12 @@ impl Shared {
                 session,
                 ops,
                 ids,
-                &mut |region, key| matches!(store.region_get(region, key), Ok(Some(_))),
+                &mut |region, key| match store.region_get(region, key) {
+                    Ok(v) => Ok(v.is_some()),
+                    Err(e) => Err(internal(format!(
+                        "reading key {key:?} of region {region:?}: {e}; nothing was published"
+                    ))),
+                },
             )?;
             let mut batch = plan.batch;
             let logged = match (origin, &self.forwarding) {
@@ -335,6 +367,7 @@ impl Shared {
             receipt_appended = appended.clone();
             receipt_logged = logged;
             let on_commit: writer::OnCommit = Box::new(move || {
+                drop(queued);
                 if let (Some(offset), Some(f)) = (logged, &shared.forwarding) {
                     f.committed.send_replace(offset);
                 }
@@ -374,7 +407,6 @@ impl Shared {
             )
         };
         Ok(Submitted {
-            _permit: permit,
             rx,
             enqueued,
             dropped,
@@ -388,12 +420,8 @@ impl Shared {
 
     /// The second half of [`Shared::publish_receipt`]: waits for the commit of a submitted
     /// publish, then tells the clients whose queues it dropped and counts it.
-    pub(crate) async fn finish_publish(
-        &self,
-        submitted: Submitted<'_>,
-    ) -> Result<Receipt, WireError> {
+    pub(crate) async fn finish_publish(&self, submitted: Submitted) -> Result<Receipt, WireError> {
         let Submitted {
-            _permit,
             rx,
             enqueued,
             dropped,
@@ -619,6 +647,37 @@ impl Shared {
     }
 }
 
+/// A publish's place in the writer's queue: one of its requests and its KiB, and its bytes in
+/// the node's count, all given back when it is dropped (by the writer once it has committed
+/// the publish or failed it, or at once if the publish is refused before it is submitted).
+struct QueuedBytes {
+    _kib: tokio::sync::OwnedSemaphorePermit,
+    _request: tokio::sync::OwnedSemaphorePermit,
+    shared: Arc<Shared>,
+    bytes: u64,
+}
+
+impl Drop for QueuedBytes {
+    fn drop(&mut self) {
+        self.shared
+            .writer_queue_bytes
+            .fetch_sub(self.bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The bytes a publish's operations carry (region names, keys and values): what the writer's
+/// queue and a connection's publishes in flight are bounded by.
+pub(crate) fn publish_ops_bytes(ops: &[PublishOp]) -> usize {
+    ops.iter()
+        .map(|op| match op {
+            PublishOp::Put { region, key, value } => region.len() + key.len() + value.len(),
+            PublishOp::Destroy { region, key } | PublishOp::Invalidate { region, key } => {
+                region.len() + key.len()
+            }
+        })
+        .sum()
+}
+
 fn shutdown_error() -> WireError {
     WireError::new(ErrorCode::Shutdown, "the node is shutting down")
 }
@@ -638,10 +697,10 @@ async fn wait_commit(rx: oneshot::Receiver<Result<(), String>>) -> Result<(), Wi
     }
 }
 
-/// A publish handed to the writer and not yet committed ([`Shared::submit_publish`]); it holds
-/// its place among the writer's queued requests until [`Shared::finish_publish`].
-pub(crate) struct Submitted<'a> {
-    _permit: tokio::sync::SemaphorePermit<'a>,
+/// A publish handed to the writer ([`Shared::submit_publish`]), to be finished by
+/// [`Shared::finish_publish`]. Its place among the writer's queued requests and bytes
+/// ([`QueuedBytes`]) is given back by the writer itself once it is committed.
+pub(crate) struct Submitted {
     rx: oneshot::Receiver<Result<(), String>>,
     enqueued: u64,
     /// Sessions whose queue the publish dropped for being full (drop-queue policy).
@@ -953,7 +1012,10 @@ impl Node {
             store,
             writer,
             _writer_thread: WriterThread::new(writer_thread),
-            write_permits: Semaphore::new(WRITER_QUEUE_REQUESTS_MAX),
+            write_permits: Arc::new(Semaphore::new(WRITER_QUEUE_REQUESTS_MAX)),
+            write_kib: Arc::new(Semaphore::new(crate::limits::WRITER_QUEUE_KIB_MAX)),
+            publish_bytes_in_flight: std::sync::atomic::AtomicU64::new(0),
+            writer_queue_bytes: std::sync::atomic::AtomicU64::new(0),
             delivery_reads: Semaphore::new(DELIVERY_READS_IN_FLIGHT_MAX),
             sessions: Mutex::new(HashMap::new()),
             connections: AtomicUsize::new(0),
@@ -1088,6 +1150,24 @@ impl Node {
     /// The CA certificate clients should trust.
     pub fn ca_file(&self) -> &Path {
         &self.ca
+    }
+
+    /// Bytes of publish operations read from client connections and not answered yet (each
+    /// connection holds at most
+    /// [`PUBLISH_BYTES_IN_FLIGHT_PER_CONNECTION_MAX`](crate::limits::PUBLISH_BYTES_IN_FLIGHT_PER_CONNECTION_MAX)
+    /// plus one frame).
+    pub fn publish_bytes_in_flight(&self) -> u64 {
+        self.shared
+            .publish_bytes_in_flight
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Bytes of publish operations submitted to the storage writer and not committed yet
+    /// (at most [`WRITER_QUEUE_BYTES_MAX`](crate::limits::WRITER_QUEUE_BYTES_MAX)).
+    pub fn writer_queue_bytes(&self) -> u64 {
+        self.shared
+            .writer_queue_bytes
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The metadata group handle, on a clustered node.
