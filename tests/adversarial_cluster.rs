@@ -1100,6 +1100,20 @@ async fn a_copy_whose_clock_runs_ahead_keeps_the_away_queue() {
     c.shutdown().await;
 }
 
+/// Bob's durable hello for `id` (alice's, expired) at `addr` is refused `forbidden`.
+async fn bob_is_refused(addr: SocketAddr, ca: &Path, id: &str) {
+    let hello = DurableHello {
+        id: id.into(),
+        timeout_secs: 1,
+        redundancy: 0,
+        failed_primary: None,
+    };
+    match raw_hello_as(addr, ca, hello, Some("bob-secret")).await {
+        ServerMsg::Error(e) => assert_eq!(e.code, ErrorCode::Forbidden, "{e:?}"),
+        other => panic!("bob's hello at {addr} for alice's expired id was answered {other:?}"),
+    }
+}
+
 /// Issue 22 point 2: a placement committed for a durable hello whose queue is then refused
 /// is released at once, so refused hellos leave nothing in the cluster's metadata. Here bob
 /// asks for the id of alice's expired queue: the node places it, then refuses bob
@@ -1131,16 +1145,7 @@ async fn a_refused_hello_leaves_no_placement() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let hello = DurableHello {
-        id: "brief".into(),
-        timeout_secs: 1,
-        redundancy: 0,
-        failed_primary: None,
-    };
-    match raw_hello_as(c.node(0).addr(), &ca(&c), hello, Some("bob-secret")).await {
-        ServerMsg::Error(e) => assert_eq!(e.code, ErrorCode::Forbidden, "{e:?}"),
-        other => panic!("bob's hello for alice's expired id was answered {other:?}"),
-    }
+    bob_is_refused(c.node(0).addr(), &ca(&c), "brief").await;
     let deadline = tokio::time::Instant::now() + STEP;
     while let Some(p) = meta.placement("brief") {
         assert!(
@@ -1291,16 +1296,7 @@ async fn an_expired_id_keeps_its_owner_on_every_member() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let hello = DurableHello {
-        id: "kept".into(),
-        timeout_secs: 1,
-        redundancy: 0,
-        failed_primary: None,
-    };
-    match raw_hello_as(c.node(1).addr(), &ca(&c), hello, Some("bob-secret")).await {
-        ServerMsg::Error(e) => assert_eq!(e.code, ErrorCode::Forbidden, "{e:?}"),
-        other => panic!("bob's hello on n2 for alice's expired id was answered {other:?}"),
-    }
+    bob_is_refused(c.node(1).addr(), &ca(&c), "kept").await;
     assert!(
         meta.placement("kept").is_none(),
         "bob's refused hello placed the id"
