@@ -313,6 +313,33 @@ mod tests {
     }
 
     #[test]
+    fn principal_names_are_bounded() {
+        use crate::limits::PRINCIPAL_BYTES_MAX;
+        let a = authorizer();
+        let long = "c".repeat(PRINCIPAL_BYTES_MAX + 1);
+        assert_eq!(
+            a.authenticate(None, Some(&long)).unwrap_err().code,
+            ErrorCode::Unauthenticated
+        );
+        let fits = "c".repeat(PRINCIPAL_BYTES_MAX);
+        assert_eq!(a.authenticate(None, Some(&fits)).unwrap().name, fits);
+        let config = AuthConfig {
+            client_ca: None,
+            client_crl: None,
+            admins: vec![],
+            tokens: vec![TokenEntry {
+                principal: long,
+                sha256: hash_token("l-secret"),
+            }],
+            acl: vec![],
+        };
+        let Err(err) = Authorizer::new(&config) else {
+            panic!("a long principal is refused");
+        };
+        assert!(err.contains("principal name"), "{err}");
+    }
+
+    #[test]
     fn tokens_map_to_principals() {
         let a = authorizer();
         assert_eq!(

@@ -1459,19 +1459,19 @@ impl NodeCore {
         if !self.sessions.contains_key(&session) {
             return Err(WireError::new(ErrorCode::NotFound, "no such session"));
         }
-        // Whether each op's key exists in the committed region store (None: written by an
-        // uncommitted plan, known here), read before anything takes effect.
-        let mut existed_before = Vec::with_capacity(ops.len());
+        // Each op's (region, key), and whether the key exists in the committed region store
+        // (None: written by an uncommitted plan, known here), read before anything takes
+        // effect. Pass 2 takes the keys from here.
+        let mut targets = Vec::with_capacity(ops.len());
         for op in ops {
             let (region, key) = op_target(op);
-            let known = self
-                .overlay
-                .contains_key(&(region.to_string(), key.to_string()));
-            existed_before.push(if known {
+            let target = (region.to_string(), key.to_string());
+            let existed = if self.overlay.contains_key(&target) {
                 None
             } else {
                 Some(exists(region, key)?)
-            });
+            };
+            targets.push((target, existed));
         }
         // Pass 1: match every op, and count the entries each queue would receive.
         let mut scratch = std::mem::take(&mut self.scratch);
@@ -1558,10 +1558,10 @@ impl NodeCore {
                     (region, key, Some(EventOp::Invalidate), None)
                 }
             };
-            let ok = (region.clone(), key.clone());
+            let (ok, existed_before) = std::mem::take(&mut targets[i]);
             let existed = match self.overlay.get(&ok) {
                 Some(&(e, _)) => e,
-                None => existed_before[i].unwrap_or(false),
+                None => existed_before.unwrap_or(false),
             };
             let event_op = match kind {
                 None if existed => EventOp::Update,
