@@ -74,6 +74,10 @@ pub const INFLIGHT_EVENTS_PER_SESSION_MAX: u64 = 1_000_000;
 pub const DELIVERY_READS_IN_FLIGHT_MAX: usize = 8;
 /// Bytes of entry bodies read from storage into one delivery frame.
 pub const DELIVERY_FRAME_BODY_BYTES_MAX: usize = 256 * 1024;
+/// Entries a queue's stored delivered mark is reserved past its end: one synced write of the
+/// mark covers the replay and this many live entries after it. After a power cut, entries
+/// that existed then and were not sent may come back flagged `possible_duplicate`.
+pub const DELIVERED_MARK_RESERVE_ENTRIES: u64 = 4096;
 /// Expired durable ids remembered so that their next connection sees `expired` once.
 pub const EXPIRED_IDS_REMEMBERED_MAX: usize = 100_000;
 /// How often the node looks for away queues whose durable timeout has passed, in milliseconds.

@@ -265,6 +265,85 @@ fn expiry_happens_once_at_the_timeout_and_is_reported_once() {
     assert_eq!(c.status, QueueStatus::New);
 }
 
+/// The stored delivered mark is reserved ahead (one synced write covers many frames) and a
+/// restart clamps it to the queue's end: entries that existed may come back flagged, entries
+/// appended after the restart never are.
+#[test]
+fn the_delivered_mark_is_reserved_ahead_and_clamped_at_recovery() {
+    use tether::limits::DELIVERED_MARK_RESERVE_ENTRIES as RESERVE;
+    use tether::protocol::{FLAG_POSSIBLE_DUPLICATE as D, FLAG_REPLAYED as R};
+    let mut sim = Sim::new();
+    let (p, _) = sim.core.publisher_session();
+    let (s, ..) = sim.connect(Some("X"), 300);
+    sim.register(s, "R", InterestSpec::AllKeys, true);
+    sim.put(p, "R", "a");
+    sim.core.ready(s).unwrap();
+    let q = sim.core.session(s).unwrap().queue;
+    let stored = |sim: &Sim| sim.store.queue_meta(q).unwrap().unwrap().delivered;
+    // The first frame reserves the mark past the end.
+    assert_eq!(sim.drain(s).0, [(1, R)]);
+    assert_eq!(stored(&sim), 1 + RESERVE);
+    // Frames inside the reservation write nothing.
+    for k in ["b", "c"] {
+        sim.put(p, "R", k);
+        let step = sim.core.delivery_step(s);
+        assert!(matches!(step, Step::Read { .. }), "{step:?}");
+        assert!(
+            sim.core
+                .will_send(s, sim.core.queue_reports()[0].end_offset)
+                .is_none()
+        );
+    }
+    assert_eq!(stored(&sim), 1 + RESERVE);
+    // Past the reservation: a new one, from the end.
+    for i in 0..RESERVE {
+        sim.put(p, "R", &format!("k{i}"));
+    }
+    let end = 3 + RESERVE;
+    assert_eq!(sim.core.queue_reports()[0].end_offset, end);
+    let b = sim
+        .core
+        .will_send(s, 2 + RESERVE)
+        .expect("past the reservation");
+    sim.apply(b);
+    assert_eq!(stored(&sim), end + RESERVE);
+    assert!(
+        sim.core.will_send(s, end).is_none(),
+        "covered by the reservation just made"
+    );
+    // A crash, then a restart: sent entries are flagged, a new one is not.
+    let mut core = sim.recover(10_000);
+    sim.core = std::mem::replace(&mut core, NodeCore::new("n1"));
+    let (p, _) = sim.core.publisher_session();
+    sim.put(p, "R", "new");
+    let (s2, status, pending) = sim.connect(Some("X"), 300);
+    assert_eq!((status, pending), (QueueStatus::Resumed, Some(end + 1)));
+    sim.core.ready(s2).unwrap();
+    let (got, _) = sim.drain(s2);
+    assert_eq!(got.len() as u64, end + 1);
+    assert!(
+        got[..end as usize].iter().all(|g| g.1 == R | D),
+        "{:?}",
+        &got[..4]
+    );
+    assert_eq!(got[end as usize], (end + 1, R));
+    // The client goes away: the stored mark comes back to what was sent, so entries queued
+    // while it is away are not flagged after a restart.
+    assert_eq!(
+        stored(&sim),
+        end + RESERVE,
+        "the reservation from before the crash"
+    );
+    sim.disconnect(20_000, s2, true);
+    assert_eq!(stored(&sim), end + 1);
+    sim.put(p, "R", "away");
+    sim.core = sim.recover(30_000);
+    let (s3, ..) = sim.connect(Some("X"), 300);
+    sim.core.ready(s3).unwrap();
+    let (got, _) = sim.drain(s3);
+    assert_eq!(got.last(), Some(&(end + 2, R)));
+}
+
 #[test]
 fn recovery_keeps_durable_state_and_drops_non_durable_queues() {
     let mut sim = Sim::new();

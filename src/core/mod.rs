@@ -11,6 +11,14 @@
 //! committed entries), so `pending = end - acked` in O(1). `acked_stored` is the highest
 //! acknowledged offset committed to the store: the most a copy is told (a copy never holds an
 //! ack its primary could lose in a crash).
+//!
+//! The delivered mark: `delivered` is the highest offset put on the wire (the bound of the
+//! next session's `possible_duplicate` flags); `delivered_stored` the mark in storage, reserved
+//! ahead of it by [`DELIVERED_MARK_RESERVE_ENTRIES`] and made durable (synced) before a frame
+//! past it is sent. So a power cut, which loses unsynced writes, never leaves a stored mark
+//! below an entry a client may have seen; a restart clamps the mark to the queue's end, so
+//! only entries that existed at the cut can be flagged. A session that ends brings the stored
+//! mark back to `delivered`.
 
 pub mod bytes;
 pub mod cursor;
@@ -130,6 +138,8 @@ pub struct Queue {
     pub end: Offset,
     pub visible_end: Offset,
     pub delivered: Offset,
+    /// The delivered mark in storage: at least `delivered` (see the module docs).
+    pub delivered_stored: Offset,
     pub epoch: u64,
     pub interests: Interests,
     pub state: QueueState,
@@ -805,7 +815,10 @@ impl NodeCore {
             acked_stored: meta.acked,
             end: meta.end,
             visible_end: meta.end,
-            delivered: meta.delivered.max(meta.acked),
+            // A mark reserved ahead can pass the end: entries appended from now on were never
+            // sent.
+            delivered: meta.delivered.max(meta.acked).min(meta.end.max(meta.acked)),
+            delivered_stored: meta.delivered.max(meta.acked),
             epoch: meta.epoch,
             interests: Interests::new(),
             state: QueueState::Away { since_ms },
@@ -916,7 +929,8 @@ impl NodeCore {
             );
         }
         q.delivered = q.end;
-        batch.set_delivered(qid, q.end);
+        q.delivered_stored = q.delivered_stored.max(q.end);
+        batch.set_delivered(qid, q.delivered_stored);
         if let Some(seen) = &mut q.seen {
             bound_seen(seen);
         }
@@ -1231,6 +1245,7 @@ impl NodeCore {
             end: 0,
             visible_end: 0,
             delivered: 0,
+            delivered_stored: 0,
             epoch: 1,
             interests: Interests::new(),
             state: QueueState::Attached(session),
@@ -1713,22 +1728,27 @@ impl NodeCore {
     }
 
     /// Offsets up to `last` are about to be written to the wire. Returns the write that moves
-    /// the queue's delivered mark, which must reach storage before the bytes reach the wire
-    /// (so a restarted node still flags them `possible_duplicate`).
+    /// the queue's stored delivered mark past them, when the mark reserved earlier does not
+    /// cover them: it must be durable (synced) before the bytes reach the wire, so a node
+    /// restarted after a crash or a power cut still flags them `possible_duplicate`. The mark
+    /// is reserved [`DELIVERED_MARK_RESERVE_ENTRIES`] past the queue's end, so one synced write
+    /// covers a whole replay and many live frames.
     pub fn will_send(&mut self, session: SessionId, last: Offset) -> Option<Batch> {
         let s = self.sessions.get_mut(&session)?;
         let c = s.cursor.as_mut()?;
         c.sent(last);
         s.sent = s.sent.max(last);
         let q = self.queues.get_mut(&s.queue)?;
-        if last > q.delivered {
-            q.delivered = last;
-            let mut b = Batch::new();
-            b.set_delivered(q.id, last);
-            Some(b)
-        } else {
-            None
+        q.delivered = q.delivered.max(last);
+        if last <= q.delivered_stored {
+            return None;
         }
+        q.delivered_stored = last
+            .max(q.end)
+            .saturating_add(DELIVERED_MARK_RESERVE_ENTRIES);
+        let mut b = Batch::new();
+        b.set_delivered(q.id, q.delivered_stored);
+        Some(b)
     }
 
     /// A cumulative ack. Acks beyond what this session was sent are a protocol violation.
@@ -1786,6 +1806,13 @@ impl NodeCore {
         }
         q.state = QueueState::Away { since_ms: now_ms };
         q.persist_info(&mut out.batch);
+        // Nothing more goes out: the mark reserved ahead comes back to what was sent, so
+        // entries queued while the client is away are not flagged after a restart (unless a
+        // power cut loses this write: then the reservation stands, which is conservative).
+        if q.delivered_stored > q.delivered {
+            q.delivered_stored = q.delivered;
+            out.batch.set_delivered(q.id, q.delivered);
+        }
         out
     }
 

@@ -944,8 +944,8 @@ struct FrameJob {
 }
 
 impl FrameJob {
-    /// Reads the entries, encodes the frame and writes the delivered mark (which reaches the
-    /// WAL before the bytes reach the wire). Blocking: storage I/O and CPU work. `Ok(None)`:
+    /// Reads the entries, encodes the frame and, when needed, moves the stored delivered mark
+    /// past them (durable before the bytes reach the wire). Blocking: storage I/O and CPU work. `Ok(None)`:
     /// nothing readable in the range; `Err`: the session must end (the reason is logged).
     fn frame(
         &mut self,
@@ -1001,10 +1001,16 @@ impl FrameJob {
             return Err(());
         }
         let frame: Bytes = self.out.split().freeze();
-        let mark = shared.core().will_send(session, last);
-        if let Some(batch) = mark {
-            // The delivered mark reaches the WAL before the bytes reach the wire.
-            if shared.store.write(&batch, false).is_err() {
+        // Submitted under the core lock, as every write is (the writer commits in that order).
+        let mark = {
+            let mut core = shared.core();
+            core.will_send(session, last)
+                .map(|batch| shared.writer.submit(batch, None))
+        };
+        if let Some(done) = mark {
+            // The delivered mark is durable (synced, in a group commit) before the bytes reach
+            // the wire; one such write covers many frames (`DELIVERED_MARK_RESERVE_ENTRIES`).
+            if !matches!(done.blocking_recv(), Ok(Ok(()))) {
                 return Err(());
             }
         }
