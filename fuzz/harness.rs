@@ -999,6 +999,10 @@ impl SessionSim {
                     q.delivered >= m.sent_max,
                     "session: a sent entry above delivered"
                 );
+                // The stored mark is reserved ahead of what was sent and a restart clamps it to
+                // the queue's end: entries up to it count as possibly sent from now on.
+                assert!(q.delivered <= q.end, "session: delivered past the end");
+                m.sent_max = q.delivered;
             }
         }
         let after: BTreeMap<String, (u64, u64, u64, Vec<String>)> = self
@@ -1051,6 +1055,7 @@ impl SessionSim {
             timeout_secs,
             redundancy: 0,
             failed_primary: None,
+            seen: None,
         }
     }
 
@@ -1176,6 +1181,7 @@ impl SessionSim {
                     redundancy: 0,
                     // A single node ignores a failover request.
                     failed_primary: (u.below(4) == 0).then(|| "n1".to_string()),
+                    seen: None,
                 };
                 self.connect(Some(hello), true);
                 if let Some(&s) = self.alive.last() {
@@ -1231,6 +1237,7 @@ pub fn session_with(data: &[u8], check_op_kind: bool) -> SessionStats {
                 timeout_secs: 60,
                 redundancy: 0,
                 failed_primary: None,
+                seen: None,
             }),
             false,
         );
@@ -1283,6 +1290,7 @@ pub fn hello_frame(version: u32, durable: Option<(&str, u64)>) -> Vec<u8> {
             timeout_secs: t,
             redundancy: 0,
             failed_primary: None,
+            seen: None,
         }),
         token: None,
         client: "seed".into(),

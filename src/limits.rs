@@ -78,6 +78,10 @@ pub const DELIVERY_FRAME_BODY_BYTES_MAX: usize = 256 * 1024;
 /// mark covers the replay and this many live entries after it. After a power cut, entries
 /// that existed then and were not sent may come back flagged `possible_duplicate`.
 pub const DELIVERED_MARK_RESERVE_ENTRIES: u64 = 4096;
+/// Session ids a node skips at each restart: more than a node can allocate between two
+/// writebacks of its storage, so an id whose write a power cut lost (`--sync none`) is never
+/// allocated again, and event ids (node, session, sequence) stay unique.
+pub const SESSION_IDS_SKIPPED_AT_RESTART: u64 = 1 << 24;
 /// Expired durable ids remembered so that their next connection sees `expired` once.
 pub const EXPIRED_IDS_REMEMBERED_MAX: usize = 100_000;
 /// How often the node looks for away queues whose durable timeout has passed, in milliseconds.

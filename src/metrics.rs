@@ -29,6 +29,8 @@ pub const PUBLISH_REJECTED: &str = "tether_publish_rejected_total";
 pub const PUBLISH_BLOCKED: &str = "tether_publish_blocked_total";
 pub const QUEUES_DROPPED_FULL: &str = "tether_queues_dropped_full_total";
 pub const CLIENT_ERRORS: &str = "tether_client_errors_total";
+pub const CLIENT_SEEN_FLAGS_RAISED: &str = "tether_client_seen_flags_raised_total";
+pub const CLIENT_SEEN_DIVERGED: &str = "tether_client_seen_diverged_total";
 pub const LOCK_HELD_SLOW: &str = "tether_lock_held_slow_total";
 pub const LOCK_WAIT_SLOW: &str = "tether_lock_wait_slow_total";
 pub const FORWARD_LAG: &str = "tether_forward_lag_entries";
@@ -247,6 +249,16 @@ fn describe() {
         "Queues dropped by the drop-queue policy"
     );
     describe_counter!(CLIENT_ERRORS, "Clients disconnected for an error, by code");
+    describe_counter!(
+        CLIENT_SEEN_FLAGS_RAISED,
+        "Resumed durable queues whose client had seen entries the queue did not mark delivered \
+         (flagged possible_duplicate on the client's word)"
+    );
+    describe_counter!(
+        CLIENT_SEEN_DIVERGED,
+        "Resumed durable queues that lost entries their client had seen (every entry flagged; \
+         the client told its offsets no longer match)"
+    );
     describe_counter!(
         LOCK_HELD_SLOW,
         "Node state locks held 100 ms or longer, by lock (each also logged with its caller)"

@@ -530,18 +530,21 @@ async fn a_bad_durable_hello_never_reaches_consensus() {
             timeout_secs: 60,
             redundancy: 1,
             failed_primary: None,
+            seen: None,
         },
         DurableHello {
             id: "timeout-too-long".into(),
             timeout_secs: tether::limits::DURABLE_TIMEOUT_SECS_MAX + 1,
             redundancy: 1,
             failed_primary: None,
+            seen: None,
         },
         DurableHello {
             id: "bad-failed-primary".into(),
             timeout_secs: 60,
             redundancy: 1,
             failed_primary: Some("n1 and more ".repeat(100)),
+            seen: None,
         },
     ];
     for hello in bad {
@@ -625,6 +628,7 @@ async fn only_the_owner_can_have_a_copy_promoted() {
         timeout_secs: 600,
         redundancy: 1,
         failed_primary: Some("n1".into()),
+        seen: None,
     };
     let (copy_addr, ca_file) = (c.node(copy).addr(), ca(&c));
     let failover_as =
@@ -1107,6 +1111,7 @@ async fn bob_is_refused(addr: SocketAddr, ca: &Path, id: &str) {
         timeout_secs: 1,
         redundancy: 0,
         failed_primary: None,
+        seen: None,
     };
     match raw_hello_as(addr, ca, hello, Some("bob-secret")).await {
         ServerMsg::Error(e) => assert_eq!(e.code, ErrorCode::Forbidden, "{e:?}"),

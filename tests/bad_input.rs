@@ -245,6 +245,7 @@ fn durable_hello(id: &str, timeout_secs: u64) -> Option<DurableHello> {
         timeout_secs,
         redundancy: 0,
         failed_primary: None,
+        seen: None,
     })
 }
 

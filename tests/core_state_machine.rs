@@ -34,6 +34,7 @@ impl Sim {
             timeout_secs: timeout,
             redundancy: 0,
             failed_primary: None,
+            seen: None,
         });
         let c = self.core.connect(hello.as_ref()).expect("connect");
         self.apply(c.batch);
@@ -226,6 +227,7 @@ fn acks_beyond_delivery_are_refused_and_duplicates_attached_ids_conflict() {
                 timeout_secs: 1,
                 redundancy: 0,
                 failed_primary: None,
+                seen: None,
             }))
             .unwrap_err(),
         ConnectError::Attached(s)
@@ -250,6 +252,7 @@ fn expiry_happens_once_at_the_timeout_and_is_reported_once() {
             timeout_secs: 10,
             redundancy: 0,
             failed_primary: None,
+            seen: None,
         }))
         .unwrap();
     assert_eq!(c.status, QueueStatus::Expired);
@@ -260,6 +263,7 @@ fn expiry_happens_once_at_the_timeout_and_is_reported_once() {
             timeout_secs: 10,
             redundancy: 0,
             failed_primary: None,
+            seen: None,
         }))
         .unwrap();
     assert_eq!(c.status, QueueStatus::New);
@@ -542,6 +546,7 @@ fn an_expired_durable_id_stays_its_owners() {
         timeout_secs: 1,
         redundancy: 0,
         failed_primary: None,
+        seen: None,
     };
     let forbidden = |r: Result<tether::core::Connected, ConnectError>| match r {
         Err(ConnectError::Invalid(e)) => {

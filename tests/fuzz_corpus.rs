@@ -605,6 +605,7 @@ mod findings {
             timeout_secs: 60,
             redundancy: 0,
             failed_primary: None,
+            seen: None,
         };
         let c = core.connect(Some(&hello)).unwrap();
         store.write(&c.batch, true).unwrap();

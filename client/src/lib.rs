@@ -161,6 +161,9 @@ struct DedupInner {
     /// The queue's servers as the latest session's welcome named them, until the application
     /// ends a session itself: a session that was lost instead fails over to the copies.
     queue_servers: Vec<QueueServer>,
+    /// The newest entry of the queue received from a server, told to the next server in the
+    /// hello (`DurableHello::seen`).
+    seen: Option<SeenEntry>,
 }
 
 impl DedupState {
@@ -172,6 +175,7 @@ impl DedupState {
         status: QueueStatus,
         servers: &[QueueServer],
         checkpoint: Option<u64>,
+        diverged: bool,
     ) {
         let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if d.durable_id.as_deref() != durable_id || status != QueueStatus::Resumed {
@@ -179,6 +183,16 @@ impl DedupState {
             d.acks.reset(0);
             d.live_shown = false;
             d.live_regions.clear();
+            d.seen = None;
+        } else if diverged {
+            // The server's offsets no longer match the ones processed here: an offset says
+            // nothing about an event any more (every entry comes flagged possible_duplicate).
+            tracing::warn!(
+                durable_id = ?durable_id,
+                "the server's queue lost entries this client saw: processed offsets forgotten"
+            );
+            d.acks.reset(0);
+            d.seen = None;
         }
         if let Some(c) = checkpoint
             && status == QueueStatus::Resumed
@@ -237,6 +251,23 @@ impl DedupState {
     fn processed(&self, offset: u64) {
         let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
         d.acks.processed(offset);
+    }
+
+    /// The newest entry of durable queue `id` received, if this state holds that queue.
+    fn seen(&self, id: &str) -> Option<SeenEntry> {
+        let d = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if d.durable_id.as_deref() != Some(id) {
+            return None;
+        }
+        d.seen.clone()
+    }
+
+    /// An entry at `offset` (with `event_id`, when decoded) was received.
+    fn saw(&self, offset: u64, event_id: Option<EventId>) {
+        let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if d.durable_id.is_some() && d.seen.as_ref().is_none_or(|s| s.offset < offset) {
+            d.seen = Some(SeenEntry { offset, event_id });
+        }
     }
 
     fn processed_through(&self) -> u64 {
@@ -378,6 +409,7 @@ impl ClientBuilder {
             timeout_secs,
             redundancy: self.redundancy,
             failed_primary: None,
+            seen: None,
         });
         self
     }
@@ -610,9 +642,13 @@ impl ClientBuilder {
             .open_bi()
             .await
             .map_err(|e| ClientError::Connect(e.to_string()))?;
+        let mut durable = self.durable.clone();
+        if let (Some(d), Some(dedup)) = (durable.as_mut(), &self.dedup) {
+            d.seen = dedup.seen(&d.id);
+        }
         let hello = ClientMsg::Hello {
             version: PROTOCOL_VERSION,
-            durable: self.durable.clone(),
+            durable,
             token: self.token.clone(),
             client: self.name.clone(),
         };
@@ -620,38 +656,41 @@ impl ClientBuilder {
             .await
             .map_err(|e| ClientError::Connect(e.to_string()))?;
         let mut reader = FrameReader::new(recv);
-        let (node_id, status, pending, queue_servers) = match reader.next::<ServerMsg>().await {
-            Ok(Some(ServerMsg::Welcome {
-                node_id,
-                queue,
-                pending,
-                queue_servers,
-                ..
-            })) => (node_id, queue, pending, queue_servers),
-            Ok(Some(ServerMsg::Error(e))) => return Err(ClientError::Server(e)),
-            Ok(Some(ServerMsg::Redirect { addr: to, node_id })) => {
-                conn.close(0u32.into(), b"redirected");
-                tracing::debug!(node = %node_id, to = %to, "redirect");
-                return Ok(Attempt::Redirect(to));
-            }
-            Ok(Some(other)) => {
-                return Err(ClientError::Protocol(format!(
-                    "expected a welcome, got {other:?}"
-                )));
-            }
-            Ok(None) | Err(_) => {
-                return Err(match conn.close_reason() {
-                    Some(r) => ClientError::Connect(r.to_string()),
-                    None => ClientError::Connect("the server closed the stream".into()),
-                });
-            }
-        };
+        let (node_id, status, pending, queue_servers, diverged) =
+            match reader.next::<ServerMsg>().await {
+                Ok(Some(ServerMsg::Welcome {
+                    node_id,
+                    queue,
+                    pending,
+                    queue_servers,
+                    diverged,
+                    ..
+                })) => (node_id, queue, pending, queue_servers, diverged),
+                Ok(Some(ServerMsg::Error(e))) => return Err(ClientError::Server(e)),
+                Ok(Some(ServerMsg::Redirect { addr: to, node_id })) => {
+                    conn.close(0u32.into(), b"redirected");
+                    tracing::debug!(node = %node_id, to = %to, "redirect");
+                    return Ok(Attempt::Redirect(to));
+                }
+                Ok(Some(other)) => {
+                    return Err(ClientError::Protocol(format!(
+                        "expected a welcome, got {other:?}"
+                    )));
+                }
+                Ok(None) | Err(_) => {
+                    return Err(match conn.close_reason() {
+                        Some(r) => ClientError::Connect(r.to_string()),
+                        None => ClientError::Connect("the server closed the stream".into()),
+                    });
+                }
+            };
         let dedup = self.dedup.clone().unwrap_or_default();
         dedup.attach(
             self.durable.as_ref().map(|d| d.id.as_str()),
             status,
             &queue_servers,
             self.checkpoint,
+            diverged,
         );
         let inner = Arc::new(Inner {
             send: AsyncMutex::new(send),
@@ -680,6 +719,7 @@ impl ClientBuilder {
             status,
             pending,
             queue_servers,
+            diverged,
             durable: self.durable.is_some(),
             events: Mutex::new(Some(events_rx)),
             dedup,
@@ -896,6 +936,8 @@ async fn delivery_task(
             Ok(Delivery::Events(entries)) => {
                 let seen = dedup.processed_through();
                 let mut out = Vec::with_capacity(entries.len().min(DECODE_BATCH_EVENTS));
+                // The frame's newest entry, told to the next server of this queue.
+                let newest = entries.last().map(|e| (e.offset, e.record));
                 for e in entries {
                     if out.len() >= DECODE_BATCH_EVENTS {
                         // A replay's frame holds thousands of events: hand them over in
@@ -948,6 +990,16 @@ async fn delivery_task(
                         possible_duplicate: dup,
                     }));
                 }
+                if let Some((offset, record)) = newest {
+                    let id = match out.last() {
+                        Some(ClientEvent::Event(e)) if e.offset == offset => {
+                            Some(e.event_id.clone())
+                        }
+                        // Not shown (processed before): decoded for its id alone.
+                        _ => codec::decode_body::<EventRecord>(record).ok().map(|r| r.id),
+                    };
+                    dedup.saw(offset, id);
+                }
                 out
             }
             Err(e) => {
@@ -989,6 +1041,7 @@ pub struct Client {
     status: QueueStatus,
     pending: Option<u64>,
     queue_servers: Vec<QueueServer>,
+    diverged: bool,
     durable: bool,
     events: Mutex<Option<mpsc::Receiver<Vec<ClientEvent>>>>,
     dedup: DedupState,
@@ -1010,6 +1063,13 @@ impl Client {
     /// Events waiting after the acked offset, when the queue was resumed.
     pub fn pending(&self) -> Option<u64> {
         self.pending
+    }
+
+    /// Whether the server's resumed queue lost entries this client had received in an earlier
+    /// session of this process (see `docs/protocol.md`): every entry it replays is flagged
+    /// `possible_duplicate`, and offsets processed before no longer filter anything.
+    pub fn diverged(&self) -> bool {
+        self.diverged
     }
 
     /// The server this client is connected to.

@@ -174,6 +174,20 @@ pub struct DurableHello {
     /// through the cluster metadata and serves the client; otherwise it redirects as usual.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failed_primary: Option<String>,
+    /// The newest entry of this queue the client was shown (a client resuming its queue in the
+    /// same process). A node whose queue ends below it, or holds another event at its offset,
+    /// lost entries the client saw: it says so in the welcome (`diverged`) and flags every
+    /// entry it holds `possible_duplicate`. Otherwise entries up to it are flagged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seen: Option<SeenEntry>,
+}
+
+/// The newest queue entry a client was shown: its offset and, when known, its event id.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SeenEntry {
+    pub offset: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event_id: Option<EventId>,
 }
 
 /// One node holding a durable queue (its primary or a copy), as told in the welcome.
@@ -188,6 +202,10 @@ pub struct QueueServer {
 
 fn is_zero(n: &u8) -> bool {
     *n == 0
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// Client → server frames on the control stream.
@@ -367,6 +385,11 @@ pub enum ServerMsg {
         /// its copies, in promotion order. Empty for a single node or a non-durable client.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         queue_servers: Vec<QueueServer>,
+        /// The resumed queue lost entries the client said it saw (`DurableHello::seen`): its
+        /// offsets no longer match the client's. Every entry it holds is flagged
+        /// `possible_duplicate`; the client forgets which offsets it processed.
+        #[serde(default, skip_serializing_if = "is_false")]
+        diverged: bool,
     },
     Response {
         id: u64,

@@ -211,6 +211,7 @@ fn welcome(session: u64, queue: QueueStatus, pending: Option<u64>) -> ServerMsg 
         queue,
         pending,
         queue_servers: Vec::new(),
+        diverged: false,
     }
 }
 
@@ -228,6 +229,7 @@ fn vectors() -> Vec<Vector> {
                     timeout_secs: 300,
                     redundancy: 0,
                     failed_primary: None,
+                    seen: None,
                 }),
                 token: None,
                 client: s("app"),
@@ -243,8 +245,32 @@ fn vectors() -> Vec<Vector> {
                     timeout_secs: 300,
                     redundancy: 1,
                     failed_primary: Some(s("n1")),
+                    seen: None,
                 }),
                 token: Some(s("t0k3n")),
+                client: s("app"),
+            }),
+        ),
+        v(
+            "hello-durable-seen",
+            "Hello of a durable client resuming its queue in the same process: the newest entry it received was offset 42, event n1-7-3.",
+            Msg::Client(ClientMsg::Hello {
+                version: PROTOCOL_VERSION,
+                durable: Some(DurableHello {
+                    id: s("d1"),
+                    timeout_secs: 300,
+                    redundancy: 0,
+                    failed_primary: None,
+                    seen: Some(SeenEntry {
+                        offset: 42,
+                        event_id: Some(EventId {
+                            node: s("n1"),
+                            session: 7,
+                            seq: 3,
+                        }),
+                    }),
+                }),
+                token: None,
                 client: s("app"),
             }),
         ),
@@ -436,6 +462,18 @@ fn vectors() -> Vec<Vector> {
             Msg::Server(welcome(7, QueueStatus::New, None)),
         ),
         v(
+            "welcome-diverged",
+            "A resumed queue that lost entries its client received (it ends below the seen offset): 3 entries wait, every one flagged possible_duplicate; the client forgets its processed offsets.",
+            Msg::Server(ServerMsg::Welcome {
+                node_id: s("n1"),
+                session: 9,
+                queue: QueueStatus::Resumed,
+                pending: Some(3),
+                queue_servers: Vec::new(),
+                diverged: true,
+            }),
+        ),
+        v(
             "welcome-resumed-cluster",
             "A durable client resumes its queue on a cluster node: 2 entries wait after the acked offset; the queue's primary (this node) and its copy.",
             Msg::Server(ServerMsg::Welcome {
@@ -455,6 +493,7 @@ fn vectors() -> Vec<Vector> {
                         primary: false,
                     },
                 ],
+                diverged: false,
             }),
         ),
         v(
@@ -1247,6 +1286,7 @@ fn absent_fields() {
             queue: QueueStatus::New,
             pending: None,
             queue_servers: Vec::new(),
+            diverged: false,
         }
     );
     #[derive(Serialize)]

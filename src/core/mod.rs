@@ -395,6 +395,20 @@ pub struct Connected {
     pub batch: Batch,
 }
 
+/// What a resumed queue made of the newest entry its client says it saw
+/// ([`NodeCore::client_seen`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeenVerdict {
+    /// The queue holds it, and already flags every entry up to it.
+    Consistent,
+    /// The queue holds it, but its delivered mark was below it (lost): entries up to it are
+    /// flagged `possible_duplicate` now.
+    FlagsRaised,
+    /// The queue ends below it, or holds another event at its offset: entries the client saw
+    /// are lost here and offsets no longer name the same events. Every entry is flagged.
+    Diverged,
+}
+
 /// Why a connect was not accepted.
 #[derive(Debug, PartialEq)]
 pub enum ConnectError {
@@ -748,7 +762,10 @@ impl NodeCore {
             }
         };
         core.next_queue_id = read_u64(STATE_NEXT_QUEUE_ID)?.unwrap_or(1);
-        core.next_session_id = read_u64(STATE_NEXT_SESSION_ID)?.unwrap_or(1);
+        // Skipped ahead: a session id allocated before a power cut whose write was lost
+        // (`--sync none`) is never allocated again, so event ids stay unique.
+        core.next_session_id = read_u64(STATE_NEXT_SESSION_ID)?
+            .map_or(1, |n| n.saturating_add(SESSION_IDS_SKIPPED_AT_RESTART));
         if let Some(bytes) = state(STATE_EXPIRED_IDS) {
             let ids: Vec<ExpiredId> =
                 decode_body(&bytes).map_err(|e| format!("corrupt expired ids: {e}"))?;
@@ -1727,6 +1744,48 @@ impl NodeCore {
             .map(Cursor::bounds)
     }
 
+    /// Where a just resumed session's queue stands: `(queue, acked, visible end)`, to read the
+    /// entry its client says it saw (see [`client_seen`](Self::client_seen)).
+    pub fn resumed_queue(&self, session: SessionId) -> Option<(QueueId, Offset, Offset)> {
+        let s = self.sessions.get(&session)?;
+        let q = self.queues.get(&s.queue)?;
+        Some((q.id, q.acked, q.visible_end))
+    }
+
+    /// The client of a resumed (not yet ready) session saw the queue's entry at `offset`
+    /// (defence in depth against a queue that lost entries, issue 22 point 9). `same_event`:
+    /// whether the entry stored at `offset` carries the event id the client saw (None: not
+    /// checked). Raises the session's `possible_duplicate` bound to cover what the client saw,
+    /// or every entry when the queue diverged; returns the verdict and the write of the raised
+    /// delivered mark.
+    pub fn client_seen(
+        &mut self,
+        session: SessionId,
+        offset: Offset,
+        same_event: Option<bool>,
+    ) -> Option<(SeenVerdict, Option<Batch>)> {
+        let s = self.sessions.get(&session)?;
+        if s.cursor.is_some() {
+            return None; // ready already: its flags are fixed
+        }
+        let q = self.queues.get_mut(&s.queue)?;
+        let (verdict, bound) = if offset > q.end || same_event == Some(false) {
+            (SeenVerdict::Diverged, q.end)
+        } else if offset > q.delivered {
+            (SeenVerdict::FlagsRaised, offset)
+        } else {
+            (SeenVerdict::Consistent, offset)
+        };
+        q.delivered = q.delivered.max(bound);
+        let batch = (q.delivered > q.delivered_stored).then(|| {
+            q.delivered_stored = q.delivered;
+            let mut b = Batch::new();
+            b.set_delivered(q.id, q.delivered);
+            b
+        });
+        Some((verdict, batch))
+    }
+
     /// Offsets up to `last` are about to be written to the wire. Returns the write that moves
     /// the queue's stored delivered mark past them, when the mark reserved earlier does not
     /// cover them: it must be durable (synced) before the bytes reach the wire, so a node
@@ -2080,6 +2139,7 @@ mod tests {
             timeout_secs: 60,
             redundancy: 1,
             failed_primary: None,
+            seen: None,
         };
         let c = core.connect(Some(&hello)).unwrap();
         // Attached: not handed over.

@@ -37,6 +37,10 @@ pub(crate) struct NodeStats {
     pub(crate) enqueued: AtomicU64,
     pub(crate) delivered: AtomicU64,
     pub(crate) acked: AtomicU64,
+    /// Resumed queues whose client saw entries they did not mark delivered (issue 22, point 9).
+    pub(crate) seen_flags_raised: AtomicU64,
+    /// Resumed queues that lost entries their client saw.
+    pub(crate) seen_diverged: AtomicU64,
 }
 
 impl NodeStats {
@@ -280,6 +284,8 @@ async fn api_node(State(a): State<AdminState>, headers: HeaderMap) -> Result<Res
             "events_enqueued": s.enqueued.load(Ordering::Relaxed),
             "events_delivered": s.delivered.load(Ordering::Relaxed),
             "events_acked": s.acked.load(Ordering::Relaxed),
+            "client_seen_flags_raised": s.seen_flags_raised.load(Ordering::Relaxed),
+            "client_seen_diverged": s.seen_diverged.load(Ordering::Relaxed),
         },
         "now_ms": now,
     });

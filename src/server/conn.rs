@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use tether_storage::{Offset, QueueId};
+use tether_storage::{Batch, Offset, QueueId};
 use tether_transport::codec::{self, CodecError, FrameReader};
 use tether_transport::{PROTOCOL_VERSION, tls};
 use tokio::sync::{Notify, mpsc, oneshot, watch};
@@ -16,7 +16,7 @@ use tokio::sync::{Notify, mpsc, oneshot, watch};
 use super::{SessionHandle, Shared, internal};
 use crate::auth::{Access, Principal};
 use crate::core::pace::ReplayPacer;
-use crate::core::{ConnectError, FlagBounds, SessionId, Step};
+use crate::core::{ConnectError, FlagBounds, SeenVerdict, SessionId, Step};
 use crate::limits::*;
 use crate::metrics as m;
 use crate::protocol::*;
@@ -289,6 +289,29 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
     };
     drop(placing);
     let session = connected.session;
+    let diverged = match durable
+        .as_ref()
+        .and_then(|d| d.seen.as_ref().map(|s| (d, s)))
+    {
+        Some((d, seen)) if connected.status == QueueStatus::Resumed => {
+            match check_client_seen(shared, session, &d.id, seen).await {
+                Ok(diverged) => diverged,
+                Err(e) => {
+                    // The session exists: end it as any other (the queue stays, away).
+                    shared
+                        .apply(|core| {
+                            let d = core.disconnect(shared.clock.now_ms(), session, true);
+                            Ok(((), d.batch))
+                        })
+                        .await
+                        .ok();
+                    refuse(&conn, &mut send, e).await;
+                    return Err(());
+                }
+            }
+        }
+        _ => false,
+    };
     if let (Some(p), Some(d)) = (&placed, &durable) {
         // Before the welcome: a queue with copies must not deliver what they may lack.
         super::failover::ensure_shipping(shared, &d.id, p);
@@ -338,6 +361,7 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         queue: connected.status,
         pending: connected.pending,
         queue_servers,
+        diverged,
     };
     let ended = match codec::write_frame(&mut send, &welcome).await {
         Err(_) => Ended::LOST,
@@ -419,6 +443,78 @@ fn queue_servers(
 }
 
 /// Attaches a session, taking over a durable id whose old connection no longer answers.
+/// Issue 22, point 9 (defence in depth): checks the newest entry the client of a resumed queue
+/// says it saw against the queue, reading the entry stored at its offset for its event id, and
+/// raises the session's `possible_duplicate` bound to cover it (every entry, if the queue
+/// diverged). Returns whether it diverged. Both outcomes other than "consistent" are counted
+/// and logged: they mean this node lost entries or a delivered mark.
+async fn check_client_seen(
+    shared: &Arc<Shared>,
+    session: SessionId,
+    durable_id: &str,
+    seen: &SeenEntry,
+) -> Result<bool, WireError> {
+    let Some((queue, acked, visible_end)) = shared.core().resumed_queue(session) else {
+        return Ok(false);
+    };
+    let same_event = match &seen.event_id {
+        Some(id) if seen.offset > acked && seen.offset <= visible_end => {
+            let store = shared.store.clone();
+            let offset = seen.offset;
+            let body = tokio::task::spawn_blocking(move || {
+                let mut body = None;
+                store
+                    .read_entries(queue, offset, offset, usize::MAX, &mut |_, _, b| {
+                        body = Some(b.to_vec())
+                    })
+                    .map(|_| body)
+            })
+            .await
+            .map_err(|_| internal("reading a queue entry failed"))?
+            .map_err(|e| internal(format!("reading a queue entry failed: {e}")))?;
+            body.and_then(|b| codec::decode_body::<EventRecord>(&b).ok())
+                .map(|r| &r.id == id)
+        }
+        _ => None,
+    };
+    let verdict = shared
+        .apply(|core| {
+            Ok(match core.client_seen(session, seen.offset, same_event) {
+                Some((v, b)) => (Some(v), b.unwrap_or_default()),
+                None => (None, Batch::new()),
+            })
+        })
+        .await?;
+    match verdict {
+        Some(SeenVerdict::FlagsRaised) => {
+            super::admin::NodeStats::add(&shared.stats.seen_flags_raised, 1);
+            metrics::counter!(m::CLIENT_SEEN_FLAGS_RAISED).increment(1);
+            tracing::warn!(
+                durable_id,
+                session,
+                seen = seen.offset,
+                "the client saw entries this queue did not mark delivered: flagged now"
+            );
+            Ok(false)
+        }
+        Some(SeenVerdict::Diverged) => {
+            super::admin::NodeStats::add(&shared.stats.seen_diverged, 1);
+            metrics::counter!(m::CLIENT_SEEN_DIVERGED).increment(1);
+            tracing::error!(
+                durable_id,
+                session,
+                seen = seen.offset,
+                seen_event = ?seen.event_id,
+                queue_end = visible_end,
+                "the client saw entries this queue does not hold: every entry is flagged \
+                 possible_duplicate and the client is told its offsets no longer match"
+            );
+            Ok(true)
+        }
+        Some(SeenVerdict::Consistent) | None => Ok(false),
+    }
+}
+
 async fn connect(
     shared: &Arc<Shared>,
     durable: Option<&DurableHello>,

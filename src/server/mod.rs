@@ -1170,6 +1170,14 @@ impl Node {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Resumed durable queues whose client had seen more than they knew, since the node
+    /// started: `(flags raised, diverged)` (see [`SeenVerdict`](crate::core::SeenVerdict)).
+    pub fn client_seen_counts(&self) -> (u64, u64) {
+        let s = &self.shared.stats;
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        (load(&s.seen_flags_raised), load(&s.seen_diverged))
+    }
+
     /// The metadata group handle, on a clustered node.
     pub fn cluster(&self) -> Option<&Arc<Cluster>> {
         self.shared.cluster.get()
