@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
-use tether::core::{ConnectError, NodeCore, SessionId, Step};
+use tether::core::{ConnectError, NodeCore, SeenVerdict, SessionId, Step};
 use tether::limits::{
     DURABLE_ID_BYTES_MAX, DURABLE_TIMEOUT_SECS_MAX, HELLO_BYTES_MAX, KEY_BYTES_MAX,
     REGION_NAME_BYTES_MAX, VALUE_BYTES_MAX,
@@ -525,6 +525,49 @@ impl SessionSim {
             _ if !self.alive.is_empty() => self.alive[u.below(self.alive.len())],
             _ => 1,
         }
+    }
+
+    /// The client of a session not ready yet says which entry it saw last (issue 22, point 9):
+    /// the verdict follows the queue's end and the event check, and entries up to the bound
+    /// count as possibly sent from now on.
+    fn client_seen(&mut self, s: SessionId, u: &mut Unstructured<'_>) {
+        let Some(qid) = self.core.session(s).filter(|x| x.durable).map(|x| x.queue) else {
+            return;
+        };
+        let Some(q) = self.core.queue(qid) else {
+            return;
+        };
+        let (end, delivered) = (q.end, q.delivered);
+        let offset = u.below(end as usize + 3) as u64;
+        let same_event = match u.below(3) {
+            0 => None,
+            1 => Some(true),
+            _ => Some(false),
+        };
+        let Some((verdict, batch)) = self.core.client_seen(s, offset, same_event) else {
+            return;
+        };
+        let diverged = offset > end || same_event == Some(false);
+        let expected = if diverged {
+            SeenVerdict::Diverged
+        } else if offset > delivered {
+            SeenVerdict::FlagsRaised
+        } else {
+            SeenVerdict::Consistent
+        };
+        assert_eq!(
+            verdict, expected,
+            "session: client_seen({offset}) of queue end {end}"
+        );
+        self.stats.seen_checks += 1;
+        self.stats.seen_diverged += usize::from(diverged);
+        if let Some(b) = batch {
+            self.submit(b, None);
+            self.flush();
+        }
+        let bound = if diverged { end } else { offset };
+        let qm = self.qmodel.entry(qid).or_default();
+        qm.sent_max = qm.sent_max.max(bound);
     }
 
     fn note_session(&mut self, s: SessionId, durable: bool) {
@@ -1184,6 +1227,11 @@ impl SessionSim {
                     seen: None,
                 };
                 self.connect(Some(hello), true);
+                if let Some(&s) = self.alive.last()
+                    && u.below(4) == 0
+                {
+                    self.client_seen(s, u);
+                }
                 if let Some(&s) = self.alive.last() {
                     let spec = match u.below(3) {
                         0 => InterestSpec::AllKeys,
@@ -1261,6 +1309,9 @@ pub struct SessionStats {
     pub acks_ok: usize,
     pub recoveries: usize,
     pub resumes: usize,
+    /// Checks of what a client saw, and how many of them found the queue diverged.
+    pub seen_checks: usize,
+    pub seen_diverged: usize,
 }
 
 /// Runs a harness by target name (for the corpus replay test).

@@ -160,6 +160,8 @@ fn harnesses_hold_on_seeded_random_inputs() {
                 total.acks_ok += st.acks_ok;
                 total.recoveries += st.recoveries;
                 total.resumes += st.resumes;
+                total.seen_checks += st.seen_checks;
+                total.seen_diverged += st.seen_diverged;
             }
             Err(_) => failures.push(try_run("session", &ops).unwrap_err()),
         }
@@ -189,7 +191,9 @@ fn harnesses_hold_on_seeded_random_inputs() {
                 && total.flagged_duplicates > 0
                 && total.acks_ok > 100
                 && total.recoveries > cases
-                && total.resumes > 100,
+                && total.resumes > 100
+                && total.seen_checks > total.seen_diverged
+                && total.seen_diverged > 0,
             "random op sequences are too shallow: {total:?}"
         );
     }
