@@ -19,11 +19,13 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tether::client::{AckMode, ClientBuilder, ClientEvent, DedupState, Interest};
+use tether::client::{
+    AckMode, Client, ClientBuilder, ClientEvent, DedupState, EventStream, Interest,
+};
 use tether::config::{ServerConfig, SyncMode};
 use tether::protocol::QueueStatus;
 use tether::server::Node;
-use tether_storage::{Batch, Offset, QueueId, QueueMeta, RocksStore, StorageError, Store};
+use tether_storage::{Batch, RocksStore, StorageError, Store};
 
 use common::{QUIET, entries, take_events};
 
@@ -95,42 +97,10 @@ impl Store for PowerCutStore {
         }
         Ok(())
     }
-    fn queue_meta(&self, queue: QueueId) -> Result<Option<QueueMeta>, StorageError> {
-        self.visible.queue_meta(queue)
-    }
-    fn queues(&self) -> Result<Vec<(QueueId, QueueMeta)>, StorageError> {
-        self.visible.queues()
-    }
-    fn read_entries(
-        &self,
-        queue: QueueId,
-        from: Offset,
-        to: Offset,
-        max_bytes: usize,
-        visit: &mut dyn FnMut(Offset, u8, &[u8]),
-    ) -> Result<usize, StorageError> {
-        self.visible.read_entries(queue, from, to, max_bytes, visit)
-    }
     fn region_get(&self, region: &str, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
         self.visible.region_get(region, key)
     }
-    fn region_scan(
-        &self,
-        region: &str,
-        after: Option<&str>,
-        visit: &mut dyn FnMut(&str, &[u8]) -> std::ops::ControlFlow<()>,
-    ) -> Result<(), StorageError> {
-        self.visible.region_scan(region, after, visit)
-    }
-    fn state_get(&self, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
-        self.visible.state_get(key)
-    }
-    fn flush(&self) -> Result<(), StorageError> {
-        self.visible.flush()
-    }
-    fn quiesce(&self) {
-        self.visible.quiesce()
-    }
+    store_passthrough!(visible);
 }
 
 fn builder(node: &Node) -> ClientBuilder {
@@ -138,6 +108,68 @@ fn builder(node: &Node) -> ClientBuilder {
         .server(node.addr())
         .ca_file(node.ca_file())
         .ack_interval(Duration::from_millis(20))
+}
+
+/// A node on a store whose power can be cut.
+struct Machine {
+    config: ServerConfig,
+    store: Arc<PowerCutStore>,
+    node: Node,
+}
+
+impl Machine {
+    async fn start(dir: &Path, sync: SyncMode) -> Machine {
+        let mut config = ServerConfig::ephemeral(dir);
+        config.sync = sync;
+        let store = Arc::new(PowerCutStore::open(&dir.join("db")));
+        let node = Node::start_with_store(config.clone(), store.clone())
+            .await
+            .unwrap();
+        Machine {
+            config,
+            store,
+            node,
+        }
+    }
+
+    /// Cuts the power, then starts the node again on what the disk kept.
+    async fn cut_and_restart(self) -> Node {
+        let survivor = self.store.cut();
+        self.node.shutdown().await;
+        drop(self.store);
+        let store = Arc::new(RocksStore::open(&survivor).unwrap());
+        Node::start_with_store(self.config, store).await.unwrap()
+    }
+}
+
+/// Durable client "d" with interest in all of region R; `state` shared across its sessions.
+/// It acks nothing (its acks would race the power cut).
+async fn subscriber(node: &Node, state: &DedupState, mode: AckMode) -> Client {
+    let d = builder(node)
+        .durable("d", 300)
+        .dedup_state(state.clone())
+        .ack_mode(mode)
+        .ack_interval(Duration::from_secs(3600))
+        .connect()
+        .await
+        .unwrap();
+    d.region("R").register(Interest::all_keys()).await.unwrap();
+    d
+}
+
+/// "d" again, with `state`, after the restart: its queue was resumed with `pending` entries.
+async fn resume(node: &Node, state: &DedupState, pending: u64) -> Client {
+    let d = builder(node)
+        .durable("d", 300)
+        .dedup_state(state.clone())
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(
+        (d.queue_status(), d.pending()),
+        (QueueStatus::Resumed, Some(pending))
+    );
+    d
 }
 
 /// Publishes `keys` on region R, each acknowledged (so synced under the node's sync mode).
@@ -164,189 +196,7 @@ fn seen(evs: &[ClientEvent]) -> Vec<(String, u64, bool, bool)> {
         .collect()
 }
 
-/// A node under `--sync none` whose durable client "d" (sharing `state` across its sessions)
-/// received k0..k5 at offsets 1..6 and processed them all, then a power cut that keeps only
-/// k0..k2 (the OS wrote them back; the rest was in its cache). Returns the restarted node.
-async fn a_cut_takes_entries_the_client_saw(dir: &Path, state: &DedupState) -> Node {
-    let mut config = ServerConfig::ephemeral(dir);
-    config.sync = SyncMode::None;
-    let store = Arc::new(PowerCutStore::open(&dir.join("db")));
-    let node = Node::start_with_store(config.clone(), store.clone())
-        .await
-        .unwrap();
-    let d = builder(&node)
-        .durable("d", 300)
-        .dedup_state(state.clone())
-        .ack_interval(Duration::from_secs(3600))
-        .connect()
-        .await
-        .unwrap();
-    d.region("R").register(Interest::all_keys()).await.unwrap();
-    d.ready_for_events().await.unwrap();
-    let mut events = d.events().unwrap();
-    publish(&node, 0..3).await;
-    take_events(&mut events, 3).await;
-    store.writeback();
-    publish(&node, 3..6).await;
-    let got = take_events(&mut events, 3).await;
-    assert_eq!(entries(&got).last().map(|e| e.offset), Some(6));
-    events.commit();
-    drop(events);
-    d.crash();
-    let survivor = store.cut();
-    node.shutdown().await;
-    drop(store);
-    Node::start_with_store(config, Arc::new(RocksStore::open(&survivor).unwrap()))
-        .await
-        .unwrap()
-}
-
-/// The queue comes back ending at offset 3; the client saw offset 6. New events then take
-/// offsets 4.. again: the client must show them, not drop them as processed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_queue_ending_below_what_its_client_saw_says_so() {
-    let dir = tempfile::tempdir().unwrap();
-    let state = DedupState::default();
-    let node = a_cut_takes_entries_the_client_saw(dir.path(), &state).await;
-    let d = builder(&node)
-        .durable("d", 300)
-        .dedup_state(state.clone())
-        .connect()
-        .await
-        .unwrap();
-    assert_eq!(
-        (d.queue_status(), d.pending()),
-        (QueueStatus::Resumed, Some(3))
-    );
-    assert!(
-        d.diverged(),
-        "the welcome says the queue lost what the client saw"
-    );
-    assert_eq!(node.client_seen_counts(), (0, 1));
-    d.region("R").register(Interest::all_keys()).await.unwrap();
-    d.ready_for_events().await.unwrap();
-    let mut events = d.events().unwrap();
-    let replay = take_events(&mut events, 3).await;
-    let t = true;
-    assert_eq!(
-        seen(&replay),
-        [
-            ("k0".into(), 1, t, t),
-            ("k1".into(), 2, t, t),
-            ("k2".into(), 3, t, t)
-        ],
-        "shown again (offsets no longer filter), every one flagged"
-    );
-    publish_named(&node, "new", 0..3).await;
-    let live = take_events(&mut events, 3).await;
-    let f = false;
-    assert_eq!(
-        seen(&live),
-        [
-            ("new0".into(), 4, f, f),
-            ("new1".into(), 5, f, f),
-            ("new2".into(), 6, f, f)
-        ],
-        "new events at offsets the client saw before are shown"
-    );
-    drop(events);
-    d.close(false).await.unwrap();
-    node.shutdown().await;
-}
-
-/// New events fill the queue up to the offset the client saw before it resumes: the offset is
-/// there, the event is another. The event id the client sends tells them apart. (This failed
-/// while a restart reused session ids whose write the cut lost: the new events then had the
-/// very ids of the lost ones.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_queue_holding_another_event_at_the_offset_its_client_saw_says_so() {
-    let dir = tempfile::tempdir().unwrap();
-    let state = DedupState::default();
-    let node = a_cut_takes_entries_the_client_saw(dir.path(), &state).await;
-    publish_named(&node, "new", 0..3).await;
-    let d = builder(&node)
-        .durable("d", 300)
-        .dedup_state(state.clone())
-        .connect()
-        .await
-        .unwrap();
-    assert_eq!(
-        (d.queue_status(), d.pending()),
-        (QueueStatus::Resumed, Some(6))
-    );
-    assert!(d.diverged());
-    assert_eq!(node.client_seen_counts(), (0, 1));
-    d.ready_for_events().await.unwrap();
-    let mut events = d.events().unwrap();
-    let replay = take_events(&mut events, 6).await;
-    let keys: Vec<_> = seen(&replay).into_iter().map(|(k, ..)| k).collect();
-    assert_eq!(keys, ["k0", "k1", "k2", "new0", "new1", "new2"]);
-    assert!(
-        entries(&replay)
-            .iter()
-            .all(|e| e.replayed && e.possible_duplicate),
-        "{replay:?}"
-    );
-    drop(events);
-    d.close(false).await.unwrap();
-    node.shutdown().await;
-}
-
-/// The entries survive a cut, their delivered mark does not (`--sync none`): the client's word
-/// flags what it saw.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_delivered_mark_is_made_up_for_by_what_the_client_saw() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut config = ServerConfig::ephemeral(dir.path());
-    config.sync = SyncMode::None;
-    let store = Arc::new(PowerCutStore::open(&dir.path().join("db")));
-    let node = Node::start_with_store(config.clone(), store.clone())
-        .await
-        .unwrap();
-    let state = DedupState::default();
-    let d = builder(&node)
-        .durable("d", 300)
-        .dedup_state(state.clone())
-        .ack_interval(Duration::from_secs(3600))
-        .connect()
-        .await
-        .unwrap();
-    d.region("R").register(Interest::all_keys()).await.unwrap();
-    publish(&node, 0..3).await;
-    // Queued, and on the disk; then sent (the mark stays in the OS cache).
-    store.writeback();
-    d.ready_for_events().await.unwrap();
-    let mut events = d.events().unwrap();
-    // k0 and k1 processed (the next one was asked for), k2 shown and not processed.
-    take_events(&mut events, 3).await;
-    drop(events);
-    d.crash();
-    let survivor = store.cut();
-    node.shutdown().await;
-    drop(store);
-    let node = Node::start_with_store(config, Arc::new(RocksStore::open(&survivor).unwrap()))
-        .await
-        .unwrap();
-    let d = builder(&node)
-        .durable("d", 300)
-        .dedup_state(state.clone())
-        .connect()
-        .await
-        .unwrap();
-    assert_eq!(
-        (d.queue_status(), d.pending()),
-        (QueueStatus::Resumed, Some(3))
-    );
-    assert!(!d.diverged());
-    assert_eq!(node.client_seen_counts(), (1, 0));
-    d.ready_for_events().await.unwrap();
-    let mut events = d.events().unwrap();
-    let replay = take_events(&mut events, 1).await;
-    assert_eq!(
-        seen(&replay),
-        [("k2".into(), 3, true, true)],
-        "k0 and k1 were processed (not shown again); k2 was seen: flagged"
-    );
+async fn finish(events: EventStream, d: Client, node: Node) {
     drop(events);
     d.close(false).await.unwrap();
     node.shutdown().await;
@@ -355,25 +205,16 @@ async fn a_lost_delivered_mark_is_made_up_for_by_what_the_client_saw() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn entries_sent_before_a_power_cut_come_back_flagged_possible_duplicate() {
     let dir = tempfile::tempdir().unwrap();
-    let config = ServerConfig::ephemeral(dir.path());
-    let store = Arc::new(PowerCutStore::open(&dir.path().join("db")));
-    let node = Node::start_with_store(config.clone(), store.clone())
-        .await
-        .unwrap();
+    let m = Machine::start(dir.path(), SyncMode::Batch).await;
+    let state = DedupState::default();
 
     // A durable client that receives 5 events and acks none of them.
-    let d = builder(&node)
-        .durable("d", 300)
-        .ack_mode(AckMode::Manual)
-        .connect()
-        .await
-        .unwrap();
-    d.region("R").register(Interest::all_keys()).await.unwrap();
+    let d = subscriber(&m.node, &state, AckMode::Manual).await;
     d.ready_for_events().await.unwrap();
     let mut events = d.events().unwrap();
-    publish(&node, 0..3).await;
+    publish(&m.node, 0..3).await;
     let first = take_events(&mut events, 3).await;
-    publish(&node, 3..5).await;
+    publish(&m.node, 3..5).await;
     let second = take_events(&mut events, 2).await;
     let sent: Vec<u64> = entries(&first)
         .iter()
@@ -384,19 +225,11 @@ async fn entries_sent_before_a_power_cut_come_back_flagged_possible_duplicate() 
 
     // The power goes: every entry is on the disk (each publish was synced before it was
     // delivered); what the node wrote after without a sync is not.
-    let survivor = store.cut();
     drop(events);
     drop(d);
-    node.shutdown().await;
-    drop(store);
-
-    let node = Node::start_with_store(config, Arc::new(RocksStore::open(&survivor).unwrap()))
-        .await
-        .unwrap();
-    let d = builder(&node).durable("d", 300).connect().await.unwrap();
-    assert_eq!(d.queue_status(), QueueStatus::Resumed);
-    assert_eq!(d.pending(), Some(5), "every synced entry survived the cut");
-    d.region("R").register(Interest::all_keys()).await.unwrap();
+    let node = m.cut_and_restart().await;
+    // A new process: nothing processed, nothing seen.
+    let d = resume(&node, &DedupState::default(), 5).await;
     d.ready_for_events().await.unwrap();
     let mut events = d.events().unwrap();
     let replay = take_events(&mut events, 5).await;
@@ -424,7 +257,125 @@ async fn entries_sent_before_a_power_cut_come_back_flagged_possible_duplicate() 
             .map_or(true, |e| !matches!(e, Some(ClientEvent::Event(_)))),
         "nothing else arrives"
     );
+    finish(events, d, node).await;
+}
+
+/// A node under `--sync none` whose durable client "d" (sharing `state` across its sessions)
+/// received k0..k5 at offsets 1..6 and processed them all, then a power cut that keeps only
+/// k0..k2 (the OS wrote them back; the rest was in its cache). Returns the restarted node.
+async fn a_cut_takes_entries_the_client_saw(dir: &Path, state: &DedupState) -> Node {
+    let m = Machine::start(dir, SyncMode::None).await;
+    let d = subscriber(&m.node, state, AckMode::Auto).await;
+    d.ready_for_events().await.unwrap();
+    let mut events = d.events().unwrap();
+    publish(&m.node, 0..3).await;
+    take_events(&mut events, 3).await;
+    m.store.writeback();
+    publish(&m.node, 3..6).await;
+    let got = take_events(&mut events, 3).await;
+    assert_eq!(entries(&got).last().map(|e| e.offset), Some(6));
+    events.commit();
     drop(events);
-    d.close(false).await.unwrap();
-    node.shutdown().await;
+    d.crash();
+    m.cut_and_restart().await
+}
+
+/// The queue comes back ending at offset 3; the client saw offset 6. New events then take
+/// offsets 4.. again: the client must show them, not drop them as processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_ending_below_what_its_client_saw_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = DedupState::default();
+    let node = a_cut_takes_entries_the_client_saw(dir.path(), &state).await;
+    let d = resume(&node, &state, 3).await;
+    assert!(
+        d.diverged(),
+        "the welcome says the queue lost what the client saw"
+    );
+    assert_eq!(node.client_seen_counts(), (0, 1));
+    d.ready_for_events().await.unwrap();
+    let mut events = d.events().unwrap();
+    let replay = take_events(&mut events, 3).await;
+    let t = true;
+    assert_eq!(
+        seen(&replay),
+        [
+            ("k0".into(), 1, t, t),
+            ("k1".into(), 2, t, t),
+            ("k2".into(), 3, t, t)
+        ],
+        "shown again (offsets no longer filter), every one flagged"
+    );
+    publish_named(&node, "new", 0..3).await;
+    let live = take_events(&mut events, 3).await;
+    let f = false;
+    assert_eq!(
+        seen(&live),
+        [
+            ("new0".into(), 4, f, f),
+            ("new1".into(), 5, f, f),
+            ("new2".into(), 6, f, f)
+        ],
+        "new events at offsets the client saw before are shown"
+    );
+    finish(events, d, node).await;
+}
+
+/// New events fill the queue up to the offset the client saw before it resumes: the offset is
+/// there, the event is another. The event id the client sends tells them apart. (This failed
+/// while a restart reused session ids whose write the cut lost: the new events then had the
+/// very ids of the lost ones.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_holding_another_event_at_the_offset_its_client_saw_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = DedupState::default();
+    let node = a_cut_takes_entries_the_client_saw(dir.path(), &state).await;
+    publish_named(&node, "new", 0..3).await;
+    let d = resume(&node, &state, 6).await;
+    assert!(d.diverged());
+    assert_eq!(node.client_seen_counts(), (0, 1));
+    d.ready_for_events().await.unwrap();
+    let mut events = d.events().unwrap();
+    let replay = take_events(&mut events, 6).await;
+    let keys: Vec<_> = seen(&replay).into_iter().map(|(k, ..)| k).collect();
+    assert_eq!(keys, ["k0", "k1", "k2", "new0", "new1", "new2"]);
+    assert!(
+        entries(&replay)
+            .iter()
+            .all(|e| e.replayed && e.possible_duplicate),
+        "{replay:?}"
+    );
+    finish(events, d, node).await;
+}
+
+/// The entries survive a cut, their delivered mark does not (`--sync none`): the client's word
+/// flags what it saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_delivered_mark_is_made_up_for_by_what_the_client_saw() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Machine::start(dir.path(), SyncMode::None).await;
+    let state = DedupState::default();
+    let d = subscriber(&m.node, &state, AckMode::Auto).await;
+    publish(&m.node, 0..3).await;
+    // Queued, and on the disk; then sent (the mark stays in the OS cache).
+    m.store.writeback();
+    d.ready_for_events().await.unwrap();
+    let mut events = d.events().unwrap();
+    // k0 and k1 processed (the next one was asked for), k2 shown and not processed.
+    take_events(&mut events, 3).await;
+    drop(events);
+    d.crash();
+    let node = m.cut_and_restart().await;
+    let d = resume(&node, &state, 3).await;
+    assert!(!d.diverged());
+    assert_eq!(node.client_seen_counts(), (1, 0));
+    d.ready_for_events().await.unwrap();
+    let mut events = d.events().unwrap();
+    let replay = take_events(&mut events, 1).await;
+    assert_eq!(
+        seen(&replay),
+        [("k2".into(), 3, true, true)],
+        "k0 and k1 were processed (not shown again); k2 was seen: flagged"
+    );
+    finish(events, d, node).await;
 }

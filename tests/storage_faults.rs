@@ -20,7 +20,7 @@ use tether::client::{ClientBuilder, Interest};
 use tether::config::ServerConfig;
 use tether::protocol::{ErrorCode, QueueStatus};
 use tether::server::Node;
-use tether_storage::{Batch, Offset, QueueId, QueueMeta, RocksStore, StorageError, Store};
+use tether_storage::{Batch, RocksStore, StorageError, Store};
 
 use common::{WAIT, entries, keys, take_events};
 
@@ -67,45 +67,13 @@ impl Store for FaultyStore {
         }
         self.inner.write(batch, sync)
     }
-    fn queue_meta(&self, queue: QueueId) -> Result<Option<QueueMeta>, StorageError> {
-        self.inner.queue_meta(queue)
-    }
-    fn queues(&self) -> Result<Vec<(QueueId, QueueMeta)>, StorageError> {
-        self.inner.queues()
-    }
-    fn read_entries(
-        &self,
-        queue: QueueId,
-        from: Offset,
-        to: Offset,
-        max_bytes: usize,
-        visit: &mut dyn FnMut(Offset, u8, &[u8]),
-    ) -> Result<usize, StorageError> {
-        self.inner.read_entries(queue, from, to, max_bytes, visit)
-    }
     fn region_get(&self, region: &str, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
         if self.failing_reads.load(Ordering::SeqCst) {
             return Err(StorageError::Corrupt("injected: read failed (EIO)".into()));
         }
         self.inner.region_get(region, key)
     }
-    fn region_scan(
-        &self,
-        region: &str,
-        after: Option<&str>,
-        visit: &mut dyn FnMut(&str, &[u8]) -> std::ops::ControlFlow<()>,
-    ) -> Result<(), StorageError> {
-        self.inner.region_scan(region, after, visit)
-    }
-    fn state_get(&self, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
-        self.inner.state_get(key)
-    }
-    fn flush(&self) -> Result<(), StorageError> {
-        self.inner.flush()
-    }
-    fn quiesce(&self) {
-        self.inner.quiesce()
-    }
+    store_passthrough!(inner);
 }
 
 fn builder(node: &Node) -> ClientBuilder {

@@ -327,3 +327,52 @@ pub async fn relay_with(
     });
     addr
 }
+
+/// Inside `impl Store for Wrapper`: every method but `write` and `region_get` (which a
+/// fault-injecting wrapper changes) passes through to the wrapped store in field `$inner`.
+#[macro_export]
+macro_rules! store_passthrough {
+    ($inner:ident) => {
+        fn queue_meta(
+            &self,
+            queue: tether_storage::QueueId,
+        ) -> Result<Option<tether_storage::QueueMeta>, tether_storage::StorageError> {
+            self.$inner.queue_meta(queue)
+        }
+        fn queues(
+            &self,
+        ) -> Result<
+            Vec<(tether_storage::QueueId, tether_storage::QueueMeta)>,
+            tether_storage::StorageError,
+        > {
+            self.$inner.queues()
+        }
+        fn read_entries(
+            &self,
+            queue: tether_storage::QueueId,
+            from: tether_storage::Offset,
+            to: tether_storage::Offset,
+            max_bytes: usize,
+            visit: &mut dyn FnMut(tether_storage::Offset, u8, &[u8]),
+        ) -> Result<usize, tether_storage::StorageError> {
+            self.$inner.read_entries(queue, from, to, max_bytes, visit)
+        }
+        fn region_scan(
+            &self,
+            region: &str,
+            after: Option<&str>,
+            visit: &mut dyn FnMut(&str, &[u8]) -> std::ops::ControlFlow<()>,
+        ) -> Result<(), tether_storage::StorageError> {
+            self.$inner.region_scan(region, after, visit)
+        }
+        fn state_get(&self, key: &str) -> Result<Option<Vec<u8>>, tether_storage::StorageError> {
+            self.$inner.state_get(key)
+        }
+        fn flush(&self) -> Result<(), tether_storage::StorageError> {
+            self.$inner.flush()
+        }
+        fn quiesce(&self) {
+            self.$inner.quiesce()
+        }
+    };
+}
