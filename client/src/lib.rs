@@ -194,8 +194,10 @@ impl DedupState {
             d.acks.reset(0);
             d.seen = None;
         }
+        // A diverged queue's offsets no longer name the events the checkpoint counted.
         if let Some(c) = checkpoint
             && status == QueueStatus::Resumed
+            && !diverged
         {
             d.acks.processed(c);
         }
@@ -495,7 +497,8 @@ impl ClientBuilder {
     /// The application's checkpoint for its durable queue: every offset up to `offset` is
     /// processed (kept by the application with its own data, so it survives a restart of the
     /// client process). Entries at or below it are acked and never shown; applied only when
-    /// the queue is `resumed` (a `new` or `expired` queue numbers its entries from 1 again).
+    /// the queue is `resumed` (a `new` or `expired` queue numbers its entries from 1 again) and
+    /// did not diverge ([`Client::diverged`]: its offsets no longer name the same events).
     /// [`Client::ready_for_events`] refuses a checkpoint beyond the queue's end.
     pub fn checkpoint(mut self, offset: u64) -> Self {
         self.checkpoint = Some(offset);
@@ -725,7 +728,9 @@ impl ClientBuilder {
             dedup,
             publish_ack: self.publish_ack,
             ack_mode: self.ack_mode,
-            checkpoint: self.checkpoint.filter(|_| status == QueueStatus::Resumed),
+            checkpoint: self
+                .checkpoint
+                .filter(|_| status == QueueStatus::Resumed && !diverged),
             replay_rate: self.replay_rate,
             tasks: vec![control, delivery, acker],
         })))
