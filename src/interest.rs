@@ -7,13 +7,14 @@
 //! size limits; a region's distinct regexes are matched together by one `RegexSet`.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use regex::{Regex, RegexBuilder, RegexSet, RegexSetBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::limits::{
     KEY_BYTES_MAX, REGEX_COMPILED_BYTES_MAX, REGEX_SET_CHANGES_MIN, REGEX_SET_DFA_BYTES_MAX,
-    REGEX_SOURCE_BYTES_MAX,
+    REGEX_SOURCE_BYTES_MAX, REGEXES_PER_PRINCIPAL_MAX,
 };
 use crate::protocol::{InterestInfo, InterestSpec};
 use tether_storage::QueueId;
@@ -192,13 +193,56 @@ struct RegexIndex {
     /// rebuild (or taken again by the same source).
     slots: Vec<RegexSlot>,
     by_source: HashMap<String, usize>,
-    /// Matches the sources of `slots[..set_len]` (pattern i is slot i).
+    /// The compiled patterns of `slots` (pattern i is slot i), shared with publishes that
+    /// match keys outside the core lock. Changed in place only while nobody else holds it
+    /// (`Arc::make_mut`): a matcher held elsewhere that is still this one (the same
+    /// allocation) numbers the slots as they are.
+    matcher: Arc<RegexMatcher>,
+    /// Free slots below `matcher.set_len`.
+    stale: usize,
+}
+
+/// The compiled regexes of one region as of one numbering of its slots: a [`RegexSet`] for
+/// most, the few registered since it was built one by one. Immutable once shared, so a
+/// publish can match its keys with it outside the core lock ([`Prematch`]).
+#[derive(Clone, Default)]
+pub struct RegexMatcher {
+    /// Matches the sources of slots `..set_len` (pattern i is slot i).
     set: Option<RegexSet>,
     set_len: usize,
     /// The slots from `set_len` on, each compiled alone.
     fresh: Vec<Regex>,
-    /// Free slots below `set_len`.
-    stale: usize,
+}
+
+impl RegexMatcher {
+    /// Calls `hit` with each slot whose regex matches `key`.
+    fn each_match(&self, key: &str, hit: &mut impl FnMut(usize)) {
+        if let Some(set) = &self.set {
+            for i in set.matches(key).iter() {
+                hit(i);
+            }
+        }
+        for (j, re) in self.fresh.iter().enumerate() {
+            if re.is_match(key) {
+                hit(self.set_len + j);
+            }
+        }
+    }
+}
+
+/// A key's regex matches found with a region's [`RegexMatcher`] outside the core lock. The
+/// index uses them if that matcher is still the region's, and matches the key itself if not.
+pub struct Prematch {
+    matcher: Arc<RegexMatcher>,
+    slots: Vec<usize>,
+}
+
+impl Prematch {
+    pub fn new(matcher: Arc<RegexMatcher>, key: &str) -> Prematch {
+        let mut slots = Vec::new();
+        matcher.each_match(key, &mut |i| slots.push(i));
+        Prematch { matcher, slots }
+    }
 }
 
 struct RegexSlot {
@@ -241,7 +285,7 @@ impl RegexIndex {
             source: source.to_string(),
             queues: BTreeMap::from([(queue, receive_values)]),
         });
-        self.fresh.push(re);
+        Arc::make_mut(&mut self.matcher).fresh.push(re);
         self.rebuild_if_due();
     }
 
@@ -253,14 +297,15 @@ impl RegexIndex {
         if slot.queues.remove(&queue).is_none() || !slot.queues.is_empty() {
             return;
         }
-        if i < self.set_len {
+        let set_len = self.matcher.set_len;
+        if i < set_len {
             // Still a pattern of the set: free until the next rebuild.
             self.stale += 1;
         } else {
             // Only fresh slots follow a fresh one: the set's patterns keep their slots.
             self.by_source.remove(source);
             self.slots.remove(i);
-            self.fresh.remove(i - self.set_len);
+            Arc::make_mut(&mut self.matcher).fresh.remove(i - set_len);
             for j in self.by_source.values_mut() {
                 if *j > i {
                     *j -= 1;
@@ -275,7 +320,8 @@ impl RegexIndex {
     }
 
     fn rebuild_if_due(&mut self) {
-        if self.fresh.len() + self.stale > REGEX_SET_CHANGES_MIN.max(self.set_len / 8) {
+        let m = &self.matcher;
+        if m.fresh.len() + self.stale > REGEX_SET_CHANGES_MIN.max(m.set_len / 8) {
             self.rebuild();
         }
     }
@@ -288,12 +334,12 @@ impl RegexIndex {
             .size_limit(REGEX_COMPILED_BYTES_MAX.saturating_mul(self.slots.len() + 1))
             .dfa_size_limit(REGEX_SET_DFA_BYTES_MAX)
             .build();
-        match built {
-            Ok(set) => {
-                self.set = Some(set);
-                self.set_len = self.slots.len();
-                self.fresh = Vec::new();
-            }
+        self.matcher = Arc::new(match built {
+            Ok(set) => RegexMatcher {
+                set: Some(set),
+                set_len: self.slots.len(),
+                fresh: Vec::new(),
+            },
             Err(e) => {
                 // Not expected (each compiled alone): match them one by one.
                 tracing::warn!(error = %e, regexes = self.slots.len(), "interest regexes not built into one set");
@@ -305,11 +351,13 @@ impl RegexIndex {
                     }
                     Err(_) => false,
                 });
-                self.set = None;
-                self.set_len = 0;
-                self.fresh = fresh;
+                RegexMatcher {
+                    set: None,
+                    set_len: 0,
+                    fresh,
+                }
             }
-        }
+        });
         self.by_source = self
             .slots
             .iter()
@@ -319,16 +367,26 @@ impl RegexIndex {
         self.stale = 0;
     }
 
-    /// Hands the queues of every regex matching `key` to `add` (a free slot's are empty).
-    fn matches(&self, key: &str, add: &mut impl FnMut(&BTreeMap<QueueId, bool>)) {
-        if let Some(set) = &self.set {
-            for i in set.matches(key).iter() {
-                add(&self.slots[i].queues);
+    /// Hands the queues of every regex matching `key` to `add` (a free slot's are empty),
+    /// from `pre` if it was found with this index's matcher. Returns whether `pre` was
+    /// missing or out of date (the key was matched here).
+    fn matches(
+        &self,
+        key: &str,
+        pre: Option<&Prematch>,
+        add: &mut impl FnMut(&BTreeMap<QueueId, bool>),
+    ) -> bool {
+        match pre {
+            Some(p) if Arc::ptr_eq(&p.matcher, &self.matcher) => {
+                for &i in &p.slots {
+                    add(&self.slots[i].queues);
+                }
+                false
             }
-        }
-        for (re, slot) in self.fresh.iter().zip(&self.slots[self.set_len..]) {
-            if re.is_match(key) {
-                add(&slot.queues);
+            _ => {
+                self.matcher
+                    .each_match(key, &mut |i| add(&self.slots[i].queues));
+                true
             }
         }
     }
@@ -404,9 +462,22 @@ impl InterestIndex {
     /// Every queue interested in `(region, key)`, ascending by queue id, each with whether any
     /// of its matching registrations wants values. Clears `out` first.
     pub fn matches(&self, region: &str, key: &str, out: &mut BTreeMap<QueueId, bool>) {
+        self.matches_with(region, key, None, out);
+    }
+
+    /// [`matches`](Self::matches), with the key's regex matches taken from `pre` when it was
+    /// found with the region's current matcher. Returns whether the region's regexes were
+    /// matched here instead (or `pre` is out of date): its matcher has changed since.
+    pub fn matches_with(
+        &self,
+        region: &str,
+        key: &str,
+        pre: Option<&Prematch>,
+        out: &mut BTreeMap<QueueId, bool>,
+    ) -> bool {
         out.clear();
         let Some(idx) = self.regions.get(region) else {
-            return;
+            return pre.is_some();
         };
         let mut add = |queues: &BTreeMap<QueueId, bool>| {
             for (&q, &values) in queues {
@@ -418,7 +489,17 @@ impl InterestIndex {
         if let Some(q) = idx.keys.get(key) {
             add(q);
         }
-        idx.regexes.matches(key, &mut add);
+        if idx.regexes.is_empty() {
+            return pre.is_some();
+        }
+        idx.regexes.matches(key, pre, &mut add)
+    }
+
+    /// The matcher of `region`'s regexes (none when it holds none), to match keys with
+    /// outside the core lock ([`Prematch`]).
+    pub fn regex_matcher(&self, region: &str) -> Option<Arc<RegexMatcher>> {
+        let idx = self.regions.get(region)?;
+        (!idx.regexes.is_empty()).then(|| idx.regexes.matcher.clone())
     }
 
     /// Distinct regexes registered in `region`.
@@ -431,6 +512,71 @@ impl InterestIndex {
         self.regions
             .get(region)
             .is_some_and(|idx| idx.regexes.contains(source))
+    }
+}
+
+/// The distinct interest regexes each principal's queues hold, by `(region, source)`, with
+/// how many of its queues hold each: what [`REGEXES_PER_PRINCIPAL_MAX`] bounds.
+#[derive(Default)]
+pub struct RegexesByPrincipal(HashMap<String, HashMap<(String, String), u32>>);
+
+impl RegexesByPrincipal {
+    /// One more queue of `principal` holds `source` in `region`.
+    pub fn add(&mut self, principal: &str, region: &str, source: &str) {
+        *self
+            .0
+            .entry(principal.to_string())
+            .or_default()
+            .entry((region.to_string(), source.to_string()))
+            .or_default() += 1;
+    }
+
+    /// One queue of `principal` holds `source` in `region` no more.
+    pub fn remove(&mut self, principal: &str, region: &str, source: &str) {
+        let Some(held) = self.0.get_mut(principal) else {
+            return;
+        };
+        let k = (region.to_string(), source.to_string());
+        if let Some(n) = held.get_mut(&k) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&k);
+                if held.is_empty() {
+                    self.0.remove(principal);
+                }
+            }
+        }
+    }
+
+    /// Distinct `(region, source)` pairs the queues of `principal` hold.
+    pub fn count(&self, principal: &str) -> usize {
+        self.0.get(principal).map_or(0, HashMap::len)
+    }
+
+    /// Refuses `fresh` regexes for `principal` in `region` (with its message) when they would
+    /// take it past [`REGEXES_PER_PRINCIPAL_MAX`] distinct regexes.
+    pub fn check_room<'a>(
+        &self,
+        principal: &str,
+        region: &str,
+        fresh: impl Iterator<Item = &'a str>,
+    ) -> Result<(), String> {
+        let held = self.0.get(principal);
+        let mut new: Vec<&str> = fresh
+            .filter(|src| {
+                held.is_none_or(|h| !h.contains_key(&(region.to_string(), src.to_string())))
+            })
+            .collect();
+        new.sort_unstable();
+        new.dedup();
+        let count = self.count(principal);
+        if !new.is_empty() && count + new.len() > REGEXES_PER_PRINCIPAL_MAX {
+            return Err(format!(
+                "the queues of principal {principal:?} hold {count} distinct interest regexes, and {} more would pass the most one principal may hold ({REGEXES_PER_PRINCIPAL_MAX}): unregister some, or register keys",
+                new.len()
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -588,6 +734,52 @@ mod tests {
                     }
                 }
                 prop_assert_eq!(&out, &expect);
+            }
+        }
+    }
+
+    proptest! {
+        /// A key matched outside the core lock with the matcher of any earlier moment gives
+        /// the queues a brute-force scan gives: a matcher out of date is noticed (it is
+        /// another allocation than the region's) and the key matched again by the index.
+        #[test]
+        fn prematches_from_any_earlier_matcher_agree_with_brute_force(
+            ops in proptest::collection::vec((any::<bool>(), 0u64..6, many_regexes(), any::<bool>()), 0..300),
+            taken_at in 0usize..320,
+            keys in proptest::collection::vec("[ab]{0,2}[0-2]?", 1..10),
+        ) {
+            let mut idx = InterestIndex::default();
+            let mut model: BTreeMap<(QueueId, Selector), bool> = BTreeMap::new();
+            let mut taken = None;
+            for (n, (insert, q, sel, values)) in ops.into_iter().enumerate() {
+                if n == taken_at {
+                    taken = idx.regex_matcher("R");
+                }
+                if insert {
+                    idx.insert("R", &sel, q, values);
+                    model.insert((q, sel), values);
+                } else {
+                    idx.remove("R", &sel, q);
+                    model.remove(&(q, sel));
+                }
+            }
+            if taken_at >= 300 {
+                taken = idx.regex_matcher("R");
+            }
+            let now = idx.regex_matcher("R");
+            let current = matches!((&taken, &now), (Some(a), Some(b)) if Arc::ptr_eq(a, b));
+            let mut out = BTreeMap::new();
+            for key in &keys {
+                let pre = taken.clone().map(|m| Prematch::new(m, key));
+                let here = idx.matches_with("R", key, pre.as_ref(), &mut out);
+                let mut expect: BTreeMap<QueueId, bool> = BTreeMap::new();
+                for ((q, sel), values) in &model {
+                    if sel.matches(key) {
+                        *expect.entry(*q).or_insert(false) |= *values;
+                    }
+                }
+                prop_assert_eq!(&out, &expect);
+                prop_assert_eq!(here, !current && (taken.is_some() || now.is_some()));
             }
         }
     }

@@ -30,6 +30,10 @@ pub const REGEX_COMPILED_BYTES_MAX: usize = 256 * 1024;
 /// Distinct interest regexes one region may hold, over every queue: each is tried on every key
 /// published to the region.
 pub const REGEXES_PER_REGION_MAX: usize = 10_000;
+/// Distinct interest regexes (by region and source) the queues of one authenticated principal
+/// may hold between them, in every region: a tenth of a region's, so one principal cannot
+/// take a region's whole room. An open node's clients share no principal and are not counted.
+pub const REGEXES_PER_PRINCIPAL_MAX: usize = 1_000;
 /// Regexes registered (or removed) in a region since its regex set was built that make it be
 /// built again, at the least (an eighth of the set, when more).
 pub const REGEX_SET_CHANGES_MIN: usize = 32;
@@ -106,6 +110,12 @@ pub const PUBLISH_BYTES_IN_FLIGHT_PER_CONNECTION_MAX: usize = 16 * 1024 * 1024;
 pub const WRITER_QUEUE_BYTES_MAX: usize = 64 * 1024 * 1024;
 /// [`WRITER_QUEUE_BYTES_MAX`] in KiB, the unit of the writer's byte permits.
 pub const WRITER_QUEUE_KIB_MAX: usize = WRITER_QUEUE_BYTES_MAX / 1024;
+/// Bytes one publish may add to queues, counted once per matching queue (an event is stored
+/// in each queue it matches: an 8 MiB publish matching 32 queues writes 256 MiB in one
+/// batch). A publish beyond it is refused with `limit-exceeded`. A publish's queue bytes
+/// also count in the writer's queue ([`WRITER_QUEUE_BYTES_MAX`]); one beyond that takes it
+/// all, so at most one such publish waits for the writer at a time.
+pub const PUBLISH_FANOUT_BYTES_MAX: usize = 256 * 1024 * 1024;
 /// Bytes of keys and values in one part of an initial image sent in parts (a part holds at
 /// least one entry, so it may pass this by one entry).
 pub const INITIAL_IMAGE_PART_BYTES_MAX: usize = 1024 * 1024;
@@ -127,6 +137,7 @@ const _: () = {
     // One largest publish always fits the budgets.
     assert!(FRAME_BYTES_MAX <= PUBLISH_BYTES_IN_FLIGHT_PER_CONNECTION_MAX);
     assert!(FRAME_BYTES_MAX <= WRITER_QUEUE_BYTES_MAX);
+    assert!(FRAME_BYTES_MAX <= PUBLISH_FANOUT_BYTES_MAX);
     assert!(DURABLE_TIMEOUT_SECS_DEFAULT <= DURABLE_TIMEOUT_SECS_MAX);
     // A hello with the longest durable id, token and node name fits its limit with room to
     // spare (field names, the client's name).

@@ -72,6 +72,32 @@ async fn connections_need_a_known_token() {
         .unwrap();
 }
 
+/// Issue 22 point 4: the queues of one principal hold at most REGEXES_PER_PRINCIPAL_MAX
+/// distinct interest regexes between them (a non-durable client's count too), so one
+/// principal cannot take a region's whole room; another principal keeps its own, and the
+/// room comes back when the client holding them goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_principals_interest_regexes_are_bounded() {
+    use tether::limits::REGEXES_PER_PRINCIPAL_MAX as MAX;
+    let n = TestNode::start_auth(auth()).await;
+    let regex = |n: usize| Interest::regex(format!("k{n}-[0-9]+"));
+    let alice = n.builder().token("alice-secret").connect().await.unwrap();
+    for i in 0..MAX {
+        alice.region("fx-a").register(regex(i)).await.unwrap();
+    }
+    let e = refusal(alice.region("fx-a").register(regex(MAX)).await.unwrap_err());
+    assert_eq!(e.code, ErrorCode::LimitExceeded, "{e:?}");
+    assert!(e.message.contains("principal \"alice\""), "{e:?}");
+    // Another of her clients shares her room.
+    let alice2 = n.builder().token("alice-secret").connect().await.unwrap();
+    let e = refusal(alice2.region("fx-b").register(regex(0)).await.unwrap_err());
+    assert_eq!(e.code, ErrorCode::LimitExceeded, "{e:?}");
+    let bob = n.builder().token("bob-secret").connect().await.unwrap();
+    bob.region("fx-a").register(regex(MAX)).await.unwrap();
+    alice.close(false).await.unwrap();
+    alice2.region("fx-b").register(regex(0)).await.unwrap();
+}
+
 #[tokio::test]
 async fn a_durable_id_belongs_to_its_creator() {
     let n = TestNode::start_auth(auth()).await;

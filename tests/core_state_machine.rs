@@ -534,6 +534,216 @@ fn distinct_regexes_per_region_are_bounded() {
     }
 }
 
+/// Issue 22 point 4: the queues of one authenticated principal hold at most
+/// REGEXES_PER_PRINCIPAL_MAX distinct regexes between them (durable queues and non-durable
+/// ones, in every region), so one principal cannot take a region's whole room. A regex it
+/// holds already may be registered by another of its queues; another principal has its own
+/// budget; a client of an open node is not counted. The count stays exact as interest is
+/// unregistered, as a non-durable queue goes and across a restart.
+#[test]
+fn distinct_regexes_per_principal_are_bounded() {
+    use tether::limits::REGEXES_PER_PRINCIPAL_MAX as MAX;
+    use tether::protocol::ErrorCode;
+    let connect = |sim: &mut Sim, id: Option<&str>, who: Option<&str>| {
+        let hello = id.map(|id| DurableHello {
+            id: id.into(),
+            timeout_secs: 60,
+            redundancy: 0,
+            failed_primary: None,
+            seen: None,
+        });
+        let c = sim.core.connect_as(hello.as_ref(), who).unwrap();
+        sim.apply(c.batch);
+        c.session
+    };
+    let regex = |n: usize| InterestSpec::Regex(format!("p{n}-[0-9]+"));
+    let register = |sim: &mut Sim, s: u64, region: &str, n: usize, durable: bool| {
+        let (_, b) = sim.core.register(s, region, &regex(n), durable, true)?;
+        sim.apply(b);
+        Ok::<(), tether::protocol::WireError>(())
+    };
+    let refused = |r: Result<(), tether::protocol::WireError>| {
+        let e = r.expect_err("past the principal's regexes");
+        assert_eq!(e.code, ErrorCode::LimitExceeded, "{e:?}");
+        assert!(e.message.contains("principal \"alice\""), "{e:?}");
+    };
+    let mut sim = Sim::new();
+    let a = connect(&mut sim, Some("alice-1"), Some("alice"));
+    let b = connect(&mut sim, Some("alice-2"), Some("alice"));
+    let live = connect(&mut sim, None, Some("alice"));
+    for n in 0..MAX {
+        match n % 3 {
+            0 => register(&mut sim, a, "R", n, true),
+            1 => register(&mut sim, b, "S", n, true),
+            _ => register(&mut sim, live, "R", n, false),
+        }
+        .unwrap();
+    }
+    refused(register(&mut sim, a, "R", MAX, true));
+    // Held by the non-durable queue in R already: another of her queues may take it; in
+    // another region it is another regex.
+    register(&mut sim, a, "R", 2, true).unwrap();
+    refused(register(&mut sim, a, "S", 2, true));
+    // Another principal, and an open node's client, have their own room.
+    let bob = connect(&mut sim, Some("bob-1"), Some("bob"));
+    register(&mut sim, bob, "R", MAX, true).unwrap();
+    let open = connect(&mut sim, Some("open-1"), None);
+    for n in 0..=MAX {
+        register(&mut sim, open, "O", n, true).unwrap();
+    }
+    // The non-durable queue goes with its regexes, but for the one `a` holds too.
+    sim.disconnect(1, live, false);
+    let freed = (0..MAX).filter(|n| n % 3 == 2).count() - 1;
+    for k in 0..freed {
+        register(&mut sim, a, "R", MAX + 1 + k, true).unwrap();
+    }
+    refused(register(&mut sim, a, "R", MAX + 1 + freed, true));
+    // Counted again from the stored interest after a restart.
+    for s in [a, b, bob, open] {
+        sim.disconnect(2, s, true);
+    }
+    sim.core = sim.recover(3);
+    let a = connect(&mut sim, Some("alice-1"), Some("alice"));
+    refused(register(&mut sim, a, "R", MAX + 1 + freed, true));
+    // Unregistering one makes room for one.
+    let (removed, b) = sim.core.unregister(a, "R", &regex(0)).unwrap();
+    assert!(removed);
+    sim.apply(b);
+    register(&mut sim, a, "R", MAX + 1 + freed, true).unwrap();
+    refused(register(&mut sim, a, "R", MAX + 2 + freed, true));
+}
+
+/// Issue 22 point 4: a publish's keys can be matched against their region's regexes outside
+/// the core lock, with the region's matcher taken earlier (`Prematch`). The core uses those
+/// matches while the matcher is the region's, and matches again itself (counted in the plan,
+/// so the driver takes the new matcher) once a regex was added since.
+#[test]
+fn keys_matched_outside_the_lock_are_used_while_the_regexes_stay() {
+    use tether::interest::Prematch;
+    let mut sim = Sim::new();
+    let (a, _, _) = sim.connect(Some("a"), 60);
+    let (b, _, _) = sim.connect(Some("b"), 60);
+    sim.register(a, "R", InterestSpec::Regex("k-[0-9]+".into()), true);
+    let (publisher, _, _) = sim.connect(None, 0);
+    let matcher = sim.core.regex_matcher("R").expect("R holds a regex");
+    assert!(sim.core.regex_matcher("S").is_none());
+    let publish = |sim: &mut Sim, key: &str| {
+        let ops = [PublishOp::Put {
+            region: "R".into(),
+            key: key.into(),
+            value: b"v".to_vec(),
+        }];
+        let pre = [Some(Prematch::new(matcher.clone(), key))];
+        let store = &sim.store;
+        let plan = sim
+            .core
+            .publish_within(
+                0,
+                publisher,
+                &ops,
+                None,
+                &pre,
+                &mut |r, k| Ok(store.region_get(r, k).unwrap().is_some()),
+                &mut |_| true,
+            )
+            .unwrap();
+        sim.store.write(&plan.batch, true).unwrap();
+        sim.core.committed(plan.seq, &plan.appended);
+        (plan.enqueued, plan.regexes_matched_here)
+    };
+    assert_eq!(publish(&mut sim, "k-1"), (1, 0), "matched outside the lock");
+    assert_eq!(publish(&mut sim, "x-1"), (0, 0));
+    // Another queue taking the same regex changes no matcher.
+    sim.register(b, "R", InterestSpec::Regex("k-[0-9]+".into()), true);
+    assert_eq!(publish(&mut sim, "k-2"), (2, 0));
+    // A new regex does: the old matcher would miss it, so the core matches itself.
+    sim.register(b, "R", InterestSpec::Regex("x-[0-9]+".into()), true);
+    assert_eq!(
+        publish(&mut sim, "x-2"),
+        (1, 1),
+        "matched again under the lock"
+    );
+    assert_eq!(publish(&mut sim, "k-3"), (2, 1));
+}
+
+/// Issue 22 point 12: an event is stored once per queue it matches, so one publish may add
+/// at most PUBLISH_FANOUT_BYTES_MAX bytes to its queues: past it, the publish is refused with
+/// `limit-exceeded` and changes nothing. Below it, the caller is asked for room for those
+/// bytes first (the node's writer queue counts them); without room, nothing changes either.
+#[test]
+fn a_publishs_fan_out_is_bounded_in_bytes() {
+    use tether::core::PublishRefused;
+    use tether::core::bytes::event_bytes_max;
+    use tether::limits::{PUBLISH_FANOUT_BYTES_MAX, VALUE_BYTES_MAX};
+    use tether::protocol::ErrorCode;
+    let per_queue = event_bytes_max("n1", "R", "k", VALUE_BYTES_MAX);
+    let fits = (PUBLISH_FANOUT_BYTES_MAX as u64 / per_queue) as usize;
+    let mut sim = Sim::new();
+    let mut sessions = Vec::new();
+    for q in 0..=fits {
+        let (s, _, _) = sim.connect(Some(&format!("q{q}")), 60);
+        sim.register(s, "R", InterestSpec::AllKeys, true);
+        sessions.push(s);
+    }
+    let (publisher, _, _) = sim.connect(None, 0);
+    let ops = [PublishOp::Put {
+        region: "R".into(),
+        key: "k".into(),
+        value: vec![1; VALUE_BYTES_MAX],
+    }];
+    let unchanged = |sim: &Sim| {
+        assert!(sim.core.queue_reports().iter().all(|r| r.end_offset == 0));
+        assert_eq!(sim.store.region_get("R", "k").unwrap(), None);
+    };
+    fn exists(
+        store: &MemStore,
+    ) -> impl FnMut(&str, &str) -> Result<bool, tether::protocol::WireError> + '_ {
+        move |r, k| Ok(store.region_get(r, k).unwrap().is_some())
+    }
+    let e = sim
+        .core
+        .publish(0, publisher, &ops, &mut exists(&sim.store))
+        .expect_err("one queue too many");
+    assert_eq!(e.code, ErrorCode::LimitExceeded, "{e:?}");
+    assert!(e.message.contains("nothing was published"), "{e:?}");
+    unchanged(&sim);
+    // One queue fewer: within the bound, once the caller has room for it.
+    sim.disconnect(1, sessions.pop().unwrap(), false);
+    let mut asked = Vec::new();
+    let refused = sim.core.publish_within(
+        0,
+        publisher,
+        &ops,
+        None,
+        &[],
+        &mut exists(&sim.store),
+        &mut |b| {
+            asked.push(b);
+            false
+        },
+    );
+    let want = fits as u64 * per_queue;
+    assert!(
+        matches!(refused, Err(PublishRefused::NoRoom { fanout_bytes }) if fanout_bytes == want),
+        "{refused:?}"
+    );
+    assert_eq!(asked, [want]);
+    unchanged(&sim);
+    let plan = sim
+        .core
+        .publish_within(
+            0,
+            publisher,
+            &ops,
+            None,
+            &[],
+            &mut exists(&sim.store),
+            &mut |_| true,
+        )
+        .unwrap();
+    assert_eq!(plan.enqueued, fits as u64);
+}
+
 /// Issue 22 point 7: a durable id stays its owner's after its queue expired (also across a
 /// restart): another principal can neither take it nor learn that it expired; its owner
 /// learns `expired` once. A queue created while the node was open belongs to the first

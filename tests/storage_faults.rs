@@ -306,6 +306,86 @@ async fn the_writers_queue_is_bounded_in_bytes() {
     node.shutdown().await;
 }
 
+/// Issue 22 point 12: a publish counts in the writer's queue with what it adds to every queue
+/// it matches (an event is stored once per queue), not only with its own bytes. Eight
+/// durable queues take every 1 MiB publish, so each one writes about 9 MiB: while the disk
+/// holds its writes, at most `WRITER_QUEUE_BYTES_MAX / 9 MiB` publishes wait for the writer
+/// (counted by requests, apart from the byte count), where the operations' bytes alone would
+/// let all 24 of them in. Once the disk answers, every publish is answered and every queue
+/// holds them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_counts_in_the_writers_queue_with_its_fan_out() {
+    use tether::limits::WRITER_QUEUE_BYTES_MAX;
+    const QUEUES: usize = 8;
+    const CLIENTS: usize = 2;
+    const PER_CLIENT: usize = 12;
+    let dir = tempfile::tempdir().unwrap();
+    let (node, held) = node_with_held_writes(dir.path()).await;
+    let mut queues = Vec::new();
+    for q in 0..QUEUES {
+        let d = builder(&node)
+            .durable(format!("fan-{q}"), 300)
+            .connect()
+            .await
+            .unwrap();
+        d.region("R").register(Interest::all_keys()).await.unwrap();
+        queues.push(d);
+    }
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        clients.push(Arc::new(builder(&node).connect().await.unwrap()));
+    }
+    held.hold();
+    let puts: Vec<_> = clients
+        .iter()
+        .enumerate()
+        .flat_map(|(c, client)| pipeline(client, &format!("c{c}"), PER_CLIENT))
+        .collect();
+    // What one publish writes: its value to the region and to each queue.
+    let one = ((QUEUES + 1) * BUDGET_VALUE_BYTES) as u64;
+    let room = WRITER_QUEUE_BYTES_MAX as u64 / one;
+    let highest = highest_after_reaching(
+        || node.writer_queue_requests() as u64,
+        room - 1,
+        Duration::from_secs(1),
+    )
+    .await;
+    assert!(
+        highest <= room,
+        "{highest} publishes of {one} bytes each waited for the writer (room for {room})"
+    );
+    let bytes = node.writer_queue_bytes();
+    assert!(
+        bytes <= WRITER_QUEUE_BYTES_MAX as u64,
+        "{bytes} bytes waited for the writer (at most {WRITER_QUEUE_BYTES_MAX})"
+    );
+    held.release();
+    for put in puts {
+        put.await
+            .unwrap()
+            .expect("every publish is answered once the disk answers");
+    }
+    assert_eq!(node.writer_queue_bytes(), 0);
+    assert_eq!(node.writer_queue_requests(), 0);
+    let reports = clients[0].queues().await.unwrap();
+    let fanned: Vec<u64> = reports
+        .iter()
+        .filter(|r| {
+            r.durable_id
+                .as_deref()
+                .is_some_and(|id| id.starts_with("fan-"))
+        })
+        .map(|r| r.pending)
+        .collect();
+    assert_eq!(
+        fanned,
+        [(CLIENTS * PER_CLIENT) as u64; QUEUES],
+        "{reports:?}"
+    );
+    drop(queues);
+    node.shutdown().await;
+}
+
 /// Issue 22 (low): a failed read of the region store while a publish is planned refuses the
 /// publish with the error, instead of counting the key as absent (which would have published
 /// an update as a `create`). Nothing of the refused publish is applied; once reads work again

@@ -29,7 +29,8 @@
 //!   skips) registered in the published region by ten durable queues, none matching (the cost
 //!   of matching alone), for each form in TETHER_BENCH_REGEX_SHAPES (default prefix,contains),
 //!   against the same queues with no regex (`regexes.rs`; TETHER_BENCH_REGEX_EVENTS events,
-//!   default 20,000);
+//!   default 20,000); then the same publishes again while a second publisher puts as many
+//!   into a region of no interest: that one's rate beside the regexes against beside none;
 //! - TETHER_BENCH_IDLE_QUEUES idle durable queues (default 100,000) on a server process of
 //!   their own: resident memory per queue, live and recovered after kill -9;
 //! - memory per connection (`connections.rs`): TETHER_BENCH_CONN_CLIENTS durable clients
@@ -609,6 +610,12 @@ async fn main() {
                 r.shape.label(),
                 r.register.as_secs_f64() * 1e3
             );
+            println!(
+                "publish_beside_regexes_{}_{}_vs_none={:.3}",
+                r.regexes,
+                r.shape.label(),
+                r.beside_events_per_s() / none.beside_events_per_s()
+            );
         }
     }
     for f in &fanouts {
@@ -747,13 +754,24 @@ async fn publish_all(
     size: usize,
     ack: PublishAck,
 ) -> Duration {
+    publish_all_in("bench", publisher, range, size, ack).await
+}
+
+/// [`publish_all`] into `region`.
+async fn publish_all_in(
+    region: &str,
+    publisher: &Arc<Client>,
+    range: std::ops::Range<u64>,
+    size: usize,
+    ack: PublishAck,
+) -> Duration {
     let t = Instant::now();
     let mut next = range.start;
     let mut inflight = tokio::task::JoinSet::new();
     while next < range.end || !inflight.is_empty() {
         while next < range.end && inflight.len() < PUBLISH_CONCURRENCY {
             let end = (next + PUBLISH_BATCH_OPS as u64).min(range.end);
-            let ops = bench_puts(next..end, size);
+            let ops = bench_puts_in(region, next..end, size);
             let p = publisher.clone();
             inflight.spawn(async move { p.publish_with(ops, ack).await.unwrap() });
             next = end;
@@ -765,9 +783,14 @@ async fn publish_all(
 
 /// Puts of events `range` (values of `size` B) into the bench region, over 10,000 keys.
 fn bench_puts(range: std::ops::Range<u64>, size: usize) -> Vec<PublishOp> {
+    bench_puts_in("bench", range, size)
+}
+
+/// [`bench_puts`] into `region`.
+fn bench_puts_in(region: &str, range: std::ops::Range<u64>, size: usize) -> Vec<PublishOp> {
     range
         .map(|i| PublishOp::Put {
-            region: "bench".into(),
+            region: region.into(),
             key: format!("key-{}", i % 10_000),
             value: value_of(size, i),
         })

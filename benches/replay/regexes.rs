@@ -3,7 +3,9 @@
 //! distinct regexes (none matching the bench keys, so the figure is the cost of matching
 //! alone, not of fan-out), and a publisher putting events over the network as in the
 //! fan-out phase. Run with 0 regexes too, on its own fresh node, for the baseline of the
-//! ratio.
+//! ratio. Then the same publishes again beside a second publisher putting as many events
+//! into a region no queue is interested in: how much the regexes slow publishes that do not
+//! use them (their matching runs outside the core lock).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -14,7 +16,7 @@ use tether::config::ServerConfig;
 use tether::protocol::{PublishAck, ResultPolicy};
 use tether::server::Node;
 
-use crate::publish_all;
+use crate::{publish_all, publish_all_in};
 
 /// Durable clients holding the regexes.
 const REGEX_QUEUES: u64 = 10;
@@ -59,11 +61,18 @@ pub struct Regexes {
     /// Registering every regex (one request each, the queues in turn).
     pub register: Duration,
     pub publish: Duration,
+    /// The second publisher's time, into a region without interest, while the first
+    /// publishes again.
+    pub beside: Duration,
 }
 
 impl Regexes {
     pub fn events_per_s(&self) -> f64 {
         self.events as f64 / self.publish.as_secs_f64()
+    }
+
+    pub fn beside_events_per_s(&self) -> f64 {
+        self.events as f64 / self.beside.as_secs_f64()
     }
 }
 
@@ -101,11 +110,16 @@ pub async fn run(dir: &Path, shape: Shape, regexes: u64, events: u64, size: usiz
     }
     let publisher = Arc::new(builder.clone().connect().await.unwrap());
     let publish = publish_all(&publisher, 0..events, size, PublishAck::Local).await;
+    let neighbour = Arc::new(builder.clone().connect().await.unwrap());
+    let (_, beside) = tokio::join!(
+        publish_all(&publisher, events..2 * events, size, PublishAck::Local),
+        publish_all_in("beside", &neighbour, 0..events, size, PublishAck::Local),
+    );
     assert!(
         node.queues().iter().all(|q| q.pending == 0),
         "no regex matches a bench key"
     );
-    drop(publisher);
+    drop((publisher, neighbour));
     node.shutdown().await;
     let _ = std::fs::remove_dir_all(&data);
     Regexes {
@@ -114,5 +128,6 @@ pub async fn run(dir: &Path, shape: Shape, regexes: u64, events: u64, size: usiz
         events,
         register,
         publish,
+        beside,
     }
 }

@@ -35,7 +35,10 @@ pub use cursor::{Cursor, FlagBounds, Step};
 
 use self::bytes::{QueueBytes, event_bytes_max};
 use crate::config::{Limits, QueueFullPolicy};
-use crate::interest::{InterestIndex, Interests, Registration, Selector, validate_key};
+use crate::interest::{
+    InterestIndex, Interests, Prematch, RegexMatcher, RegexesByPrincipal, Registration, Selector,
+    validate_key,
+};
 use crate::limits::*;
 use crate::protocol::*;
 use crate::replication::{EpochStart, LogState, ReplicaState};
@@ -370,6 +373,9 @@ pub struct Session {
     pub sent: Offset,
     /// The replay rate the client asked for, in events per second (0: unlimited).
     pub replay_events_per_s: u64,
+    /// The authenticated principal of a non-durable client (a durable client's is its queue's
+    /// owner): the owner of the queue its first interest creates.
+    pub principal: Option<String>,
 }
 
 impl Session {
@@ -382,6 +388,7 @@ impl Session {
             cursor,
             sent: 0,
             replay_events_per_s: 0,
+            principal: None,
         }
     }
 }
@@ -434,6 +441,22 @@ pub(crate) fn not_yours(id: &str) -> WireError {
     )
 }
 
+/// Why [`NodeCore::publish_within`] planned no publish. Nothing took effect either way.
+#[derive(Debug)]
+pub enum PublishRefused {
+    /// Refused, with the error for the client.
+    Error(WireError),
+    /// The caller could not make room for the bytes the publish would add to its queues;
+    /// retry once it can hold `fanout_bytes`.
+    NoRoom { fanout_bytes: u64 },
+}
+
+impl From<WireError> for PublishRefused {
+    fn from(e: WireError) -> Self {
+        PublishRefused::Error(e)
+    }
+}
+
 /// A publish turned into storage writes.
 #[derive(Debug, Default)]
 pub struct PublishPlan {
@@ -453,6 +476,10 @@ pub struct PublishPlan {
     pub first_id: Option<EventId>,
     /// The event kind each operation produced, in order.
     pub event_ops: Vec<EventOp>,
+    /// Operations whose key was matched against its region's regexes under the core lock:
+    /// no [`Prematch`] was given for it, or the region's matcher had changed since (the
+    /// caller's matchers are out of date; see [`NodeCore::regex_matcher`]).
+    pub regexes_matched_here: u64,
 }
 
 /// The event ids of a publish made on another cluster node: operation `i` gets
@@ -635,7 +662,7 @@ fn session_queue<'a>(
 }
 
 /// The region and key an operation targets.
-fn op_target(op: &PublishOp) -> (&str, &str) {
+pub fn op_target(op: &PublishOp) -> (&str, &str) {
     match op {
         PublishOp::Put { region, key, .. }
         | PublishOp::Destroy { region, key }
@@ -692,6 +719,24 @@ pub fn validate_region(region: &str) -> Result<(), WireError> {
     Ok(())
 }
 
+/// Counts (`held`) or uncounts a registration of a queue owned by `owner` in the regexes
+/// each principal holds; anything but a regex of an owned queue counts for nothing.
+fn count_regex(
+    owners: &mut RegexesByPrincipal,
+    owner: &Option<String>,
+    region: &str,
+    selector: &Selector,
+    held: bool,
+) {
+    if let (Some(owner), Selector::Regex(src)) = (owner, selector) {
+        if held {
+            owners.add(owner, region, src);
+        } else {
+            owners.remove(owner, region, src);
+        }
+    }
+}
+
 /// The node's state machine. See the module docs.
 pub struct NodeCore {
     node_id: String,
@@ -701,6 +746,8 @@ pub struct NodeCore {
     durable: HashMap<String, QueueId>,
     sessions: HashMap<SessionId, Session>,
     index: InterestIndex,
+    /// The regexes of `index` by the principal owning their queues.
+    regex_owners: RegexesByPrincipal,
     next_queue_id: QueueId,
     next_session_id: SessionId,
     /// Durable ids whose queue expired (or was dropped for being full), oldest first, at most
@@ -726,6 +773,7 @@ impl NodeCore {
             durable: HashMap::new(),
             sessions: HashMap::new(),
             index: InterestIndex::default(),
+            regex_owners: RegexesByPrincipal::default(),
             next_queue_id: 1,
             next_session_id: 1,
             expired: VecDeque::new(),
@@ -858,6 +906,7 @@ impl NodeCore {
         };
         for (region, sel, reg) in info.interests {
             self.index.insert(&region, &sel, id, reg.receive_values);
+            count_regex(&mut self.regex_owners, &queue.owner, &region, &sel, true);
             queue.interests.insert((region, sel), reg);
         }
         if info.away_since_ms.is_none() {
@@ -1159,8 +1208,9 @@ impl NodeCore {
             let session = self.alloc_session(&mut batch);
             // A non-durable client has nothing to replay: it is ready from the start.
             let cursor = Some(Cursor::new(0, 0, 0));
-            self.sessions
-                .insert(session, Session::new(session, NO_QUEUE, false, cursor));
+            let mut s = Session::new(session, NO_QUEUE, false, cursor);
+            s.principal = principal.map(str::to_string);
+            self.sessions.insert(session, s);
             return Ok(Connected {
                 session,
                 status: QueueStatus::None,
@@ -1197,6 +1247,9 @@ impl NodeCore {
             if q.owner.is_none() && principal.is_some() {
                 // Created while the node was open: the first principal to resume it owns it.
                 q.owner = principal.map(str::to_string);
+                for (region, sel) in q.interests.keys() {
+                    count_regex(&mut self.regex_owners, &q.owner, region, sel, true);
+                }
             }
             q.timeout_secs = hello.timeout_secs; // the latest presented timeout wins
             q.state = QueueState::Attached(session);
@@ -1299,6 +1352,12 @@ impl NodeCore {
         self.queues.get(&id).map(|q| &**q)
     }
 
+    /// The matcher of `region`'s interest regexes (none when it has none), for matching
+    /// publish keys outside the core lock ([`Prematch`], [`NodeCore::publish_within`]).
+    pub fn regex_matcher(&self, region: &str) -> Option<Arc<RegexMatcher>> {
+        self.index.regex_matcher(region)
+    }
+
     /// Registers interest. Returns the normalised selectors (for the initial image) and the
     /// metadata write when durable interest changed. Idempotent.
     pub fn register(
@@ -1323,7 +1382,8 @@ impl NodeCore {
         }
         let mut batch = Batch::new();
         if qid == NO_QUEUE {
-            let q = self.create_queue(None, None, 0, session, &mut batch);
+            let principal = self.sessions[&session].principal.clone();
+            let q = self.create_queue(None, principal.as_deref(), 0, session, &mut batch);
             self.sessions
                 .get_mut(&session)
                 .expect("checked above")
@@ -1374,6 +1434,15 @@ impl NodeCore {
                 ),
             ));
         }
+        if let Some(owner) = &q.owner {
+            let fresh_regexes = fresh.iter().filter_map(|sel| match sel {
+                Selector::Regex(src) => Some(src.as_str()),
+                _ => None,
+            });
+            self.regex_owners
+                .check_room(owner, region, fresh_regexes)
+                .map_err(|e| WireError::new(ErrorCode::LimitExceeded, e))?;
+        }
         let mut durable_changed = false;
         let reg = Registration {
             durable,
@@ -1383,6 +1452,9 @@ impl NodeCore {
             let old = q.interests.insert((region.to_string(), sel.clone()), reg);
             durable_changed |= (durable || old.is_some_and(|o| o.durable)) && old != Some(reg);
             self.index.insert(region, sel, q.id, receive_values);
+            if old.is_none() {
+                count_regex(&mut self.regex_owners, &q.owner, region, sel, true);
+            }
         }
         if let Some(c) = s.cursor.as_mut() {
             c.live_check = true;
@@ -1417,6 +1489,7 @@ impl NodeCore {
                 removed = true;
                 durable_changed |= reg.durable;
                 self.index.remove(region, sel, q.id);
+                count_regex(&mut self.regex_owners, &q.owner, region, sel, false);
             }
         }
         let mut batch = Batch::new();
@@ -1466,11 +1539,38 @@ impl NodeCore {
         origin: Option<&EventOrigin>,
         exists: &mut dyn FnMut(&str, &str) -> Result<bool, WireError>,
     ) -> Result<PublishPlan, WireError> {
+        self.publish_within(now_ms, session, ops, origin, &[], exists, &mut |_| true)
+            .map_err(|refused| match refused {
+                PublishRefused::Error(e) => e,
+                PublishRefused::NoRoom { .. } => unreachable!("room is always made"),
+            })
+    }
+
+    /// [`NodeCore::publish_from`] that first asks `room(bytes)` whether the caller can hold
+    /// the bytes the publish would add to its queues (an upper bound, counted once per
+    /// matching queue: the write's fan-out). `false` refuses it with
+    /// [`PublishRefused::NoRoom`] before anything takes effect; a publish that would add more
+    /// than [`PUBLISH_FANOUT_BYTES_MAX`] is refused with `limit-exceeded` without asking.
+    /// `pre[i]`, when given, holds op i's regex matches found outside the core lock
+    /// ([`Prematch`]); the plan counts the ops whose regexes were matched here instead
+    /// ([`PublishPlan::regexes_matched_here`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn publish_within(
+        &mut self,
+        now_ms: u64,
+        session: SessionId,
+        ops: &[PublishOp],
+        origin: Option<&EventOrigin>,
+        pre: &[Option<Prematch>],
+        exists: &mut dyn FnMut(&str, &str) -> Result<bool, WireError>,
+        room: &mut dyn FnMut(u64) -> bool,
+    ) -> Result<PublishPlan, PublishRefused> {
         if ops.len() > PUBLISH_OPS_PER_REQUEST_MAX {
             return Err(WireError::new(
                 ErrorCode::LimitExceeded,
                 format!("a publish may carry at most {PUBLISH_OPS_PER_REQUEST_MAX} operations"),
-            ));
+            )
+            .into());
         }
         for op in ops {
             if let PublishOp::Put { value, .. } = op
@@ -1482,14 +1582,15 @@ impl NodeCore {
                         "value of {} bytes exceeds the limit of {VALUE_BYTES_MAX} bytes",
                         value.len()
                     ),
-                ));
+                )
+                .into());
             }
             let (region, key) = op_target(op);
             validate_region(region)?;
             validate_key(key).map_err(invalid)?;
         }
         if !self.sessions.contains_key(&session) {
-            return Err(WireError::new(ErrorCode::NotFound, "no such session"));
+            return Err(WireError::new(ErrorCode::NotFound, "no such session").into());
         }
         // Each op's (region, key), and whether the key exists in the committed region store
         // (None: written by an uncommitted plan, known here), read before anything takes
@@ -1511,6 +1612,7 @@ impl NodeCore {
         matches.clear();
         // Per queue: entries and (an upper bound of) bytes the publish would add.
         let mut growth: BTreeMap<QueueId, (u64, u64)> = BTreeMap::new();
+        let mut regexes_matched_here = 0;
         let node = origin.map_or(self.node_id.as_str(), |o| o.node.as_str());
         for (i, op) in ops.iter().enumerate() {
             let (region, key) = op_target(op);
@@ -1519,7 +1621,10 @@ impl NodeCore {
                 _ => 0,
             };
             let op_bytes = event_bytes_max(node, region, key, value_bytes);
-            self.index.matches(region, key, &mut scratch);
+            let pre = pre.get(i).and_then(Option::as_ref);
+            if self.index.matches_with(region, key, pre, &mut scratch) {
+                regexes_matched_here += 1;
+            }
             for (&q, &values) in scratch.iter() {
                 if let Some(o) = origin
                     && self.queues.get(&q).is_some_and(|q| {
@@ -1535,6 +1640,22 @@ impl NodeCore {
             }
         }
         self.scratch = scratch;
+        let fanout_bytes: u64 = growth.values().map(|&(_, b)| b).sum();
+        if fanout_bytes > PUBLISH_FANOUT_BYTES_MAX as u64 {
+            self.match_scratch = matches;
+            return Err(WireError::new(
+                ErrorCode::LimitExceeded,
+                format!(
+                    "this publish would add up to {fanout_bytes} bytes to its {} queues, more than one publish may write ({PUBLISH_FANOUT_BYTES_MAX}); nothing was published: publish fewer or smaller operations at a time",
+                    growth.len()
+                ),
+            )
+            .into());
+        }
+        if !room(fanout_bytes) {
+            self.match_scratch = matches;
+            return Err(PublishRefused::NoRoom { fanout_bytes });
+        }
         let (max, max_bytes) = (self.limits.queue_entries_max, self.limits.queue_bytes_max);
         let full: Vec<QueueId> = growth
             .iter()
@@ -1545,7 +1666,10 @@ impl NodeCore {
             })
             .map(|(q, _)| *q)
             .collect();
-        let mut plan = PublishPlan::default();
+        let mut plan = PublishPlan {
+            regexes_matched_here,
+            ..PublishPlan::default()
+        };
         if let Some(&first) = full.first() {
             if self.limits.queue_full_policy != QueueFullPolicy::DropQueue {
                 self.match_scratch = matches;
@@ -1559,7 +1683,8 @@ impl NodeCore {
                 return Err(WireError::new(
                     ErrorCode::QueueFull,
                     format!("the queue of {who} is full ({limit}); nothing was published"),
-                ));
+                )
+                .into());
             }
             for qid in full {
                 if let Some(s) = self.attached_session(qid) {
@@ -1862,6 +1987,7 @@ impl NodeCore {
         for k in gone {
             q.interests.remove(&k);
             self.index.remove(&k.0, &k.1, q.id);
+            count_regex(&mut self.regex_owners, &q.owner, &k.0, &k.1, false);
         }
         q.state = QueueState::Away { since_ms: now_ms };
         q.persist_info(&mut out.batch);
@@ -1879,6 +2005,7 @@ impl NodeCore {
         if let Some(q) = self.queues.remove(&qid) {
             for (region, sel) in q.interests.keys() {
                 self.index.remove(region, sel, qid);
+                count_regex(&mut self.regex_owners, &q.owner, region, sel, false);
             }
             if let Some(id) = &q.durable_id {
                 self.durable.remove(id);

@@ -45,7 +45,8 @@ pub use writer::{GROUP_COMMIT_REQUESTS_MAX, Writer, WriterThread};
 
 use crate::cluster::{Cluster, Members};
 use crate::config::{Limits, QueueFullPolicy, ServerConfig, validate_node_id};
-use crate::core::{NodeCore, SessionId};
+use crate::core::{NodeCore, PublishRefused, SessionId};
+use crate::interest::{Prematch, RegexMatcher};
 use crate::limits::*;
 use crate::metrics as m;
 use crate::protocol::*;
@@ -112,6 +113,10 @@ pub(crate) struct Shared {
     pub(crate) publish_bytes_in_flight: std::sync::atomic::AtomicU64,
     /// Bytes of publish operations submitted to the writer and not committed.
     writer_queue_bytes: std::sync::atomic::AtomicU64,
+    /// The core's regex matchers of the regions published to, so a publish matches its keys
+    /// outside the core lock ([`Shared::prematch`]); brought up to date by the publishes
+    /// that found them out of date.
+    regex_matchers: std::sync::RwLock<HashMap<String, Arc<RegexMatcher>>>,
     /// Delivery reads of queue entries running at once (each on a blocking thread with a
     /// storage iterator and its frame buffer).
     pub(crate) delivery_reads: Semaphore,
@@ -279,40 +284,80 @@ impl Shared {
         }
     }
 
+    /// Each op's regex matches found outside the core lock with the node's last known
+    /// matchers of their regions (`None` for a region with no regexes known).
+    fn prematch(&self, ops: &[PublishOp]) -> Vec<Option<Prematch>> {
+        let matchers: Vec<Option<Arc<RegexMatcher>>> = {
+            let known = self
+                .regex_matchers
+                .read()
+                .unwrap_or_else(|p| p.into_inner());
+            if known.is_empty() {
+                return Vec::new();
+            }
+            ops.iter()
+                .map(|op| known.get(crate::core::op_target(op).0).cloned())
+                .collect()
+        };
+        ops.iter()
+            .zip(matchers)
+            .map(|(op, m)| m.map(|m| Prematch::new(m, crate::core::op_target(op).1)))
+            .collect()
+    }
+
+    /// Takes the matchers of the regions of `ops` from `core` (under its lock, so none can
+    /// change meanwhile), forgetting those of regions without regexes.
+    fn refresh_matchers(&self, core: &NodeCore, ops: &[PublishOp]) {
+        let mut known = self
+            .regex_matchers
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        for op in ops {
+            let region = crate::core::op_target(op).0;
+            match core.regex_matcher(region) {
+                Some(m) => {
+                    if !known.get(region).is_some_and(|k| Arc::ptr_eq(k, &m)) {
+                        known.insert(region.to_string(), m);
+                    }
+                }
+                None => {
+                    known.remove(region);
+                }
+            }
+        }
+    }
+
     async fn try_publish(
         self: &Arc<Self>,
         session: SessionId,
         ops: &[PublishOp],
         origin: Option<&forward::Origin<'_>>,
     ) -> Result<Submitted, WireError> {
-        let bytes = publish_ops_bytes(ops);
-        let kib = bytes
-            .div_ceil(1024)
-            .min(crate::limits::WRITER_QUEUE_KIB_MAX) as u32;
-        // Given back once the writer has committed the publish (or failed it), not when its
-        // answer is written: a connection waiting here for room must not wait on its own
-        // committed publishes, which it answers only after this.
-        let queued = QueuedBytes {
-            _kib: self
-                .write_kib
-                .clone()
-                .acquire_many_owned(kib)
-                .await
-                .map_err(|_| shutdown_error())?,
-            _request: self
-                .write_permits
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(|_| shutdown_error())?,
-            shared: self.clone(),
-            bytes: bytes as u64,
-        };
-        self.writer_queue_bytes
-            .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
+        let bytes = publish_ops_bytes(ops) as u64;
+        // The writer's queue holds the operations and what they add to their queues (known
+        // once matched): KiB for the operations are taken first, the rest under the core
+        // lock if free; if not, the publish waits for all of it and is planned again.
+        let mut want_kib = writer_kib(bytes);
+        let pre = self.prematch(ops);
+        let mut request = None;
         let receipt_appended;
         let receipt_logged;
-        let (count, enqueued, dropped, rx) = {
+        let (count, enqueued, dropped, rx) = loop {
+            let mut kib = self
+                .write_kib
+                .clone()
+                .acquire_many_owned(want_kib)
+                .await
+                .map_err(|_| shutdown_error())?;
+            if request.is_none() {
+                request = Some(
+                    self.write_permits
+                        .clone()
+                        .acquire_owned()
+                        .await
+                        .map_err(|_| shutdown_error())?,
+                );
+            }
             let mut core = self.core();
             if let (None, Some(f)) = (origin, &self.forwarding) {
                 f.check_room().inspect_err(|_| {
@@ -322,18 +367,59 @@ impl Shared {
             }
             let store = self.store.clone();
             let ids = origin.map(|o| &o.ids);
-            let plan = core.publish_from(
+            let mut held = (want_kib, bytes);
+            let planned = core.publish_within(
                 self.clock.now_ms(),
                 session,
                 ops,
                 ids,
+                &pre,
                 &mut |region, key| match store.region_get(region, key) {
                     Ok(v) => Ok(v.is_some()),
                     Err(e) => Err(internal(format!(
                         "reading key {key:?} of region {region:?}: {e}; nothing was published"
                     ))),
                 },
-            )?;
+                &mut |fanout_bytes| {
+                    let need = writer_kib(bytes + fanout_bytes);
+                    if need > held.0 {
+                        match self.write_kib.clone().try_acquire_many_owned(need - held.0) {
+                            Ok(more) => kib.merge(more),
+                            Err(_) => return false,
+                        }
+                    }
+                    held = (need.max(held.0), bytes + fanout_bytes);
+                    true
+                },
+            );
+            let plan = match planned {
+                Ok(plan) => {
+                    if plan.regexes_matched_here > 0 {
+                        self.refresh_matchers(&core, ops);
+                    }
+                    plan
+                }
+                Err(PublishRefused::Error(e)) => return Err(e),
+                Err(PublishRefused::NoRoom { fanout_bytes }) => {
+                    // Wait for all of it (holding none meanwhile: two publishes each holding
+                    // a part and waiting for the rest would wait for each other).
+                    drop(core);
+                    drop(kib);
+                    want_kib = writer_kib(bytes + fanout_bytes);
+                    continue;
+                }
+            };
+            // Given back once the writer has committed the publish (or failed it), not when
+            // its answer is written: a connection waiting here for room must not wait on its
+            // own committed publishes, which it answers only after this.
+            self.writer_queue_bytes
+                .fetch_add(held.1, std::sync::atomic::Ordering::Relaxed);
+            let queued = QueuedBytes {
+                _kib: kib,
+                _request: request.take().expect("taken once"),
+                shared: self.clone(),
+                bytes: held.1,
+            };
             let mut batch = plan.batch;
             let logged = match (origin, &self.forwarding) {
                 (Some(o), _) => {
@@ -399,12 +485,12 @@ impl Shared {
                 }
             });
             metrics::counter!(m::QUEUES_DROPPED_FULL).increment(plan.dropped_queues);
-            (
+            break (
                 plan.count,
                 plan.enqueued,
                 plan.dropped_sessions,
                 self.writer.submit(batch, Some(on_commit)),
-            )
+            );
         };
         Ok(Submitted {
             rx,
@@ -663,6 +749,13 @@ impl Drop for QueuedBytes {
             .writer_queue_bytes
             .fetch_sub(self.bytes, std::sync::atomic::Ordering::Relaxed);
     }
+}
+
+/// The writer's KiB permits for `bytes` (all of them for more than the writer's queue holds).
+fn writer_kib(bytes: u64) -> u32 {
+    bytes
+        .div_ceil(1024)
+        .min(crate::limits::WRITER_QUEUE_KIB_MAX as u64) as u32
 }
 
 /// The bytes a publish's operations carry (region names, keys and values): what the writer's
@@ -1014,6 +1107,7 @@ impl Node {
             _writer_thread: WriterThread::new(writer_thread),
             write_permits: Arc::new(Semaphore::new(WRITER_QUEUE_REQUESTS_MAX)),
             write_kib: Arc::new(Semaphore::new(crate::limits::WRITER_QUEUE_KIB_MAX)),
+            regex_matchers: Default::default(),
             publish_bytes_in_flight: std::sync::atomic::AtomicU64::new(0),
             writer_queue_bytes: std::sync::atomic::AtomicU64::new(0),
             delivery_reads: Semaphore::new(DELIVERY_READS_IN_FLIGHT_MAX),
@@ -1162,12 +1256,20 @@ impl Node {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Bytes of publish operations submitted to the storage writer and not committed yet
-    /// (at most [`WRITER_QUEUE_BYTES_MAX`](crate::limits::WRITER_QUEUE_BYTES_MAX)).
+    /// Bytes of publishes submitted to the storage writer and not committed yet: their
+    /// operations and what they add to their queues (at most
+    /// [`WRITER_QUEUE_BYTES_MAX`](crate::limits::WRITER_QUEUE_BYTES_MAX), or one publish
+    /// beyond it).
     pub fn writer_queue_bytes(&self) -> u64 {
         self.shared
             .writer_queue_bytes
             .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Requests (publishes and other writes) submitted to the storage writer and not
+    /// committed yet (at most [`WRITER_QUEUE_REQUESTS_MAX`]).
+    pub fn writer_queue_requests(&self) -> usize {
+        WRITER_QUEUE_REQUESTS_MAX - self.shared.write_permits.available_permits()
     }
 
     /// Resumed durable queues whose client had seen more than they knew, since the node
