@@ -30,6 +30,15 @@ pub enum Selector {
 impl Selector {
     /// Expands a wire spec into selectors, validating keys and regex sizes.
     pub fn from_spec(spec: &InterestSpec) -> Result<Vec<Selector>, String> {
+        Ok(Selector::from_spec_compiled(spec)?.0)
+    }
+
+    /// [`from_spec`](Self::from_spec), with the regex compiled to validate it, so a new one
+    /// need not be compiled again for the index ([`InterestIndex::insert_compiled`]).
+    pub fn from_spec_compiled(
+        spec: &InterestSpec,
+    ) -> Result<(Vec<Selector>, Option<Regex>), String> {
+        let mut compiled = None;
         let selectors = match spec {
             InterestSpec::Key(k) => vec![Selector::Key(k.clone())],
             InterestSpec::Keys(keys) => {
@@ -39,7 +48,7 @@ impl Selector {
                 keys.iter().cloned().map(Selector::Key).collect()
             }
             InterestSpec::Regex(re) => {
-                compile_regex(re)?;
+                compiled = Some(compile_regex(re)?);
                 vec![Selector::Regex(re.clone())]
             }
             InterestSpec::AllKeys => vec![Selector::All],
@@ -49,7 +58,7 @@ impl Selector {
                 validate_key(k)?;
             }
         }
-        Ok(selectors)
+        Ok((selectors, compiled))
     }
 
     /// Whether this selector matches `key`. Regexes are compiled on the fly here; the index
@@ -266,8 +275,15 @@ impl RegexIndex {
             .is_some_and(|&i| !self.slots[i].queues.is_empty())
     }
 
-    /// Adds or updates `queue`'s registration of `source` (validated by the caller).
-    fn insert(&mut self, source: &str, queue: QueueId, receive_values: bool) {
+    /// Adds or updates `queue`'s registration of `source` (validated by the caller, and
+    /// compiled if `compiled`).
+    fn insert(
+        &mut self,
+        source: &str,
+        queue: QueueId,
+        receive_values: bool,
+        compiled: Option<Regex>,
+    ) {
         if let Some(&i) = self.by_source.get(source) {
             let slot = &mut self.slots[i];
             if slot.queues.is_empty() {
@@ -277,7 +293,7 @@ impl RegexIndex {
             slot.queues.insert(queue, receive_values);
             return;
         }
-        let Ok(re) = compile_regex(source) else {
+        let Some(re) = compiled.or_else(|| compile_regex(source).ok()) else {
             return;
         };
         self.by_source.insert(source.to_string(), self.slots.len());
@@ -420,6 +436,19 @@ impl InterestIndex {
         queue: QueueId,
         receive_values: bool,
     ) {
+        self.insert_compiled(region, selector, queue, receive_values, None);
+    }
+
+    /// [`insert`](Self::insert) with a regex selector's regex compiled already (as
+    /// [`compile_regex`] does), used if the region does not hold it yet.
+    pub fn insert_compiled(
+        &mut self,
+        region: &str,
+        selector: &Selector,
+        queue: QueueId,
+        receive_values: bool,
+        compiled: Option<Regex>,
+    ) {
         let idx = self.regions.entry(region.to_string()).or_default();
         match selector {
             Selector::Key(k) => {
@@ -428,7 +457,7 @@ impl InterestIndex {
                     .or_default()
                     .insert(queue, receive_values);
             }
-            Selector::Regex(src) => idx.regexes.insert(src, queue, receive_values),
+            Selector::Regex(src) => idx.regexes.insert(src, queue, receive_values, compiled),
             Selector::All => {
                 idx.all.insert(queue, receive_values);
             }
@@ -701,6 +730,35 @@ mod tests {
         assert!(idx.regions.is_empty(), "an empty region is forgotten");
     }
 
+    /// One region's registrations: (queue, selector) → receive values.
+    type Model = BTreeMap<(QueueId, Selector), bool>;
+
+    /// Inserts (or removes) each registration in region "R" of `idx` and in `model`.
+    fn apply(
+        idx: &mut InterestIndex,
+        model: &mut Model,
+        (insert, q, sel, values): (bool, QueueId, Selector, bool),
+    ) {
+        if insert {
+            idx.insert("R", &sel, q, values);
+            model.insert((q, sel), values);
+        } else {
+            idx.remove("R", &sel, q);
+            model.remove(&(q, sel));
+        }
+    }
+
+    /// The queues of `model` interested in `key`, by brute force.
+    fn brute_force(model: &Model, key: &str) -> BTreeMap<QueueId, bool> {
+        let mut expect: BTreeMap<QueueId, bool> = BTreeMap::new();
+        for ((q, sel), values) in model {
+            if sel.matches(key) {
+                *expect.entry(*q).or_insert(false) |= *values;
+            }
+        }
+        expect
+    }
+
     fn many_regexes() -> impl Strategy<Value = Selector> {
         (0u8..80).prop_map(|n| Selector::Regex(format!("[ab]{{0,2}}{}?(?:x{{{}}})?", n % 3, n)))
     }
@@ -714,26 +772,14 @@ mod tests {
             keys in proptest::collection::vec("[ab]{0,2}[0-2]?", 1..10),
         ) {
             let mut idx = InterestIndex::default();
-            let mut model: BTreeMap<(QueueId, Selector), bool> = BTreeMap::new();
-            for (insert, q, sel, values) in ops {
-                if insert {
-                    idx.insert("R", &sel, q, values);
-                    model.insert((q, sel), values);
-                } else {
-                    idx.remove("R", &sel, q);
-                    model.remove(&(q, sel));
-                }
+            let mut model = Model::new();
+            for op in ops {
+                apply(&mut idx, &mut model, op);
             }
             let mut out = BTreeMap::new();
             for key in &keys {
                 idx.matches("R", key, &mut out);
-                let mut expect: BTreeMap<QueueId, bool> = BTreeMap::new();
-                for ((q, sel), values) in &model {
-                    if sel.matches(key) {
-                        *expect.entry(*q).or_insert(false) |= *values;
-                    }
-                }
-                prop_assert_eq!(&out, &expect);
+                prop_assert_eq!(&out, &brute_force(&model, key));
             }
         }
     }
@@ -749,19 +795,13 @@ mod tests {
             keys in proptest::collection::vec("[ab]{0,2}[0-2]?", 1..10),
         ) {
             let mut idx = InterestIndex::default();
-            let mut model: BTreeMap<(QueueId, Selector), bool> = BTreeMap::new();
+            let mut model = Model::new();
             let mut taken = None;
-            for (n, (insert, q, sel, values)) in ops.into_iter().enumerate() {
+            for (n, op) in ops.into_iter().enumerate() {
                 if n == taken_at {
                     taken = idx.regex_matcher("R");
                 }
-                if insert {
-                    idx.insert("R", &sel, q, values);
-                    model.insert((q, sel), values);
-                } else {
-                    idx.remove("R", &sel, q);
-                    model.remove(&(q, sel));
-                }
+                apply(&mut idx, &mut model, op);
             }
             if taken_at >= 300 {
                 taken = idx.regex_matcher("R");
@@ -772,13 +812,7 @@ mod tests {
             for key in &keys {
                 let pre = taken.clone().map(|m| Prematch::new(m, key));
                 let here = idx.matches_with("R", key, pre.as_ref(), &mut out);
-                let mut expect: BTreeMap<QueueId, bool> = BTreeMap::new();
-                for ((q, sel), values) in &model {
-                    if sel.matches(key) {
-                        *expect.entry(*q).or_insert(false) |= *values;
-                    }
-                }
-                prop_assert_eq!(&out, &expect);
+                prop_assert_eq!(&out, &brute_force(&model, key));
                 prop_assert_eq!(here, !current && (taken.is_some() || now.is_some()));
             }
         }

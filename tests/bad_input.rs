@@ -1502,6 +1502,52 @@ async fn garbage_on_extra_streams_is_ignored() {
     w.finish(&n).await;
 }
 
+/// Issue 22 point 3, bounded lists: a frame within the frame limit may still hold millions of
+/// elements (an empty string is one byte of CBOR and 24 or more once decoded, so a 4 MB key
+/// list would take about 100 MB). A client's list longer than `DECODED_LIST_ELEMENTS_MAX`
+/// (a key list interest, a publish's operations) is refused as a malformed frame while the
+/// frame is decoded, before the node holds it; nobody else is affected. A list over the
+/// node's own limit but under that bound still gets its `limit-exceeded` answer (above).
+#[tokio::test]
+async fn a_list_of_millions_of_elements_is_refused_while_decoded() {
+    use tether::protocol::DECODED_LIST_ELEMENTS_MAX;
+    let n = TestNode::start().await;
+    let mut w = Watcher::start(&n).await;
+    let keys = InterestSpec::Keys(vec![String::new(); 4_000_000]);
+    let ops = vec![
+        PublishOp::Destroy {
+            region: String::new(),
+            key: String::new(),
+        };
+        200_000
+    ];
+    let bodies = [
+        RequestBody::RegisterInterest {
+            region: "R".into(),
+            interest: keys,
+            durable: false,
+            policy: ResultPolicy::None,
+            receive_values: true,
+            image_in_parts: false,
+        },
+        RequestBody::Publish {
+            ops,
+            ack: Default::default(),
+        },
+    ];
+    for (i, body) in bodies.into_iter().enumerate() {
+        let mut raw = Raw::hello(&n, None).await;
+        raw.send(&ClientMsg::Request { id: 1, body }).await;
+        let msg = raw.expect_refusal(ErrorCode::MalformedFrame).await;
+        assert!(
+            msg.contains(&format!("at most {DECODED_LIST_ELEMENTS_MAX} elements")),
+            "{msg}"
+        );
+        w.still_served(&n, &format!("after-long-list-{i}")).await;
+    }
+    w.finish(&n).await;
+}
+
 /// A well-formed CBOR map whose key is a huge unknown message name. The decode error quotes the
 /// name verbatim, so the server's error message is as large as the client's frame: near
 /// `FRAME_BYTES_MAX` the error frame no longer fits a frame and is not sent at all (see the

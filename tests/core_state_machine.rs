@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 
 use proptest::prelude::*;
-use tether::core::{ConnectError, NodeCore, Step};
+use tether::core::{ConnectError, NodeCore, PublishPlan, PublishRefused, Step};
+use tether::interest::Prematch;
 use tether::protocol::{DurableHello, InterestSpec, PublishOp, QueueReport, QueueStatus};
 use tether::storage::{Batch, MemStore, Store};
 
@@ -44,6 +45,27 @@ impl Sim {
     fn register(&mut self, s: u64, region: &str, spec: InterestSpec, durable: bool) {
         let (_, b) = self.core.register(s, region, &spec, durable, true).unwrap();
         self.apply(b);
+    }
+
+    /// `NodeCore::publish_within` of `ops` on this store's region keys (the plan is not
+    /// applied).
+    fn plan(
+        &mut self,
+        publisher: u64,
+        ops: &[PublishOp],
+        pre: &[Option<Prematch>],
+        room: &mut dyn FnMut(u64) -> bool,
+    ) -> Result<PublishPlan, PublishRefused> {
+        let store = &self.store;
+        self.core.publish_within(
+            self.now,
+            publisher,
+            ops,
+            None,
+            pre,
+            &mut |r, k| Ok(store.region_get(r, k).unwrap().is_some()),
+            room,
+        )
     }
 
     fn put(&mut self, publisher: u64, region: &str, key: &str) -> u64 {
@@ -619,7 +641,6 @@ fn distinct_regexes_per_principal_are_bounded() {
 /// so the driver takes the new matcher) once a regex was added since.
 #[test]
 fn keys_matched_outside_the_lock_are_used_while_the_regexes_stay() {
-    use tether::interest::Prematch;
     let mut sim = Sim::new();
     let (a, _, _) = sim.connect(Some("a"), 60);
     let (b, _, _) = sim.connect(Some("b"), 60);
@@ -634,19 +655,7 @@ fn keys_matched_outside_the_lock_are_used_while_the_regexes_stay() {
             value: b"v".to_vec(),
         }];
         let pre = [Some(Prematch::new(matcher.clone(), key))];
-        let store = &sim.store;
-        let plan = sim
-            .core
-            .publish_within(
-                0,
-                publisher,
-                &ops,
-                None,
-                &pre,
-                &mut |r, k| Ok(store.region_get(r, k).unwrap().is_some()),
-                &mut |_| true,
-            )
-            .unwrap();
+        let plan = sim.plan(publisher, &ops, &pre, &mut |_| true).unwrap();
         sim.store.write(&plan.batch, true).unwrap();
         sim.core.committed(plan.seq, &plan.appended);
         (plan.enqueued, plan.regexes_matched_here)
@@ -672,7 +681,6 @@ fn keys_matched_outside_the_lock_are_used_while_the_regexes_stay() {
 /// bytes first (the node's writer queue counts them); without room, nothing changes either.
 #[test]
 fn a_publishs_fan_out_is_bounded_in_bytes() {
-    use tether::core::PublishRefused;
     use tether::core::bytes::event_bytes_max;
     use tether::limits::{PUBLISH_FANOUT_BYTES_MAX, VALUE_BYTES_MAX};
     use tether::protocol::ErrorCode;
@@ -695,33 +703,19 @@ fn a_publishs_fan_out_is_bounded_in_bytes() {
         assert!(sim.core.queue_reports().iter().all(|r| r.end_offset == 0));
         assert_eq!(sim.store.region_get("R", "k").unwrap(), None);
     };
-    fn exists(
-        store: &MemStore,
-    ) -> impl FnMut(&str, &str) -> Result<bool, tether::protocol::WireError> + '_ {
-        move |r, k| Ok(store.region_get(r, k).unwrap().is_some())
-    }
-    let e = sim
-        .core
-        .publish(0, publisher, &ops, &mut exists(&sim.store))
-        .expect_err("one queue too many");
+    let Err(PublishRefused::Error(e)) = sim.plan(publisher, &ops, &[], &mut |_| true) else {
+        panic!("one queue too many: refused");
+    };
     assert_eq!(e.code, ErrorCode::LimitExceeded, "{e:?}");
     assert!(e.message.contains("nothing was published"), "{e:?}");
     unchanged(&sim);
     // One queue fewer: within the bound, once the caller has room for it.
     sim.disconnect(1, sessions.pop().unwrap(), false);
     let mut asked = Vec::new();
-    let refused = sim.core.publish_within(
-        0,
-        publisher,
-        &ops,
-        None,
-        &[],
-        &mut exists(&sim.store),
-        &mut |b| {
-            asked.push(b);
-            false
-        },
-    );
+    let refused = sim.plan(publisher, &ops, &[], &mut |b| {
+        asked.push(b);
+        false
+    });
     let want = fits as u64 * per_queue;
     assert!(
         matches!(refused, Err(PublishRefused::NoRoom { fanout_bytes }) if fanout_bytes == want),
@@ -729,18 +723,7 @@ fn a_publishs_fan_out_is_bounded_in_bytes() {
     );
     assert_eq!(asked, [want]);
     unchanged(&sim);
-    let plan = sim
-        .core
-        .publish_within(
-            0,
-            publisher,
-            &ops,
-            None,
-            &[],
-            &mut exists(&sim.store),
-            &mut |_| true,
-        )
-        .unwrap();
+    let plan = sim.plan(publisher, &ops, &[], &mut |_| true).unwrap();
     assert_eq!(plan.enqueued, fits as u64);
 }
 

@@ -201,6 +201,19 @@ fn pipeline(
         .collect()
 }
 
+/// Lets the disk answer again, and waits for every publish of `puts` to be answered.
+async fn answered_once_released(
+    held: &Held,
+    puts: Vec<tokio::task::JoinHandle<Result<(), tether::client::ClientError>>>,
+) {
+    held.release();
+    for put in puts {
+        put.await
+            .unwrap()
+            .expect("every publish is answered once the disk answers");
+    }
+}
+
 /// Polls `figure` for `settle` after it first reaches `at_least`; returns the highest value
 /// seen. Panics if it never reaches `at_least`.
 async fn highest_after_reaching(figure: impl Fn() -> u64, at_least: u64, settle: Duration) -> u64 {
@@ -248,12 +261,7 @@ async fn a_connections_publishes_in_flight_are_bounded_in_bytes() {
         highest <= BUDGET as u64 + one,
         "one connection had {highest} bytes of publishes in flight (budget {BUDGET} plus one)"
     );
-    held.release();
-    for put in puts {
-        put.await
-            .unwrap()
-            .expect("every publish is answered once the disk answers");
-    }
+    answered_once_released(&held, puts).await;
     for i in [0, PUBLISHES - 1] {
         let got = p.region("R").get(format!("k-{i}")).await.unwrap();
         assert_eq!(got.map(|v| v.len()), Some(BUDGET_VALUE_BYTES));
@@ -295,12 +303,7 @@ async fn the_writers_queue_is_bounded_in_bytes() {
         highest <= WRITER_QUEUE_BYTES_MAX as u64,
         "{highest} bytes of publishes waited for the writer (at most {WRITER_QUEUE_BYTES_MAX})"
     );
-    held.release();
-    for put in puts {
-        put.await
-            .unwrap()
-            .expect("every publish is answered once the disk answers");
-    }
+    answered_once_released(&held, puts).await;
     assert_eq!(node.publish_bytes_in_flight(), 0);
     assert_eq!(node.writer_queue_bytes(), 0);
     node.shutdown().await;
@@ -359,12 +362,7 @@ async fn a_publish_counts_in_the_writers_queue_with_its_fan_out() {
         bytes <= WRITER_QUEUE_BYTES_MAX as u64,
         "{bytes} bytes waited for the writer (at most {WRITER_QUEUE_BYTES_MAX})"
     );
-    held.release();
-    for put in puts {
-        put.await
-            .unwrap()
-            .expect("every publish is answered once the disk answers");
-    }
+    answered_once_released(&held, puts).await;
     assert_eq!(node.writer_queue_bytes(), 0);
     assert_eq!(node.writer_queue_requests(), 0);
     let reports = clients[0].queues().await.unwrap();

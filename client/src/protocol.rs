@@ -13,6 +13,48 @@
 //! or re-encodes an event on the replay path.
 
 use serde::{Deserialize, Serialize};
+
+/// Elements a client's list may have in a decoded frame (a key list interest, a publish's
+/// operations). Far above the node's own limits for them (10,000 each, refused with
+/// `limit-exceeded`), so only absurd lists meet it: a frame may hold millions of one-byte
+/// elements (an empty string), each 24 bytes or more once decoded, and decoding stops here
+/// before they fill memory (the frame is refused as malformed).
+pub const DECODED_LIST_ELEMENTS_MAX: usize = 65_536;
+
+/// Deserializes a list of at most [`DECODED_LIST_ELEMENTS_MAX`] elements: a longer one is an
+/// error as soon as its length is read (or its element past the bound, for a list of
+/// indefinite length).
+fn bounded_list<'de, D, T>(d: D) -> Result<Vec<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    use serde::de::{Error, SeqAccess, Visitor};
+    struct Bounded<T>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for Bounded<T> {
+        type Value = Vec<T>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            write!(f, "a list of at most {DECODED_LIST_ELEMENTS_MAX} elements")
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let announced = seq.size_hint().unwrap_or(0);
+            if announced > DECODED_LIST_ELEMENTS_MAX {
+                return Err(A::Error::invalid_length(announced, &self));
+            }
+            let mut out = Vec::with_capacity(announced.min(4096));
+            while let Some(element) = seq.next_element()? {
+                if out.len() == DECODED_LIST_ELEMENTS_MAX {
+                    return Err(A::Error::invalid_length(out.len() + 1, &self));
+                }
+                out.push(element);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(Bounded(std::marker::PhantomData))
+}
 pub use tether_transport::ErrorCode;
 
 /// Entry flag: the client's matching interest has `receive_values = false`, so a create or an
@@ -79,7 +121,7 @@ pub enum InterestSpec {
     /// One key.
     Key(String),
     /// A list of keys (registered as one key interest per key).
-    Keys(Vec<String>),
+    Keys(#[serde(deserialize_with = "bounded_list")] Vec<String>),
     /// Keys matching a regular expression (whole-key match).
     Regex(String),
     /// Every key of the region.
@@ -256,6 +298,7 @@ pub enum RequestBody {
     },
     Ready,
     Publish {
+        #[serde(deserialize_with = "bounded_list")]
         ops: Vec<PublishOp>,
         /// When the publish is acknowledged (see [`PublishAck`]).
         #[serde(default, skip_serializing_if = "PublishAck::is_local")]

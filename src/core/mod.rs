@@ -1369,7 +1369,7 @@ impl NodeCore {
         receive_values: bool,
     ) -> Result<(Vec<Selector>, Batch), WireError> {
         validate_region(region)?;
-        let selectors = Selector::from_spec(spec).map_err(invalid)?;
+        let (selectors, mut compiled) = Selector::from_spec_compiled(spec).map_err(invalid)?;
         let (is_durable, qid) = match self.sessions.get(&session) {
             Some(s) => (s.durable, s.queue),
             None => return Err(WireError::new(ErrorCode::NotFound, "no such session")),
@@ -1451,7 +1451,8 @@ impl NodeCore {
         for sel in &selectors {
             let old = q.interests.insert((region.to_string(), sel.clone()), reg);
             durable_changed |= (durable || old.is_some_and(|o| o.durable)) && old != Some(reg);
-            self.index.insert(region, sel, q.id, receive_values);
+            self.index
+                .insert_compiled(region, sel, q.id, receive_values, compiled.take());
             if old.is_none() {
                 count_regex(&mut self.regex_owners, &q.owner, region, sel, true);
             }
