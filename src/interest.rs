@@ -34,7 +34,7 @@ impl Selector {
     }
 
     /// [`from_spec`](Self::from_spec), with the regex compiled to validate it, so a new one
-    /// need not be compiled again for the index ([`InterestIndex::insert_compiled`]).
+    /// need not be compiled again for the index ([`InterestIndex::insert_owned`]).
     pub fn from_spec_compiled(
         spec: &InterestSpec,
     ) -> Result<(Vec<Selector>, Option<Regex>), String> {
@@ -276,25 +276,24 @@ impl RegexIndex {
     }
 
     /// Adds or updates `queue`'s registration of `source` (validated by the caller, and
-    /// compiled if `compiled`).
+    /// compiled if `compiled`). Returns whether `queue` did not hold it yet.
     fn insert(
         &mut self,
         source: &str,
         queue: QueueId,
         receive_values: bool,
         compiled: Option<Regex>,
-    ) {
+    ) -> bool {
         if let Some(&i) = self.by_source.get(source) {
             let slot = &mut self.slots[i];
             if slot.queues.is_empty() {
                 // A free slot of the set, taken again.
                 self.stale -= 1;
             }
-            slot.queues.insert(queue, receive_values);
-            return;
+            return slot.queues.insert(queue, receive_values).is_none();
         }
         let Some(re) = compiled.or_else(|| compile_regex(source).ok()) else {
-            return;
+            return false;
         };
         self.by_source.insert(source.to_string(), self.slots.len());
         self.slots.push(RegexSlot {
@@ -303,15 +302,20 @@ impl RegexIndex {
         });
         Arc::make_mut(&mut self.matcher).fresh.push(re);
         self.rebuild_if_due();
+        true
     }
 
-    fn remove(&mut self, source: &str, queue: QueueId) {
+    /// Removes `queue`'s registration of `source`; returns whether it held it.
+    fn remove(&mut self, source: &str, queue: QueueId) -> bool {
         let Some(&i) = self.by_source.get(source) else {
-            return;
+            return false;
         };
         let slot = &mut self.slots[i];
-        if slot.queues.remove(&queue).is_none() || !slot.queues.is_empty() {
-            return;
+        if slot.queues.remove(&queue).is_none() {
+            return false;
+        }
+        if !slot.queues.is_empty() {
+            return true;
         }
         let set_len = self.matcher.set_len;
         if i < set_len {
@@ -333,6 +337,7 @@ impl RegexIndex {
         } else {
             self.rebuild_if_due();
         }
+        true
     }
 
     fn rebuild_if_due(&mut self) {
@@ -425,6 +430,8 @@ impl RegionIndex {
 #[derive(Default)]
 pub struct InterestIndex {
     regions: HashMap<String, RegionIndex>,
+    /// The regexes held by the queues of each principal (the owner given with each change).
+    by_principal: RegexesByPrincipal,
 }
 
 impl InterestIndex {
@@ -436,17 +443,19 @@ impl InterestIndex {
         queue: QueueId,
         receive_values: bool,
     ) {
-        self.insert_compiled(region, selector, queue, receive_values, None);
+        self.insert_owned(region, selector, queue, receive_values, None, None);
     }
 
-    /// [`insert`](Self::insert) with a regex selector's regex compiled already (as
-    /// [`compile_regex`] does), used if the region does not hold it yet.
-    pub fn insert_compiled(
+    /// [`insert`](Self::insert) for a queue owned by `owner` (its regexes count for the owner,
+    /// see [`regex_room`](Self::regex_room)), with a regex selector's regex compiled already
+    /// (as [`compile_regex`] does), used if the region does not hold it yet.
+    pub fn insert_owned(
         &mut self,
         region: &str,
         selector: &Selector,
         queue: QueueId,
         receive_values: bool,
+        owner: Option<&str>,
         compiled: Option<Regex>,
     ) {
         let idx = self.regions.entry(region.to_string()).or_default();
@@ -457,7 +466,13 @@ impl InterestIndex {
                     .or_default()
                     .insert(queue, receive_values);
             }
-            Selector::Regex(src) => idx.regexes.insert(src, queue, receive_values, compiled),
+            Selector::Regex(src) => {
+                if idx.regexes.insert(src, queue, receive_values, compiled)
+                    && let Some(owner) = owner
+                {
+                    self.by_principal.add(owner, region, src);
+                }
+            }
             Selector::All => {
                 idx.all.insert(queue, receive_values);
             }
@@ -466,6 +481,17 @@ impl InterestIndex {
 
     /// Removes `queue`'s registration of `selector`, if any.
     pub fn remove(&mut self, region: &str, selector: &Selector, queue: QueueId) {
+        self.remove_owned(region, selector, queue, None);
+    }
+
+    /// [`remove`](Self::remove) for a queue owned by `owner`.
+    pub fn remove_owned(
+        &mut self,
+        region: &str,
+        selector: &Selector,
+        queue: QueueId,
+        owner: Option<&str>,
+    ) {
         let Some(idx) = self.regions.get_mut(region) else {
             return;
         };
@@ -478,7 +504,13 @@ impl InterestIndex {
                     }
                 }
             }
-            Selector::Regex(src) => idx.regexes.remove(src, queue),
+            Selector::Regex(src) => {
+                if idx.regexes.remove(src, queue)
+                    && let Some(owner) = owner
+                {
+                    self.by_principal.remove(owner, region, src);
+                }
+            }
             Selector::All => {
                 idx.all.remove(&queue);
             }
@@ -486,6 +518,31 @@ impl InterestIndex {
         if idx.is_empty() {
             self.regions.remove(region);
         }
+    }
+
+    /// A queue holding `registrations` is `owner`'s from now on (it was created on an open
+    /// node): its regexes count for the owner.
+    pub fn owner_gained<'a>(
+        &mut self,
+        owner: &str,
+        registrations: impl Iterator<Item = &'a (String, Selector)>,
+    ) {
+        for (region, selector) in registrations {
+            if let Selector::Regex(src) = selector {
+                self.by_principal.add(owner, region, src);
+            }
+        }
+    }
+
+    /// Refuses `fresh` regexes in `region` for a queue of `owner` (with the message) when they
+    /// would take the owner's queues past [`REGEXES_PER_PRINCIPAL_MAX`] distinct regexes.
+    pub fn regex_room<'a>(
+        &self,
+        owner: &str,
+        region: &str,
+        fresh: impl Iterator<Item = &'a str>,
+    ) -> Result<(), String> {
+        self.by_principal.check_room(owner, region, fresh)
     }
 
     /// Every queue interested in `(region, key)`, ascending by queue id, each with whether any
@@ -547,11 +604,11 @@ impl InterestIndex {
 /// The distinct interest regexes each principal's queues hold, by `(region, source)`, with
 /// how many of its queues hold each: what [`REGEXES_PER_PRINCIPAL_MAX`] bounds.
 #[derive(Default)]
-pub struct RegexesByPrincipal(HashMap<String, HashMap<(String, String), u32>>);
+struct RegexesByPrincipal(HashMap<String, HashMap<(String, String), u32>>);
 
 impl RegexesByPrincipal {
     /// One more queue of `principal` holds `source` in `region`.
-    pub fn add(&mut self, principal: &str, region: &str, source: &str) {
+    fn add(&mut self, principal: &str, region: &str, source: &str) {
         *self
             .0
             .entry(principal.to_string())
@@ -561,7 +618,7 @@ impl RegexesByPrincipal {
     }
 
     /// One queue of `principal` holds `source` in `region` no more.
-    pub fn remove(&mut self, principal: &str, region: &str, source: &str) {
+    fn remove(&mut self, principal: &str, region: &str, source: &str) {
         let Some(held) = self.0.get_mut(principal) else {
             return;
         };
@@ -578,13 +635,13 @@ impl RegexesByPrincipal {
     }
 
     /// Distinct `(region, source)` pairs the queues of `principal` hold.
-    pub fn count(&self, principal: &str) -> usize {
+    fn count(&self, principal: &str) -> usize {
         self.0.get(principal).map_or(0, HashMap::len)
     }
 
     /// Refuses `fresh` regexes for `principal` in `region` (with its message) when they would
     /// take it past [`REGEXES_PER_PRINCIPAL_MAX`] distinct regexes.
-    pub fn check_room<'a>(
+    fn check_room<'a>(
         &self,
         principal: &str,
         region: &str,

@@ -400,3 +400,41 @@ async fn smallest_connection_windows_still_carry_large_values_and_replays() {
         assert!(e.replayed);
     }
 }
+
+/// Issue 22 point 4: a publish to a region with interest regexes matches its keys before it
+/// takes the core lock, with the region's matcher learnt from an earlier publish. Only the
+/// first publish after the regexes change is matched under the lock; every event still
+/// reaches the queues its key matches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishes_match_regexes_outside_the_core_lock() {
+    let n = TestNode::start().await;
+    let d = n.durable("regexes", 60).await;
+    d.region("R")
+        .register(Interest::regex("k-[0-9]+"))
+        .await
+        .unwrap();
+    d.ready_for_events().await.unwrap();
+    let mut events = d.events().unwrap();
+    let p = n.builder().connect().await.unwrap();
+    let r = p.region("R");
+    let put = |key: &'static str| r.put(key, b"v".to_vec());
+    for key in ["k-1", "x-1", "k-2", "k-3"] {
+        put(key).await.unwrap();
+    }
+    assert_eq!(
+        n.node().regex_matches_under_lock(),
+        1,
+        "the first publish only"
+    );
+    // A new regex: the matcher learnt is out of date, once.
+    d.region("R")
+        .register(Interest::regex("x-[0-9]+"))
+        .await
+        .unwrap();
+    for key in ["x-2", "k-4", "x-3"] {
+        put(key).await.unwrap();
+    }
+    assert_eq!(n.node().regex_matches_under_lock(), 2);
+    let got = keys(&take_events(&mut events, 6).await);
+    assert_eq!(got, ["k-1", "k-2", "k-3", "x-2", "k-4", "x-3"]);
+}

@@ -201,6 +201,30 @@ fn pipeline(
         .collect()
 }
 
+/// Connects `clients` publishers, holds the disk's writes, and has each pipeline
+/// `per_client` publishes of 1 MiB.
+async fn held_publishers(
+    node: &Node,
+    held: &Held,
+    clients: usize,
+    per_client: usize,
+) -> (
+    Vec<Arc<tether::client::Client>>,
+    Vec<tokio::task::JoinHandle<Result<(), tether::client::ClientError>>>,
+) {
+    let mut publishers = Vec::new();
+    for _ in 0..clients {
+        publishers.push(Arc::new(builder(node).connect().await.unwrap()));
+    }
+    held.hold();
+    let puts = publishers
+        .iter()
+        .enumerate()
+        .flat_map(|(c, client)| pipeline(client, &format!("c{c}"), per_client))
+        .collect();
+    (publishers, puts)
+}
+
 /// Lets the disk answer again, and waits for every publish of `puts` to be answered.
 async fn answered_once_released(
     held: &Held,
@@ -283,16 +307,7 @@ async fn the_writers_queue_is_bounded_in_bytes() {
     const PER_CLIENT: usize = BUDGET / BUDGET_VALUE_BYTES + 1;
     let dir = tempfile::tempdir().unwrap();
     let (node, held) = node_with_held_writes(dir.path()).await;
-    let mut clients = Vec::new();
-    for _ in 0..CLIENTS {
-        clients.push(Arc::new(builder(&node).connect().await.unwrap()));
-    }
-    held.hold();
-    let puts: Vec<_> = clients
-        .iter()
-        .enumerate()
-        .flat_map(|(c, client)| pipeline(client, &format!("c{c}"), PER_CLIENT))
-        .collect();
+    let (_publishers, puts) = held_publishers(&node, &held, CLIENTS, PER_CLIENT).await;
     let highest = highest_after_reaching(
         || node.writer_queue_bytes(),
         (WRITER_QUEUE_BYTES_MAX - 2 * BUDGET_VALUE_BYTES) as u64,
@@ -334,16 +349,7 @@ async fn a_publish_counts_in_the_writers_queue_with_its_fan_out() {
         d.region("R").register(Interest::all_keys()).await.unwrap();
         queues.push(d);
     }
-    let mut clients = Vec::new();
-    for _ in 0..CLIENTS {
-        clients.push(Arc::new(builder(&node).connect().await.unwrap()));
-    }
-    held.hold();
-    let puts: Vec<_> = clients
-        .iter()
-        .enumerate()
-        .flat_map(|(c, client)| pipeline(client, &format!("c{c}"), PER_CLIENT))
-        .collect();
+    let (clients, puts) = held_publishers(&node, &held, CLIENTS, PER_CLIENT).await;
     // What one publish writes: its value to the region and to each queue.
     let one = ((QUEUES + 1) * BUDGET_VALUE_BYTES) as u64;
     let room = WRITER_QUEUE_BYTES_MAX as u64 / one;

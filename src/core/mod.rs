@@ -36,8 +36,7 @@ pub use cursor::{Cursor, FlagBounds, Step};
 use self::bytes::{QueueBytes, event_bytes_max};
 use crate::config::{Limits, QueueFullPolicy};
 use crate::interest::{
-    InterestIndex, Interests, Prematch, RegexMatcher, RegexesByPrincipal, Registration, Selector,
-    validate_key,
+    InterestIndex, Interests, Prematch, RegexMatcher, Registration, Selector, validate_key,
 };
 use crate::limits::*;
 use crate::protocol::*;
@@ -719,24 +718,6 @@ pub fn validate_region(region: &str) -> Result<(), WireError> {
     Ok(())
 }
 
-/// Counts (`held`) or uncounts a registration of a queue owned by `owner` in the regexes
-/// each principal holds; anything but a regex of an owned queue counts for nothing.
-fn count_regex(
-    owners: &mut RegexesByPrincipal,
-    owner: &Option<String>,
-    region: &str,
-    selector: &Selector,
-    held: bool,
-) {
-    if let (Some(owner), Selector::Regex(src)) = (owner, selector) {
-        if held {
-            owners.add(owner, region, src);
-        } else {
-            owners.remove(owner, region, src);
-        }
-    }
-}
-
 /// The node's state machine. See the module docs.
 pub struct NodeCore {
     node_id: String,
@@ -746,8 +727,6 @@ pub struct NodeCore {
     durable: HashMap<String, QueueId>,
     sessions: HashMap<SessionId, Session>,
     index: InterestIndex,
-    /// The regexes of `index` by the principal owning their queues.
-    regex_owners: RegexesByPrincipal,
     next_queue_id: QueueId,
     next_session_id: SessionId,
     /// Durable ids whose queue expired (or was dropped for being full), oldest first, at most
@@ -773,7 +752,6 @@ impl NodeCore {
             durable: HashMap::new(),
             sessions: HashMap::new(),
             index: InterestIndex::default(),
-            regex_owners: RegexesByPrincipal::default(),
             next_queue_id: 1,
             next_session_id: 1,
             expired: VecDeque::new(),
@@ -905,8 +883,9 @@ impl NodeCore {
             rates: Default::default(),
         };
         for (region, sel, reg) in info.interests {
-            self.index.insert(&region, &sel, id, reg.receive_values);
-            count_regex(&mut self.regex_owners, &queue.owner, &region, &sel, true);
+            let owner = queue.owner.as_deref();
+            self.index
+                .insert_owned(&region, &sel, id, reg.receive_values, owner, None);
             queue.interests.insert((region, sel), reg);
         }
         if info.away_since_ms.is_none() {
@@ -1247,8 +1226,8 @@ impl NodeCore {
             if q.owner.is_none() && principal.is_some() {
                 // Created while the node was open: the first principal to resume it owns it.
                 q.owner = principal.map(str::to_string);
-                for (region, sel) in q.interests.keys() {
-                    count_regex(&mut self.regex_owners, &q.owner, region, sel, true);
+                if let Some(owner) = principal {
+                    self.index.owner_gained(owner, q.interests.keys());
                 }
             }
             q.timeout_secs = hello.timeout_secs; // the latest presented timeout wins
@@ -1439,8 +1418,8 @@ impl NodeCore {
                 Selector::Regex(src) => Some(src.as_str()),
                 _ => None,
             });
-            self.regex_owners
-                .check_room(owner, region, fresh_regexes)
+            self.index
+                .regex_room(owner, region, fresh_regexes)
                 .map_err(|e| WireError::new(ErrorCode::LimitExceeded, e))?;
         }
         let mut durable_changed = false;
@@ -1451,11 +1430,9 @@ impl NodeCore {
         for sel in &selectors {
             let old = q.interests.insert((region.to_string(), sel.clone()), reg);
             durable_changed |= (durable || old.is_some_and(|o| o.durable)) && old != Some(reg);
+            let owner = q.owner.as_deref();
             self.index
-                .insert_compiled(region, sel, q.id, receive_values, compiled.take());
-            if old.is_none() {
-                count_regex(&mut self.regex_owners, &q.owner, region, sel, true);
-            }
+                .insert_owned(region, sel, q.id, receive_values, owner, compiled.take());
         }
         if let Some(c) = s.cursor.as_mut() {
             c.live_check = true;
@@ -1489,8 +1466,8 @@ impl NodeCore {
             if let Some(reg) = q.interests.remove(&(region.to_string(), sel.clone())) {
                 removed = true;
                 durable_changed |= reg.durable;
-                self.index.remove(region, sel, q.id);
-                count_regex(&mut self.regex_owners, &q.owner, region, sel, false);
+                self.index
+                    .remove_owned(region, sel, q.id, q.owner.as_deref());
             }
         }
         let mut batch = Batch::new();
@@ -1987,8 +1964,8 @@ impl NodeCore {
             .collect();
         for k in gone {
             q.interests.remove(&k);
-            self.index.remove(&k.0, &k.1, q.id);
-            count_regex(&mut self.regex_owners, &q.owner, &k.0, &k.1, false);
+            self.index
+                .remove_owned(&k.0, &k.1, q.id, q.owner.as_deref());
         }
         q.state = QueueState::Away { since_ms: now_ms };
         q.persist_info(&mut out.batch);
@@ -2005,8 +1982,8 @@ impl NodeCore {
     fn drop_queue(&mut self, qid: QueueId, batch: &mut Batch) {
         if let Some(q) = self.queues.remove(&qid) {
             for (region, sel) in q.interests.keys() {
-                self.index.remove(region, sel, qid);
-                count_regex(&mut self.regex_owners, &q.owner, region, sel, false);
+                self.index
+                    .remove_owned(region, sel, qid, q.owner.as_deref());
             }
             if let Some(id) = &q.durable_id {
                 self.durable.remove(id);

@@ -117,6 +117,9 @@ pub(crate) struct Shared {
     /// outside the core lock ([`Shared::prematch`]); brought up to date by the publishes
     /// that found them out of date.
     regex_matchers: std::sync::RwLock<HashMap<String, Arc<RegexMatcher>>>,
+    /// Publish operations whose keys were matched against regexes under the core lock (their
+    /// region's matcher was unknown here or out of date).
+    regex_matches_under_lock: std::sync::atomic::AtomicU64,
     /// Delivery reads of queue entries running at once (each on a blocking thread with a
     /// storage iterator and its frame buffer).
     pub(crate) delivery_reads: Semaphore,
@@ -395,6 +398,10 @@ impl Shared {
             let plan = match planned {
                 Ok(plan) => {
                     if plan.regexes_matched_here > 0 {
+                        self.regex_matches_under_lock.fetch_add(
+                            plan.regexes_matched_here,
+                            std::sync::atomic::Ordering::Relaxed,
+                        );
                         self.refresh_matchers(&core, ops);
                     }
                     plan
@@ -1108,6 +1115,7 @@ impl Node {
             write_permits: Arc::new(Semaphore::new(WRITER_QUEUE_REQUESTS_MAX)),
             write_kib: Arc::new(Semaphore::new(crate::limits::WRITER_QUEUE_KIB_MAX)),
             regex_matchers: Default::default(),
+            regex_matches_under_lock: Default::default(),
             publish_bytes_in_flight: std::sync::atomic::AtomicU64::new(0),
             writer_queue_bytes: std::sync::atomic::AtomicU64::new(0),
             delivery_reads: Semaphore::new(DELIVERY_READS_IN_FLIGHT_MAX),
@@ -1270,6 +1278,15 @@ impl Node {
     /// committed yet (at most [`WRITER_QUEUE_REQUESTS_MAX`]).
     pub fn writer_queue_requests(&self) -> usize {
         WRITER_QUEUE_REQUESTS_MAX - self.shared.write_permits.available_permits()
+    }
+
+    /// Publish operations whose keys were matched against their region's interest regexes
+    /// under the core lock, since the node started: the first publish to a region after its
+    /// regexes changed; the others are matched before the lock is taken.
+    pub fn regex_matches_under_lock(&self) -> u64 {
+        self.shared
+            .regex_matches_under_lock
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Resumed durable queues whose client had seen more than they knew, since the node
