@@ -21,6 +21,7 @@ pub const QUEUES_EXPIRED: &str = "tether_queues_expired_total";
 pub const REPLAY_DURATION: &str = "tether_replay_duration_seconds";
 pub const WRITE_BATCH_OPS: &str = "tether_storage_write_batch_ops";
 pub const FSYNC_LATENCY: &str = "tether_storage_fsync_seconds";
+pub const WRITER_WAIT: &str = "tether_storage_writer_wait_seconds";
 pub const STORAGE_MEMORY: &str = "tether_storage_memory_bytes";
 pub const STORAGE_L0_FILES: &str = "tether_storage_l0_files";
 pub const HEAP_LIVE: &str = "tether_heap_live_bytes";
@@ -223,6 +224,10 @@ fn describe() {
     describe_histogram!(REPLAY_DURATION, "Time from ready to the live marker");
     describe_histogram!(WRITE_BATCH_OPS, "Operations per storage group commit");
     describe_histogram!(FSYNC_LATENCY, "Duration of a synced storage write");
+    describe_histogram!(
+        WRITER_WAIT,
+        "Time the oldest request of a group commit waited for the storage writer"
+    );
     describe_gauge!(
         STORAGE_MEMORY,
         "Memory the storage engine holds, by kind: memtables, table_readers, block_cache, block_cache_pinned"

@@ -13,6 +13,8 @@
 //! each value carries its publish time, and the end-to-end latency (publish request → commit →
 //! delivery → the application) goes into an HDR histogram: p50/p99/p999, once on an idle node
 //! and once while another durable client drains a backlog of all the events.
+//! TETHER_BENCH_SYNC sets the node's sync mode (default batch); TETHER_BENCH_SLOW_US=N prints
+//! each live event slower than N µs, with its arrival time on the monotonic clock.
 //!
 //! Then the redundancy phase: a three-node cluster in this process, one durable queue with
 //! redundancy 1, TETHER_BENCH_CLUSTER_EVENTS events (default a fifth of the events, 0 skips)
@@ -141,6 +143,11 @@ async fn main() {
     if let Some(w) = window {
         config.limits.connection_receive_window_bytes = w;
         config.limits.connection_send_window_bytes = w;
+    }
+    if let Ok(mode) = std::env::var("TETHER_BENCH_SYNC") {
+        config.sync = mode
+            .parse()
+            .expect("TETHER_BENCH_SYNC: always, batch or none");
     }
     let node = Node::start(config).await.unwrap();
     let builder = ClientBuilder::new()
@@ -875,6 +882,16 @@ async fn live_latency(
         ticks * per_tick
     });
     let mut hist = hdrhistogram::Histogram::<u64>::new(3).unwrap();
+    // Events slower than this go to stderr with the time they arrived, to be matched with
+    // the phase marks and a profile's samples.
+    let slow_us = std::env::var("TETHER_BENCH_SLOW_US")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok());
+    let phase = if drain.is_some() {
+        "live-draining"
+    } else {
+        "live-idle"
+    };
     let mut got = 0u64;
     let expect = ticks * per_tick;
     while got < expect {
@@ -884,6 +901,10 @@ async fn live_latency(
                 let stamp = u64::from_be_bytes(v[..8].try_into().unwrap());
                 let now = origin.elapsed().as_nanos() as u64;
                 hist.record(now.saturating_sub(stamp) / 1_000).unwrap();
+                let micros = now.saturating_sub(stamp) / 1_000;
+                if slow_us.is_some_and(|limit| micros > limit) {
+                    eprintln!("# slow {phase} {micros} {}", monotonic_now());
+                }
                 got += 1;
             }
             ClientEvent::Live { .. } => {}
@@ -1102,17 +1123,18 @@ fn mark_phase(name: &str, edge: &str) {
     if std::env::var_os("TETHER_BENCH_MARK_PHASES").is_none() {
         return;
     }
+    eprintln!("# phase {name} {edge} {}", monotonic_now());
+}
+
+/// The monotonic clock (perf's) as `SECONDS.MICROS`.
+fn monotonic_now() -> String {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: clock_gettime writes the timespec it is given, which lives on this stack.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    eprintln!(
-        "# phase {name} {edge} {}.{:06}",
-        ts.tv_sec,
-        ts.tv_nsec / 1_000
-    );
+    format!("{}.{:06}", ts.tv_sec, ts.tv_nsec / 1_000)
 }
 
 fn median(v: &mut [Duration]) -> Duration {

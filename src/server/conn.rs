@@ -1001,6 +1001,11 @@ async fn request(
 /// Body bytes of a session's first delivery frame; each next frame doubles it up to
 /// `DELIVERY_FRAME_BODY_BYTES_MAX`.
 const FIRST_DELIVERY_FRAME_BODY_BYTES: usize = 8 * 1024;
+/// A live (caught-up) session's read of fewer new entries than this is framed on its async
+/// worker rather than on the blocking pool.
+const LIVE_INLINE_ENTRIES_MAX: u64 = 256;
+/// Body bytes of a frame built on an async worker at most (a read stops at its budget).
+const LIVE_INLINE_FRAME_BODY_BYTES_MAX: usize = 64 * 1024;
 /// CBOR bytes a wire entry adds to its record (map header, field names, offset, flags).
 const WIRE_ENTRY_OVERHEAD_BYTES: usize = 40;
 
@@ -1019,6 +1024,9 @@ struct Pending {
     start: usize,
     end: usize,
 }
+
+/// The writer's answer for a delivered mark's group commit.
+type MarkWrite = oneshot::Receiver<Result<(), String>>;
 
 /// Counts of the entries in one delivery frame, for the metrics.
 struct FrameCounts {
@@ -1048,6 +1056,45 @@ impl FrameJob {
         shared: &Shared,
         session: SessionId,
     ) -> Result<Option<(Bytes, FrameCounts)>, ()> {
+        let Some((frame, counts, mark)) = self.build(shared, session)? else {
+            return Ok(None);
+        };
+        if let Some(done) = mark
+            && !matches!(done.blocking_recv(), Ok(Ok(())))
+        {
+            return Err(());
+        }
+        Ok(Some((frame, counts)))
+    }
+
+    /// [`FrameJob::frame`] on an async worker, for a live session's few new entries: they are
+    /// read from the memtable they were just written to, and the delivered mark (when one is
+    /// due) is awaited, not blocked on. Two thread hand-offs fewer per live frame than the
+    /// blocking pool.
+    async fn frame_inline(
+        &mut self,
+        shared: &Shared,
+        session: SessionId,
+    ) -> Result<Option<(Bytes, FrameCounts)>, ()> {
+        let Some((frame, counts, mark)) = self.build(shared, session)? else {
+            return Ok(None);
+        };
+        if let Some(done) = mark
+            && !matches!(done.await, Ok(Ok(())))
+        {
+            return Err(());
+        }
+        Ok(Some((frame, counts)))
+    }
+
+    /// Reads and encodes the frame; returns with it the delivered mark's write to wait for
+    /// before the frame may be sent, if one is due.
+    #[allow(clippy::type_complexity)]
+    fn build(
+        &mut self,
+        shared: &Shared,
+        session: SessionId,
+    ) -> Result<Option<(Bytes, FrameCounts, Option<MarkWrite>)>, ()> {
         let (a, p) = (&mut self.arena, &mut self.pending);
         a.clear();
         p.clear();
@@ -1103,15 +1150,10 @@ impl FrameJob {
             core.will_send(session, last)
                 .map(|batch| shared.writer.submit(batch, None))
         };
-        if let Some(done) = mark {
-            // The delivered mark is durable (synced, in a group commit) before the bytes reach
-            // the wire; one such write covers many frames (`DELIVERED_MARK_RESERVE_ENTRIES`).
-            if !matches!(done.blocking_recv(), Ok(Ok(()))) {
-                return Err(());
-            }
-        }
+        // The delivered mark must be durable (synced, in a group commit) before the bytes
+        // reach the wire; one such write covers many frames (`DELIVERED_MARK_RESERVE_ENTRIES`).
         let n = self.pending.len() as u64;
-        Ok(Some((frame, FrameCounts { n, replayed, dups })))
+        Ok(Some((frame, FrameCounts { n, replayed, dups }, mark)))
     }
 }
 
@@ -1193,30 +1235,46 @@ async fn deliver(
                 } else {
                     to
                 };
-                let Ok(permit) = shared.delivery_reads.acquire().await else {
-                    return;
-                };
-                // Reading, framing and the delivered mark run on a blocking thread: a replay's
-                // large frames never hold an async worker that live sessions' events wait for.
-                let job = FrameJob {
+                // A live session's few new entries are framed right here (see
+                // `frame_inline`); a replay's frames, and a live session's large backlogs,
+                // on the low-priority delivery pool, so they never hold an async worker that
+                // live sessions' events wait for, nor take the CPU from them.
+                let inline = !replaying && to.saturating_sub(from) < LIVE_INLINE_ENTRIES_MAX;
+                let mut job = FrameJob {
                     queue,
                     from,
                     to,
-                    budget: frame_budget,
+                    budget: if inline {
+                        frame_budget.min(LIVE_INLINE_FRAME_BODY_BYTES_MAX)
+                    } else {
+                        frame_budget
+                    },
                     bounds,
                     arena: std::mem::take(&mut arena),
                     pending: std::mem::take(&mut pending),
                     out: std::mem::take(&mut out),
                 };
-                let sh = shared.clone();
-                let built = tokio::task::spawn_blocking(move || {
-                    let mut job = job;
-                    let frame = job.frame(&sh, session);
-                    (frame, job)
-                })
-                .await;
-                drop(permit);
-                let Ok((frame, job)) = built else { return };
+                let frame = if inline {
+                    job.frame_inline(&shared, session).await
+                } else {
+                    let Ok(permit) = shared.delivery_reads.acquire().await else {
+                        return;
+                    };
+                    let sh = shared.clone();
+                    let built = shared
+                        .delivery_pool
+                        .run(move || {
+                            let frame = job.frame(&sh, session);
+                            (frame, job)
+                        })
+                        .await;
+                    drop(permit);
+                    let Ok((frame, built_job)) = built else {
+                        return;
+                    };
+                    job = built_job;
+                    frame
+                };
                 (arena, pending, out) = (job.arena, job.pending, job.out);
                 let (frame, counts) = match frame {
                     Ok(Some(f)) => f,

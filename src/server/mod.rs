@@ -20,6 +20,7 @@ mod failover;
 mod forward;
 mod image;
 mod locks;
+mod low_priority;
 mod placement;
 mod rebalance;
 mod revocation;
@@ -123,6 +124,9 @@ pub(crate) struct Shared {
     /// Delivery reads of queue entries running at once (each on a blocking thread with a
     /// storage iterator and its frame buffer).
     pub(crate) delivery_reads: Semaphore,
+    /// Where those reads run: threads at a lower CPU priority than the async workers and the
+    /// storage writer, so a replay's bulk never delays live events for CPU.
+    pub(crate) delivery_pool: low_priority::LowPriorityPool,
     sessions: Mutex<HashMap<SessionId, SessionHandle>>,
     connections: AtomicUsize,
     /// Notified when acks free queue space (publishers blocked by a full queue wait on it).
@@ -1119,6 +1123,10 @@ impl Node {
             publish_bytes_in_flight: std::sync::atomic::AtomicU64::new(0),
             writer_queue_bytes: std::sync::atomic::AtomicU64::new(0),
             delivery_reads: Semaphore::new(DELIVERY_READS_IN_FLIGHT_MAX),
+            delivery_pool: low_priority::LowPriorityPool::start(
+                "tether-delivery",
+                DELIVERY_READ_THREADS,
+            ),
             sessions: Mutex::new(HashMap::new()),
             connections: AtomicUsize::new(0),
             space: Notify::new(),

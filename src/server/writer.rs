@@ -26,6 +26,7 @@ struct Request {
     batch: Batch,
     on_commit: Option<OnCommit>,
     done: Option<oneshot::Sender<Result<(), String>>>,
+    submitted: Instant,
 }
 
 /// Handle to the writer thread.
@@ -87,6 +88,7 @@ impl Writer {
             batch,
             on_commit,
             done: Some(done),
+            submitted: Instant::now(),
         }) && let Some(d) = req.done
         {
             let _ = d.send(Err("storage writer stopped".into()));
@@ -128,6 +130,9 @@ fn run(
             metrics::histogram!(m::WRITE_BATCH_OPS).record(merged.len() as f64);
             let fsync = sync != SyncMode::None;
             let t = Instant::now();
+            // The first request of the group is its oldest (the channel is FIFO).
+            let waited = t.saturating_duration_since(group[0].submitted);
+            metrics::histogram!(m::WRITER_WAIT).record(waited.as_secs_f64());
             let r = if merged.is_empty() {
                 Ok(())
             } else {
