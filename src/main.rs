@@ -1413,16 +1413,12 @@ impl Out {
     /// acked: the server keeps them).
     fn flush(&mut self) -> std::io::Result<()> {
         self.write()?;
-        match &self.acker {
-            Some(a) => {
-                for o in self.offsets.drain(..) {
-                    // Refused only for an offset this process no longer tracks (a queue
-                    // that expired meanwhile): nothing to ack.
-                    let _ = a.ack(o);
-                }
-            }
-            None => self.offsets.clear(),
+        if let Some(a) = &self.acker {
+            // Refused only for offsets this process no longer tracks (a queue that expired
+            // meanwhile): nothing to ack for them.
+            let _ = a.ack_many(&self.offsets);
         }
+        self.offsets.clear();
         Ok(())
     }
 

@@ -5,7 +5,7 @@
 //! offset counts as processed only once every offset shown before it is acked too: the
 //! tracker holds an out-of-order ack until the gap below it closes.
 
-use std::collections::BTreeMap;
+use std::collections::VecDeque;
 
 /// When an event counts as processed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -33,8 +33,10 @@ pub enum AckError {
 pub struct AckTracker {
     /// Everything at or below it is processed.
     through: u64,
-    /// Offsets above `through` shown to the application: acked or not.
-    shown: BTreeMap<u64, bool>,
+    /// Offsets above `through` shown to the application, ascending, each with whether it was
+    /// acked. Events are shown in offset order, so a new one goes at the back (O(1), no
+    /// allocation per event once the buffer has grown); lookups are binary searches.
+    shown: VecDeque<(u64, bool)>,
 }
 
 impl AckTracker {
@@ -42,7 +44,7 @@ impl AckTracker {
     pub fn new(through: u64) -> Self {
         AckTracker {
             through,
-            shown: BTreeMap::new(),
+            shown: VecDeque::new(),
         }
     }
 
@@ -51,21 +53,39 @@ impl AckTracker {
         self.through
     }
 
+    /// The highest offset shown and not processed yet; `through` when there is none. No
+    /// offset above it is in progress.
+    pub fn highest_shown(&self) -> u64 {
+        self.shown.back().map_or(self.through, |&(o, _)| o)
+    }
+
+    fn find(&self, offset: u64) -> Result<usize, usize> {
+        self.shown.binary_search_by_key(&offset, |&(o, _)| o)
+    }
+
     /// Whether `offset` was shown to the application and is not processed yet (a redelivery
     /// of it must not be shown again while the application works on it).
     pub fn in_progress(&self, offset: u64) -> bool {
-        self.shown.contains_key(&offset)
+        self.find(offset).is_ok()
     }
 
     /// Offsets shown and not acked yet.
     pub fn outstanding(&self) -> usize {
-        self.shown.values().filter(|acked| !**acked).count()
+        self.shown.iter().filter(|&&(_, acked)| !acked).count()
     }
 
     /// `offset` is shown to the application. Offsets at or below `through` are ignored.
     pub fn shown(&mut self, offset: u64) {
-        if offset > self.through {
-            self.shown.entry(offset).or_insert(false);
+        if offset <= self.through {
+            return;
+        }
+        match self.shown.back() {
+            Some(&(last, _)) if offset <= last => {
+                if let Err(at) = self.find(offset) {
+                    self.shown.insert(at, (offset, false));
+                }
+            }
+            _ => self.shown.push_back((offset, false)),
         }
     }
 
@@ -75,19 +95,16 @@ impl AckTracker {
         if offset <= self.through {
             return Ok(self.through);
         }
-        match self.shown.get_mut(&offset) {
-            Some(acked) => *acked = true,
-            None => return Err(AckError::NotDelivered(offset)),
+        match self.find(offset) {
+            Ok(at) => self.shown[at].1 = true,
+            Err(_) => return Err(AckError::NotDelivered(offset)),
         }
         // Close the gap: the lowest shown offsets, while acked. Offsets between two shown
         // ones were never shown (dropped as processed before, or other queues' numbering
         // after an expiry reset the tracker), so they do not hold the cumulative offset back.
-        while let Some(entry) = self.shown.first_entry() {
-            if !*entry.get() {
-                break;
-            }
-            self.through = *entry.key();
-            entry.remove();
+        while let Some(&(o, true)) = self.shown.front() {
+            self.through = o;
+            self.shown.pop_front();
         }
         Ok(self.through)
     }
@@ -96,7 +113,9 @@ impl AckTracker {
     pub fn processed(&mut self, offset: u64) {
         if offset > self.through {
             self.through = offset;
-            self.shown.retain(|o, _| *o > offset);
+            while self.shown.front().is_some_and(|&(o, _)| o <= offset) {
+                self.shown.pop_front();
+            }
         }
     }
 
@@ -152,7 +171,71 @@ mod tests {
         assert_eq!(t.ack(3), Ok(3));
     }
 
+    /// The tracker as it was first written, on an ordered map: the model the deque-based one
+    /// must agree with.
+    #[derive(Default)]
+    struct Model {
+        through: u64,
+        shown: std::collections::BTreeMap<u64, bool>,
+    }
+
+    impl Model {
+        fn shown(&mut self, o: u64) {
+            if o > self.through {
+                self.shown.entry(o).or_insert(false);
+            }
+        }
+        fn ack(&mut self, o: u64) -> Result<u64, AckError> {
+            if o <= self.through {
+                return Ok(self.through);
+            }
+            match self.shown.get_mut(&o) {
+                Some(a) => *a = true,
+                None => return Err(AckError::NotDelivered(o)),
+            }
+            while let Some(e) = self.shown.first_entry() {
+                if !*e.get() {
+                    break;
+                }
+                self.through = *e.key();
+                e.remove();
+            }
+            Ok(self.through)
+        }
+        fn processed(&mut self, o: u64) {
+            if o > self.through {
+                self.through = o;
+                self.shown.retain(|k, _| *k > o);
+            }
+        }
+    }
+
     proptest! {
+        /// Any sequence of shown (in any order, repeated), acked and processed offsets gives
+        /// the same answers as the ordered-map model.
+        #[test]
+        fn the_tracker_agrees_with_the_ordered_map_model(
+            steps in proptest::collection::vec((0u8..3, 0u64..40), 0..200),
+        ) {
+            let (mut t, mut m) = (AckTracker::new(0), Model::default());
+            for (kind, o) in steps {
+                match kind {
+                    0 => { t.shown(o); m.shown(o); }
+                    1 => prop_assert_eq!(t.ack(o), m.ack(o)),
+                    _ => { t.processed(o); m.processed(o); }
+                }
+                prop_assert_eq!(t.through(), m.through);
+                prop_assert_eq!(t.outstanding(), m.shown.values().filter(|a| !**a).count());
+                prop_assert_eq!(
+                    t.highest_shown(),
+                    m.shown.keys().next_back().copied().unwrap_or(m.through)
+                );
+                for k in 0..40 {
+                    prop_assert_eq!(t.in_progress(k), m.shown.contains_key(&k));
+                }
+            }
+        }
+
         /// Whatever the order of acks, the cumulative offset is the longest prefix of shown
         /// offsets all acked, and it never goes back.
         #[test]

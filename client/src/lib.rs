@@ -289,6 +289,16 @@ impl DedupState {
             .in_progress(offset)
     }
 
+    /// No offset above this one is in progress (see [`AckTracker::highest_shown`]): one lock
+    /// per delivery frame instead of one per event.
+    fn highest_shown(&self) -> u64 {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .acks
+            .highest_shown()
+    }
+
     fn shown(&self, offset: u64) {
         let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
         d.acks.shown(offset);
@@ -297,6 +307,21 @@ impl DedupState {
     fn ack(&self, offset: u64) -> Result<u64, AckError> {
         let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
         d.acks.ack(offset)
+    }
+
+    /// Acks every offset under one lock; the first refusal, if any, after acking the rest.
+    fn ack_many(&self, offsets: &[u64]) -> Result<u64, AckError> {
+        let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut refused = None;
+        for &o in offsets {
+            if let Err(e) = d.acks.ack(o) {
+                refused.get_or_insert(e);
+            }
+        }
+        match refused {
+            Some(e) => Err(e),
+            None => Ok(d.acks.through()),
+        }
     }
 }
 
@@ -940,6 +965,9 @@ async fn delivery_task(
             },
             Ok(Delivery::Events(entries)) => {
                 let seen = dedup.processed_through();
+                // Offsets shown later than this are ones this loop passed already (events are
+                // shown in offset order), so only offsets at or below it can be in progress.
+                let shown_through = dedup.highest_shown();
                 let mut out = Vec::with_capacity(entries.len().min(DECODE_BATCH_EVENTS));
                 // The frame's newest entry, told to the next server of this queue.
                 let newest = entries.last().map(|e| (e.offset, e.record));
@@ -965,7 +993,7 @@ async fn delivery_task(
                         inner.processed.fetch_max(e.offset, Ordering::AcqRel);
                         continue;
                     }
-                    if dedup.in_progress(e.offset) {
+                    if e.offset <= shown_through && dedup.in_progress(e.offset) {
                         // Shown to the application, which is still working on it (manual
                         // acks): its ack will count; showing it again would run it twice.
                         continue;
@@ -1483,6 +1511,15 @@ impl Acker {
     pub fn ack(&self, offset: u64) -> Result<u64, ClientError> {
         self.dedup
             .ack(offset)
+            .map_err(|e| ClientError::Usage(e.to_string()))
+    }
+
+    /// [`Acker::ack`] for each of `offsets` at once (one lock for all of them, for an
+    /// application that processes events in batches). Every offset that can be acked is; if
+    /// some were refused, the first refusal is returned.
+    pub fn ack_many(&self, offsets: &[u64]) -> Result<u64, ClientError> {
+        self.dedup
+            .ack_many(offsets)
             .map_err(|e| ClientError::Usage(e.to_string()))
     }
 }
