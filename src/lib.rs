@@ -39,6 +39,7 @@
 
 pub mod admin;
 pub mod auth;
+pub mod bug;
 pub mod cluster;
 pub mod config;
 pub mod core;

@@ -587,6 +587,8 @@ fn emit(v: Value) {
 }
 
 fn main() {
+    // A bug stops the process, on whichever thread it shows (see `tether::bug`).
+    tether::bug::stop_on_panic();
     // Allocator settings first, before threads and the first large allocations.
     #[cfg(not(feature = "system-alloc"))]
     mimalloc_options::tune();

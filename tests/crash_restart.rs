@@ -1,7 +1,8 @@
 //! kill -9 of a real server process while durable clients are away (and while one is
 //! connected), then a restart on the same data directory: queues, exact pending counts,
 //! durable interest and region values come back; replay delivers every event exactly once in
-//! order, plus flagged duplicates for what was delivered and not acknowledged.
+//! order, plus flagged duplicates for what was delivered and not acknowledged. And the other
+//! way a node dies: a bug (a panic on any thread) aborts the process.
 
 mod common;
 
@@ -157,4 +158,66 @@ async fn kill9_restart_keeps_queues_counts_interest_and_values() {
     }
     // Y's recovered interest matches new publishes (the batch above holds k5).
     assert_eq!(keys(&take_events(&mut yev, 1).await), ["k5"]);
+}
+
+/// Set in the environment of the child process `a_panic_on_any_thread_aborts_the_process`
+/// starts: `hook` installs `tether::bug::stop_on_panic`, `none` does not.
+const PANIC_CHILD_ENV: &str = "TETHER_TEST_PANIC_CHILD";
+/// Printed by the child when it survives the panic.
+const WENT_ON: &str = "the process went on after the panic";
+
+/// The child process's body (this test binary, started again by the test below with
+/// `PANIC_CHILD_ENV` set; run by the harness on its own it has nothing to do). A task panics;
+/// tokio catches the panic in the task's handle and the runtime goes on, unless the hook stops
+/// the process first.
+#[test]
+fn panic_child_process() {
+    let Ok(mode) = std::env::var(PANIC_CHILD_ENV) else {
+        return;
+    };
+    if mode == "hook" {
+        tether::bug::stop_on_panic();
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .unwrap();
+    let joined = rt.block_on(async { tokio::spawn(async { panic!("a bug in a task") }).await });
+    assert!(joined.is_err(), "the task panicked");
+    println!("{WENT_ON}");
+}
+
+/// A bug stops the node: with `stop_on_panic` (which the `tether` binary installs first thing)
+/// a panic on a runtime's worker aborts the whole process once reported, instead of being
+/// caught by the runtime while the rest of the node goes on with the state the panic left.
+#[test]
+fn a_panic_on_any_thread_aborts_the_process() {
+    use std::os::unix::process::ExitStatusExt;
+    let run = |mode: &str| {
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "panic_child_process",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(PANIC_CHILD_ENV, mode)
+            .output()
+            .unwrap()
+    };
+    // The control: without the hook the runtime catches the panic and the process goes on.
+    let without = run("none");
+    let out = String::from_utf8_lossy(&without.stdout);
+    assert!(without.status.success(), "{without:?}");
+    assert!(out.contains(WENT_ON), "{out}");
+    // With it: aborted (SIGABRT) after the panic's report and the stopping line.
+    let with = run("hook");
+    let (out, err) = (
+        String::from_utf8_lossy(&with.stdout),
+        String::from_utf8_lossy(&with.stderr),
+    );
+    assert_eq!(with.status.signal(), Some(libc::SIGABRT), "{with:?}");
+    assert!(!out.contains(WENT_ON), "{out}");
+    assert!(err.contains("a bug in a task"), "{err}");
+    assert!(err.contains(tether::bug::STOPPING_LINE), "{err}");
 }

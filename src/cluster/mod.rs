@@ -12,6 +12,7 @@ pub mod meta;
 pub mod network;
 mod store;
 
+use crate::bug::LockExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::{Arc, RwLock};
@@ -407,21 +408,14 @@ impl Cluster {
             .unwrap_or_default();
         let r = self.pool.call(to, &addr, request, timeout).await;
         if r.is_ok() {
-            self.answered
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(to, Instant::now());
+            self.answered.lock_or_stop().insert(to, Instant::now());
         }
         r
     }
 
     /// When peer `to` last answered an RPC of this node (None: never since start).
     pub fn last_answer(&self, to: RaftId) -> Option<Instant> {
-        self.answered
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&to)
-            .copied()
+        self.answered.lock_or_stop().get(&to).copied()
     }
 
     /// Stops consensus and closes peer connections.

@@ -15,6 +15,7 @@
 //! revocation list itself is reloaded by `revocation.rs`); a change to them is logged and waits
 //! for a restart.
 
+use crate::bug::{LockExt, RwLockExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime};
@@ -92,7 +93,7 @@ impl Shared {
     /// The authorizer in force; None on an open node.
     pub(crate) fn authorizer(&self) -> Option<Arc<Authorizer>> {
         let auth = self.auth.as_ref()?;
-        Some(auth.read().unwrap_or_else(|p| p.into_inner()).clone())
+        Some(auth.read_or_stop().clone())
     }
 
     /// Puts `authorizer` in force (on a node with `[auth]`) and closes the open connections
@@ -101,11 +102,10 @@ impl Shared {
         let Some(auth) = self.auth.as_ref() else {
             return 0;
         };
-        *auth.write().unwrap_or_else(|p| p.into_inner()) = authorizer.clone();
+        *auth.write_or_stop() = authorizer.clone();
         let withdrawn: Vec<quinn::Connection> = self
             .sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .lock_or_stop()
             .values()
             .filter(|s| {
                 s.token.as_ref().is_some_and(|(digest, principal)| {

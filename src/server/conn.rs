@@ -1,5 +1,6 @@
 //! One task per client connection (control stream) and one per session (delivery stream).
 
+use crate::bug::LockExt;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
@@ -319,20 +320,16 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
     let (probe_tx, probe_rx) = mpsc::channel(PROBES_QUEUED_MAX);
     let (finished_tx, finished_rx) = watch::channel(false);
     let wake = Arc::new(Notify::new());
-    shared
-        .sessions
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(
-            session,
-            SessionHandle {
-                wake: wake.clone(),
-                probe: probe_tx,
-                conn: Some(conn.clone()),
-                finished: finished_rx,
-                token: token_held.clone(),
-            },
-        );
+    shared.sessions.lock_or_stop().insert(
+        session,
+        SessionHandle {
+            wake: wake.clone(),
+            probe: probe_tx,
+            conn: Some(conn.clone()),
+            finished: finished_rx,
+            token: token_held.clone(),
+        },
+    );
     // A reload that ran between the authentication and the line above did not see this
     // session: check the token against the table in force now.
     if let (Some((digest, name)), Some(a)) = (&token_held, shared.authorizer())
@@ -407,11 +404,7 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         ),
         None => tracing::debug!(session, "client disconnected"),
     }
-    shared
-        .sessions
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&session);
+    shared.sessions.lock_or_stop().remove(&session);
     let _ = finished_tx.send(true);
     if let Some(answer) = ended.close_answer
         && codec::write_frame(&mut send, &answer).await.is_ok()
@@ -557,7 +550,7 @@ async fn connect(
                     "old connection did not answer a liveness probe; taking over"
                 );
                 let handle = {
-                    let sessions = shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
+                    let sessions = shared.sessions.lock_or_stop();
                     sessions
                         .get(&holder)
                         .map(|h| (h.conn.clone(), h.finished.clone()))
@@ -584,7 +577,7 @@ async fn connect(
 /// Whether the session answers a ping within the probe deadline.
 async fn probe(shared: &Arc<Shared>, session: SessionId) -> bool {
     let tx = {
-        let sessions = shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        let sessions = shared.sessions.lock_or_stop();
         match sessions.get(&session) {
             Some(h) => h.probe.clone(),
             None => return false,

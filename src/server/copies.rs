@@ -11,6 +11,7 @@
 //! Every message from a primary is handled under the copy's lock, and every write is committed
 //! (with the node's sync mode) before the reply leaves: an ack always means durable.
 
+use crate::bug::LockExt;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -105,7 +106,7 @@ impl Copies {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, CopyCell>> {
-        self.map.lock().unwrap_or_else(|p| p.into_inner())
+        self.map.lock_or_stop()
     }
 
     pub(crate) fn get(&self, id: &str) -> Option<CopyCell> {

@@ -17,6 +17,7 @@
 //! Promotion is safe because delivery on the old primary was capped at what every secondary
 //! held, and the lease (`shipping.rs`) keeps the two primaries from delivering at once.
 
+use crate::bug::LockExt;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -524,12 +525,12 @@ impl Liveness {
 
     /// How long ago `node` last answered (None: never).
     fn silent_for(&self, node: RaftId) -> Option<Duration> {
-        let seen = self.last_seen.lock().unwrap_or_else(|p| p.into_inner());
+        let seen = self.last_seen.lock_or_stop();
         seen.get(&node).map(|t| t.elapsed())
     }
 
     fn seen(&self, node: RaftId, at: Instant) {
-        let mut seen = self.last_seen.lock().unwrap_or_else(|p| p.into_inner());
+        let mut seen = self.last_seen.lock_or_stop();
         let t = seen.entry(node).or_insert(at);
         *t = (*t).max(at);
     }

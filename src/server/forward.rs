@@ -23,6 +23,7 @@
 //! events of one publisher stay in order on every node. Publishes of different origins
 //! interleave differently on different nodes.
 
+use crate::bug::LockExt;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -293,7 +294,7 @@ impl Forwarding {
     }
 
     fn lock_bytes(&self) -> std::sync::MutexGuard<'_, QueueBytes> {
-        self.bytes.lock().unwrap_or_else(|p| p.into_inner())
+        self.bytes.lock_or_stop()
     }
 
     /// Bytes of the log not yet applied by every peer.
@@ -351,8 +352,7 @@ impl Forwarding {
     /// `peer` applied `first..=last` without confirming that its copies hold them.
     fn note_unconfirmed(&self, peer: &str, first: Offset, last: Offset) {
         self.unconfirmed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .lock_or_stop()
             .entry(peer.to_string())
             .or_default()
             .note(first, last, Instant::now(), self.unconfirmed_kept);
@@ -366,7 +366,7 @@ impl Forwarding {
         offset: Offset,
         is_live: impl Fn(RaftId) -> bool,
     ) -> Replication {
-        let unconfirmed = self.unconfirmed.lock().unwrap_or_else(|p| p.into_inner());
+        let unconfirmed = self.unconfirmed.lock_or_stop();
         let mut r = Replication::default();
         for (name, id) in &self.peers {
             let into = if self.sent(name) < offset {

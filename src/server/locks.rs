@@ -6,6 +6,7 @@
 //! and, past [`LOCK_HELD_SLOW_MS`], counts it in `tether_lock_held_slow_total` and logs the
 //! caller's source location, so the hold that stalled a node can be named.
 
+use crate::bug::LockExt;
 use std::ops::{Deref, DerefMut};
 use std::panic::Location;
 use std::sync::{Mutex, MutexGuard};
@@ -24,8 +25,8 @@ pub(crate) struct Timed<'a, T> {
     since: Instant,
 }
 
-/// Locks `m` (a poisoned lock is taken as is: the state it guards is checked by its owner),
-/// timing the wait and, on drop, the hold.
+/// Locks `m` (a poisoned lock is a bug and stops the caller: see [`crate::bug`]), timing the
+/// wait and, on drop, the hold.
 #[track_caller]
 pub(crate) fn lock<'a, T>(m: &'a Mutex<T>, name: &'static str) -> Timed<'a, T> {
     lock_at(m, name, Location::caller())
@@ -38,7 +39,7 @@ pub(crate) fn lock_at<'a, T>(
     at: &'static Location<'static>,
 ) -> Timed<'a, T> {
     let asked = Instant::now();
-    let guard = m.lock().unwrap_or_else(|p| p.into_inner());
+    let guard = m.lock_or_stop();
     let since = Instant::now();
     let waited = since.duration_since(asked).as_millis();
     if waited >= LOCK_WAIT_SLOW_MS {

@@ -3,6 +3,7 @@
 //! cores are busy the scheduler runs the async workers and the storage writer (which carry live
 //! events) first; on an idle machine the pool runs at full speed all the same.
 
+use crate::bug::LockExt;
 use std::sync::{Arc, Mutex, mpsc};
 
 use tokio::sync::oneshot;
@@ -37,7 +38,7 @@ impl LowPriorityPool {
                     loop {
                         // The lock is held only while waiting for the next job.
                         let job = {
-                            let rx = rx.lock().unwrap_or_else(|e| e.into_inner());
+                            let rx = rx.lock_or_stop();
                             rx.recv()
                         };
                         let Ok(job) = job else { return };
@@ -63,11 +64,7 @@ impl LowPriorityPool {
         let job: Job = Box::new(move || {
             let _ = done.send(f());
         });
-        self.tx
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .send(job)
-            .map_err(|_| PoolClosed)?;
+        self.tx.lock_or_stop().send(job).map_err(|_| PoolClosed)?;
         result.await.map_err(|_| PoolClosed)
     }
 }

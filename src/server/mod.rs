@@ -28,6 +28,7 @@ mod shipping;
 mod watermark;
 mod writer;
 
+use crate::bug::{LockExt, RwLockExt};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -180,19 +181,11 @@ impl Shared {
 
     /// A snapshot of what this node applied, per origin (see `applied_through`).
     pub(crate) fn applied_through(&self) -> watermark::Through {
-        self.applied_through
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.applied_through.lock_or_stop().clone()
     }
 
     fn wake(&self, session: SessionId) {
-        if let Some(h) = self
-            .sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&session)
-        {
+        if let Some(h) = self.sessions.lock_or_stop().get(&session) {
             h.wake.notify_one();
         }
     }
@@ -295,10 +288,7 @@ impl Shared {
     /// matchers of their regions (`None` for a region with no regexes known).
     fn prematch(&self, ops: &[PublishOp]) -> Vec<Option<Prematch>> {
         let matchers: Vec<Option<Arc<RegexMatcher>>> = {
-            let known = self
-                .regex_matchers
-                .read()
-                .unwrap_or_else(|p| p.into_inner());
+            let known = self.regex_matchers.read_or_stop();
             if known.is_empty() {
                 return Vec::new();
             }
@@ -315,10 +305,7 @@ impl Shared {
     /// Takes the matchers of the regions of `ops` from `core` (under its lock, so none can
     /// change meanwhile), forgetting those of regions without regexes.
     fn refresh_matchers(&self, core: &NodeCore, ops: &[PublishOp]) {
-        let mut known = self
-            .regex_matchers
-            .write()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut known = self.regex_matchers.write_or_stop();
         for op in ops {
             let region = crate::core::op_target(op).0;
             match core.regex_matcher(region) {
@@ -481,10 +468,7 @@ impl Shared {
                 };
                 // After the entries became visible (shipping reads this before a queue's end).
                 if let Some((node, offset)) = origin_offset {
-                    let mut t = shared
-                        .applied_through
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner());
+                    let mut t = shared.applied_through.lock_or_stop();
                     let e = t.entry(node).or_insert(0);
                     *e = (*e).max(offset);
                 }
@@ -700,11 +684,7 @@ impl Shared {
 
     /// Closes a session's connection with an error code.
     fn disconnect_session(&self, session: SessionId, code: ErrorCode, why: &str) {
-        if let Some(h) = self
-            .sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&session)
+        if let Some(h) = self.sessions.lock_or_stop().get(&session)
             && let Some(c) = &h.conn
         {
             c.close(code.varint(), why.as_bytes());
@@ -1372,8 +1352,7 @@ impl Node {
         let waiters: Vec<watch::Receiver<bool>> = self
             .shared
             .sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .lock_or_stop()
             .values()
             .map(|h| h.finished.clone())
             .collect();

@@ -6,6 +6,7 @@
 //! A new queue gets up to `redundancy` secondaries among the members that answer pings,
 //! chosen by rendezvous hashing of (durable id, member) so placements spread evenly.
 
+use crate::bug::LockExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -22,7 +23,7 @@ pub(crate) struct Placing(Mutex<HashMap<String, usize>>);
 
 impl Placing {
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.0.lock_or_stop()
     }
 
     /// Counts a hello for `id` until the guard drops.

@@ -4,6 +4,7 @@
 //! replaced) and every open connection whose certificate they revoke is closed with
 //! `unauthenticated`. A damaged new file is refused and the lists in force stay.
 
+use crate::bug::LockExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -148,8 +149,7 @@ pub(super) async fn watch(
 fn close_revoked(shared: &Shared, crls: &Crls) -> usize {
     let conns: Vec<quinn::Connection> = shared
         .sessions
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+        .lock_or_stop()
         .values()
         .filter_map(|s| s.conn.clone())
         .collect();

@@ -11,6 +11,7 @@
 //!
 //! [`deliver_cap`]: crate::core::Queue::deliver_cap
 
+use crate::bug::LockExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -106,11 +107,11 @@ struct Outgoing {
 
 impl ShipQueue {
     fn shipper(&self) -> std::sync::MutexGuard<'_, Shipper> {
-        self.shipper.lock().unwrap_or_else(|p| p.into_inner())
+        self.shipper.lock_or_stop()
     }
 
     fn coverage(&self) -> std::sync::MutexGuard<'_, Coverage> {
-        self.coverage.lock().unwrap_or_else(|p| p.into_inner())
+        self.coverage.lock_or_stop()
     }
 
     fn stop(&self) {
@@ -125,8 +126,7 @@ impl ShipQueue {
     /// Whether every current secondary acknowledged a message carrying info `version`.
     fn info_held(&self, acked: &HashMap<RaftId, u64>, version: u64) -> bool {
         self.secondaries
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .lock_or_stop()
             .iter()
             .all(|s| acked.get(s).is_some_and(|&v| v >= version))
     }
@@ -140,17 +140,13 @@ impl ShipQueue {
         if now < self.deliver_after {
             return false;
         }
-        let acked_at = self.acked_at.lock().unwrap_or_else(|p| p.into_inner());
+        let acked_at = self.acked_at.lock_or_stop();
         let lease = Duration::from_millis(LEASE_MS);
-        self.secondaries
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .all(|s| {
-                acked_at
-                    .get(s)
-                    .is_some_and(|t| now.duration_since(*t) < lease)
-            })
+        self.secondaries.lock_or_stop().iter().all(|s| {
+            acked_at
+                .get(s)
+                .is_some_and(|t| now.duration_since(*t) < lease)
+        })
     }
 
     /// Whether `peer` holds everything any primary of this queue may have exposed.
@@ -181,11 +177,11 @@ pub(crate) struct Shipping {
 
 impl Shipping {
     fn ids(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<ShipQueue>>> {
-        self.by_id.lock().unwrap_or_else(|p| p.into_inner())
+        self.by_id.lock_or_stop()
     }
 
     fn qids(&self) -> std::sync::MutexGuard<'_, HashMap<QueueId, Arc<ShipQueue>>> {
-        self.by_qid.lock().unwrap_or_else(|p| p.into_inner())
+        self.by_qid.lock_or_stop()
     }
 
     pub(crate) fn get(&self, id: &str) -> Option<Arc<ShipQueue>> {
@@ -285,7 +281,7 @@ impl Shipping {
         let Some(sq) = self.get(id) else {
             return false;
         };
-        let mut current = sq.secondaries.lock().unwrap_or_else(|p| p.into_inner());
+        let mut current = sq.secondaries.lock_or_stop();
         // Placements read before an await may arrive after a newer one: never go back. (A
         // secondary dropped and re-added by a stale set would start again from nothing while the
         // metadata still counts it in sync, and the set without it would deliver everything.)
@@ -537,7 +533,7 @@ fn queue_for_peer(
     info: &Arc<[u8]>,
     info_version: u64,
 ) {
-    let mut senders = sq.senders.lock().unwrap_or_else(|p| p.into_inner());
+    let mut senders = sq.senders.lock_or_stop();
     let tx = senders.entry(t.to).or_insert_with(|| {
         let (tx, rx) = mpsc::unbounded_channel();
         tokio::spawn(peer_sender(
@@ -770,10 +766,7 @@ fn on_result(
             s.on_reply(peer, reply, mono_ms());
             drop(s);
             if matches!(reply, Reply::Ack { epoch: e, .. } if e == epoch) {
-                sq.acked_at
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(peer, sent_at);
+                sq.acked_at.lock_or_stop().insert(peer, sent_at);
                 // The copy stored the info this message carried before acknowledging it.
                 sq.info_acked.send_if_modified(|m| {
                     let v = m.entry(peer).or_insert(0);
