@@ -76,8 +76,8 @@ pub const INFLIGHT_EVENTS_PER_SESSION_MAX: u64 = 1_000_000;
 /// replaying: more would only add blocking threads, storage iterators and frame buffers (each
 /// allocator heap of a thread keeps memory), not throughput.
 pub const DELIVERY_READS_IN_FLIGHT_MAX: usize = 8;
-/// Threads of the low-priority pool that reads and frames replays (they wait for the storage
-/// writer at times, for a delivered mark, so two rather than one).
+/// Threads of the low-priority pool that reads and frames replays (one per core of the
+/// development machine; a frame's delivered mark is awaited by its session's task, never here).
 pub const DELIVERY_READ_THREADS: usize = 2;
 /// Bytes of entry bodies read from storage into one delivery frame.
 pub const DELIVERY_FRAME_BODY_BYTES_MAX: usize = 256 * 1024;

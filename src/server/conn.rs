@@ -1041,47 +1041,10 @@ struct FrameJob {
 }
 
 impl FrameJob {
-    /// Reads the entries, encodes the frame and, when needed, moves the stored delivered mark
-    /// past them (durable before the bytes reach the wire). Blocking: storage I/O and CPU work. `Ok(None)`:
-    /// nothing readable in the range; `Err`: the session must end (the reason is logged).
-    fn frame(
-        &mut self,
-        shared: &Shared,
-        session: SessionId,
-    ) -> Result<Option<(Bytes, FrameCounts)>, ()> {
-        let Some((frame, counts, mark)) = self.build(shared, session)? else {
-            return Ok(None);
-        };
-        if let Some(done) = mark
-            && !matches!(done.blocking_recv(), Ok(Ok(())))
-        {
-            return Err(());
-        }
-        Ok(Some((frame, counts)))
-    }
-
-    /// [`FrameJob::frame`] on an async worker, for a live session's few new entries: they are
-    /// read from the memtable they were just written to, and the delivered mark (when one is
-    /// due) is awaited, not blocked on. Two thread hand-offs fewer per live frame than the
-    /// blocking pool.
-    async fn frame_inline(
-        &mut self,
-        shared: &Shared,
-        session: SessionId,
-    ) -> Result<Option<(Bytes, FrameCounts)>, ()> {
-        let Some((frame, counts, mark)) = self.build(shared, session)? else {
-            return Ok(None);
-        };
-        if let Some(done) = mark
-            && !matches!(done.await, Ok(Ok(())))
-        {
-            return Err(());
-        }
-        Ok(Some((frame, counts)))
-    }
-
-    /// Reads and encodes the frame; returns with it the delivered mark's write to wait for
-    /// before the frame may be sent, if one is due.
+    /// Reads the entries and encodes the frame; when the frame passes the stored delivered
+    /// mark, submits the mark's move and returns its write, which must be durable before the
+    /// bytes reach the wire. `Ok(None)`: nothing readable in the range; `Err`: the session must
+    /// end (the reason is logged).
     #[allow(clippy::type_complexity)]
     fn build(
         &mut self,
@@ -1228,8 +1191,8 @@ async fn deliver(
                 } else {
                     to
                 };
-                // A live session's few new entries are framed right here (see
-                // `frame_inline`); a replay's frames, and a live session's large backlogs,
+                // A live session's few new entries are framed right here (read from the
+                // memtable they were just written to); a replay's frames, and a live session's large backlogs,
                 // on the low-priority delivery pool, so they never hold an async worker that
                 // live sessions' events wait for, nor take the CPU from them.
                 let inline = !replaying && to.saturating_sub(from) < LIVE_INLINE_ENTRIES_MAX;
@@ -1247,8 +1210,8 @@ async fn deliver(
                     pending: std::mem::take(&mut pending),
                     out: std::mem::take(&mut out),
                 };
-                let frame = if inline {
-                    job.frame_inline(&shared, session).await
+                let built = if inline {
+                    job.build(&shared, session)
                 } else {
                     let Ok(permit) = shared.delivery_reads.acquire().await else {
                         return;
@@ -1257,20 +1220,28 @@ async fn deliver(
                     let built = shared
                         .delivery_pool
                         .run(move || {
-                            let frame = job.frame(&sh, session);
-                            (frame, job)
+                            let built = job.build(&sh, session);
+                            (built, job)
                         })
                         .await;
                     drop(permit);
-                    let Ok((frame, built_job)) = built else {
+                    let Ok((built, built_job)) = built else {
                         return;
                     };
                     job = built_job;
-                    frame
+                    built
                 };
                 (arena, pending, out) = (job.arena, job.pending, job.out);
-                let (frame, counts) = match frame {
-                    Ok(Some(f)) => f,
+                let (frame, counts) = match built {
+                    Ok(Some((frame, counts, mark))) => {
+                        // Awaited here, on either path: no thread blocks on the writer.
+                        if let Some(mark) = mark
+                            && !matches!(mark.await, Ok(Ok(())))
+                        {
+                            return;
+                        }
+                        (frame, counts)
+                    }
                     Ok(None) => {
                         // Committed entries must be readable; a gap means acked meanwhile.
                         wake.notified().await;
