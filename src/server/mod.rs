@@ -122,8 +122,8 @@ pub(crate) struct Shared {
     /// Publish operations whose keys were matched against regexes under the core lock (their
     /// region's matcher was unknown here or out of date).
     regex_matches_under_lock: std::sync::atomic::AtomicU64,
-    /// Delivery reads of queue entries running at once (each on a blocking thread with a
-    /// storage iterator and its frame buffer).
+    /// Delivery reads of queue entries queued or running on `delivery_pool` at once (each with
+    /// a storage iterator and its frame buffer; a live session's small inline reads take none).
     pub(crate) delivery_reads: Semaphore,
     /// Where those reads run: threads at a lower CPU priority than the async workers and the
     /// storage writer, so a replay's bulk never delays live events for CPU.
