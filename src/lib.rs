@@ -42,6 +42,7 @@ pub mod auth;
 pub mod bug;
 pub mod cluster;
 pub mod config;
+pub mod control;
 pub mod core;
 pub mod heap;
 pub mod interest;

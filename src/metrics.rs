@@ -46,6 +46,7 @@ pub const REPLICATION_SNAPSHOTS_SENT: &str = "tether_replication_snapshots_sent_
 pub const REPLICATION_SNAPSHOTS_RECEIVED: &str = "tether_replication_snapshots_received_total";
 pub const REPLICATION_SUPERSEDED: &str = "tether_replication_superseded_total";
 pub const REPLICATION_COPIES_REGRESSED: &str = "tether_replication_copies_regressed_total";
+pub const REPLICATION_STEPPED_ASIDE: &str = "tether_replication_stepped_aside_total";
 pub const FAILOVERS: &str = "tether_failovers_total";
 pub const CLIENT_FAILOVERS: &str = "tether_client_failovers_total";
 pub const REBALANCE_MOVES: &str = "tether_rebalance_moves_total";
@@ -142,6 +143,10 @@ fn describe() {
     describe_counter!(
         REPLICATION_COPIES_REGRESSED,
         "Secondaries found holding less than they had acknowledged (their copy was lost), taken out of the replica set to join again as syncing"
+    );
+    describe_counter!(
+        REPLICATION_STEPPED_ASIDE,
+        "Client sessions a primary sent away because it lost its lease and reaches no majority of the cluster (the client fails over to a copy)"
     );
     describe_counter!(
         REPLICATION_SUPERSEDED,

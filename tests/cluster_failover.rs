@@ -595,6 +595,107 @@ async fn partitioned_primary_stops_delivering_before_the_new_one_starts() {
     assert!(missing.is_empty(), "lost: {missing:?}");
 }
 
+/// A client on the wrong side of a partition (issue 25, point 7): UDP relays cut the primary
+/// (n1) from its peers but not from its client. The cut-off primary, without a lease and
+/// reaching no majority, sends the client away; the client's reconnecting subscription fails
+/// over to the copy on the majority side, which takes over, and delivers there. The client is
+/// attached to the new primary within 5 s of the cut (before, it stayed on the silent old
+/// primary for the whole partition); nothing acknowledged is lost, and an event received twice
+/// is flagged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_of_a_cut_off_primary_moves_to_the_new_primary_within_5_s() {
+    use std::sync::atomic::AtomicBool;
+    use tether::client::ReconnectPolicy;
+    const BEFORE: u32 = 2_000;
+    const TOTAL: u32 = 3_000;
+    const MOVED_WITHIN: Duration = Duration::from_secs(5);
+    let ports = common::cluster::free_ports(3);
+    let cut = Arc::new(AtomicBool::new(false));
+    let mut routes = vec![vec![None; 3]; 3];
+    for (i, j) in [(0, 1), (0, 2), (1, 0), (2, 0)] {
+        let target: std::net::SocketAddr = format!("127.0.0.1:{}", ports[j]).parse().unwrap();
+        routes[i][j] = Some(common::relay_with(target, cut.clone()).await);
+    }
+    let p = ProcCluster::start_routed(ports, routes);
+    let policy = ReconnectPolicy {
+        delay_initial: Duration::from_millis(100),
+        delay_max: Duration::from_millis(500),
+        ..ReconnectPolicy::default()
+    };
+    let mut sub = p
+        .builder(&[0, 1, 2])
+        .durable("d", 600)
+        .redundancy(1)
+        .failure_timeout(Duration::from_secs(10))
+        .ack_interval(Duration::from_millis(20))
+        .reconnect(policy)
+        .subscribe([("R".to_string(), Interest::all_keys())])
+        .await
+        .expect("the subscription starts");
+    assert_eq!(sub.client().unwrap().node_id(), "n1");
+    let progress = Arc::new(AtomicU32::new(0));
+    assert_eq!(
+        publish(p.get(1).builder(), 0, BEFORE, progress.clone()).await,
+        BEFORE
+    );
+    let mut seen: HashSet<u32> = HashSet::new();
+    let check = |e: &Event, seen: &mut HashSet<u32>| {
+        let v = value(e);
+        assert!(
+            seen.insert(v) || e.possible_duplicate,
+            "event {v} received twice without the possible-duplicate flag"
+        );
+    };
+    while seen.len() < BEFORE as usize {
+        match tokio::time::timeout(FAILOVER_WAIT, sub.next()).await {
+            Ok(Some(ClientEvent::Event(e))) => check(&e, &mut seen),
+            Ok(Some(ClientEvent::Live { .. })) => {}
+            other => panic!("before the cut: {other:?}"),
+        }
+    }
+    let secondary = in_sync_secondary(&p, 0, "d", u64::from(BEFORE)).await;
+    cut.store(true, Ordering::SeqCst);
+    let cut_at = std::time::Instant::now();
+    // Publishes during the partition, through the majority's other node.
+    let via = if secondary == 1 { 2 } else { 1 };
+    let publisher = tokio::spawn(publish(
+        p.get(via).builder(),
+        BEFORE,
+        TOTAL,
+        progress.clone(),
+    ));
+    let mut moved_after = None;
+    while seen.len() < TOTAL as usize {
+        match tokio::time::timeout(FAILOVER_WAIT, sub.next()).await {
+            Ok(Some(ClientEvent::Event(e))) => check(&e, &mut seen),
+            Ok(Some(ClientEvent::Reconnected { .. })) => {
+                let node = sub.client().unwrap().node_id().to_string();
+                eprintln!("reconnected to {node} {:?} after the cut", cut_at.elapsed());
+                if node == format!("n{}", secondary + 1) {
+                    moved_after.get_or_insert(cut_at.elapsed());
+                }
+            }
+            Ok(Some(ClientEvent::Disconnected { error })) => {
+                eprintln!("disconnected {:?} after the cut: {error}", cut_at.elapsed())
+            }
+            Ok(Some(ClientEvent::Live { .. })) => {}
+            other => panic!("after the cut ({} of {TOTAL} seen): {other:?}", seen.len()),
+        }
+    }
+    let moved_after = moved_after.expect("the client moved to the promoted copy");
+    eprintln!(
+        "moved after {moved_after:?}; every event received {:?} after the cut",
+        cut_at.elapsed()
+    );
+    assert!(
+        moved_after < MOVED_WITHIN,
+        "the client reached the new primary only {moved_after:?} after the cut"
+    );
+    assert_eq!(publisher.await.unwrap(), TOTAL);
+    cut.store(false, Ordering::SeqCst);
+    sub.close(true).await.ok();
+}
+
 /// kill -9 of the secondary while the client is online: the primary stops waiting for it once
 /// it is declared failed, delivery goes on, redundancy is repaired on the third node, and
 /// nothing is lost or delivered twice.

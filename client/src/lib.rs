@@ -45,6 +45,14 @@ pub const ACK_INTERVAL_MS_DEFAULT: u64 = 100;
 /// Durable timeout used when a client presents none, in seconds.
 pub const DURABLE_TIMEOUT_SECS_DEFAULT: u64 = 300;
 
+/// Whether a server that refused a connection with `code` leaves room for another server of the
+/// list to accept it: it cannot serve now (`unavailable`: cut off from the cluster, catching up,
+/// a queue moving; `shutdown`: stopping), which another member may. Other refusals (credentials,
+/// permissions, a bad argument, limits) would be the same anywhere.
+fn another_may_serve(code: ErrorCode) -> bool {
+    matches!(code, ErrorCode::Unavailable | ErrorCode::Shutdown)
+}
+
 /// Most redirects a connection attempt follows.
 pub const REDIRECTS_MAX: usize = 3;
 
@@ -537,7 +545,10 @@ impl ClientBuilder {
         self
     }
 
-    /// Connects to the first server that answers with a welcome.
+    /// Connects to the first server that answers with a welcome. A server that refuses with
+    /// `unavailable` or `shutdown` (it cannot serve now, another member may) is passed over for
+    /// the next; that refusal is returned if no server welcomes the client. Other refusals
+    /// (credentials, permissions, a bad argument) are returned at once.
     ///
     /// With the [`DedupState`] of a durable session that was lost (its connection died; the
     /// application did not close it), the queue's copies are tried first, naming the lost
@@ -607,6 +618,7 @@ impl ClientBuilder {
             servers.splice(0..0, copies);
         }
         let mut errors = Vec::new();
+        let mut refused = None;
         for &first in &servers {
             let mut addr = first;
             // A cluster node that does not hold this durable queue redirects to the one that
@@ -637,6 +649,14 @@ impl ClientBuilder {
                     Ok(Ok(Attempt::Redirect(to))) => {
                         errors.push(format!("{addr}: too many redirects (last to {to})"));
                     }
+                    // A member that cannot serve now (cut off from the cluster, stopping,
+                    // catching up) may leave the queue to another: the next server is tried,
+                    // and the refusal is the answer if none serves.
+                    Ok(Err(ClientError::Server(e))) if another_may_serve(e.code) => {
+                        tracing::debug!(server = %addr, error = %e, "refused; trying the next server");
+                        errors.push(format!("{addr}: {e}"));
+                        refused.get_or_insert(e);
+                    }
                     Ok(Err(ClientError::Server(e))) => return Err(ClientError::Server(e)),
                     // Said once: "cannot reach any server" wraps the whole list.
                     Ok(Err(ClientError::Connect(e))) => errors.push(format!("{addr}: {e}")),
@@ -646,7 +666,10 @@ impl ClientBuilder {
                 break;
             }
         }
-        Err(ClientError::Connect(errors.join("; ")))
+        match refused {
+            Some(e) => Err(ClientError::Server(e)),
+            None => Err(ClientError::Connect(errors.join("; "))),
+        }
     }
 
     async fn connect_one(

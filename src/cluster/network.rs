@@ -107,7 +107,7 @@ pub struct ReplicateMsg {
     pub more: bool,
     /// A watermark of the queue (per origin node, a publish-log offset): the queue's log up to
     /// `through_end` holds every matching publish of that origin up to there, so a copy that
-    /// acknowledges its log that far holds them (see `server/watermark.rs`). Empty: no claim.
+    /// acknowledges its log that far holds them (see `control/watermark.rs`). Empty: no claim.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub through: std::collections::BTreeMap<String, u64>,
     /// The log end `through` speaks of (at most this message's log end).

@@ -47,7 +47,7 @@ pub(crate) struct Copy {
     staged: Option<((u64, u64), Vec<ShippedEntry>)>,
     /// The highest placement epoch its primary shipped under ([`ReplicateMsg::placement_epoch`]):
     /// this node's metadata must be applied that far before a placement without this node
-    /// means the copy is no longer held (see `failover::copy_not_held`). In memory only: after
+    /// means the copy is no longer held (see `control::reconcile::copy_not_held`). In memory only: after
     /// a restart the node's read barrier covers every placement shipped under before.
     pub(crate) placed_at: u64,
 }
@@ -69,7 +69,7 @@ impl Copies {
     pub(crate) fn recover(
         stored: Vec<(QueueId, QueueMeta, QueueInfo)>,
         mut entry_bytes: impl FnMut(QueueId, u64, u64) -> Result<u64, String>,
-    ) -> Result<(Self, Vec<(String, super::watermark::Through)>), String> {
+    ) -> Result<(Self, Vec<(String, crate::control::watermark::Through)>), String> {
         let mut map = HashMap::new();
         let mut through = Vec::new();
         for (qid, meta, mut info) in stored {
@@ -133,7 +133,7 @@ impl Copies {
 pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerResponse {
     if let Some(cluster) = shared.cluster.get() {
         let placement = cluster.placement(&msg.durable_id);
-        if super::failover::shipped_by_non_primary(
+        if crate::control::reconcile::shipped_by_non_primary(
             placement.as_ref(),
             msg.from,
             msg.placement_epoch,

@@ -26,11 +26,12 @@ use tether_storage::{Batch, Entry, QueueId, Store};
 use tether_transport::ErrorCode;
 
 use super::Shared;
-use super::watermark::Through;
 use crate::cluster::Cluster;
 use crate::cluster::meta::{MetaCommand, MetaResponse, Placement, RaftId};
 use crate::cluster::network::{PeerRequest, PeerResponse};
-use crate::config::NODE_FAILURE_MS_MIN;
+use crate::control::liveness::{FailureDetector, PING_INTERVAL_MS, PING_TIMEOUT_MS};
+use crate::control::reconcile::{self, CopyStep, OwnQueueStep, RepairStep};
+use crate::control::watermark::{self, Through};
 use crate::core::RecentForward;
 use crate::metrics as m;
 use crate::protocol::{EventId, EventRecord, WireError};
@@ -38,17 +39,6 @@ use crate::replication::{Shipper, ShipperConfig};
 
 /// Interval of the reconciler, in milliseconds.
 pub const RECONCILE_MS: u64 = 100;
-/// Interval between liveness pings to each member, in milliseconds.
-pub const PING_INTERVAL_MS: u64 = 300;
-/// Timeout of one ping, in milliseconds.
-pub const PING_TIMEOUT_MS: u64 = 1_000;
-/// A member that answered a ping within this time counts as live when choosing nodes for
-/// copies and when waiting for copies, in milliseconds.
-pub const MEMBER_LIVE_MS: u64 = 1_500;
-
-const _: () = assert!(PING_INTERVAL_MS < MEMBER_LIVE_MS && PING_TIMEOUT_MS < MEMBER_LIVE_MS);
-const _: () = assert!(PING_TIMEOUT_MS < NODE_FAILURE_MS_MIN);
-
 /// Most publish operations kept for promotions. Beyond it the oldest go first, counted in
 /// `tether_failover_recent_publish_ops_dropped_total`: a copy whose primary is that far behind
 /// may then miss them in a failover. At two thousand operations a second, over four minutes of
@@ -67,7 +57,7 @@ pub const RECENT_LOG_INFO: &[u8] = b"tether-recent-publishes";
 ///
 /// A publish is forgotten once every copy held here is known to hold it: each copy's
 /// replicated watermark (per origin node, the publish-log offset its primary applied and
-/// replicated to every copy, see `watermark.rs`) has passed the publish's origin offset;
+/// replicated to every copy, see `control/watermark.rs`) has passed the publish's origin offset;
 /// and once every member has applied it (the origin's floor, carried with its forwarded
 /// publishes): a copy this node gets later starts from a primary that holds it. Until then
 /// every publish is kept, with copies held here or not: a node that held no copy when a
@@ -378,7 +368,7 @@ impl RecentForwards {
             return;
         }
         match self.copies.get_mut(id) {
-            Some(t) => super::watermark::merge(t, through),
+            Some(t) => watermark::merge(t, through),
             None => {
                 self.copies.insert(id.to_string(), through.clone());
             }
@@ -509,30 +499,45 @@ pub(crate) async fn recent_trim_loop(weak: Weak<Shared>) {
     }
 }
 
-/// When each member last answered a ping.
-#[derive(Default)]
+/// The node's [`FailureDetector`], on a monotonic clock counted from the node's start.
 pub(crate) struct Liveness {
-    last_seen: Mutex<HashMap<RaftId, Instant>>,
+    origin: Instant,
+    detector: Mutex<FailureDetector>,
 }
 
 impl Liveness {
-    /// Whether `node` answered within [`MEMBER_LIVE_MS`]. The detector counts every member as
-    /// seen when it starts, so members get that time once before they count as down.
+    /// Nobody seen yet; `failure` is the node's `node-failure-ms`.
+    pub(crate) fn new(failure: Duration) -> Self {
+        Self {
+            origin: Instant::now(),
+            detector: Mutex::new(FailureDetector::empty(failure.as_millis() as u64)),
+        }
+    }
+
+    /// Milliseconds from the node's start to `at` (0 before it).
+    fn ms(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.origin).as_millis() as u64
+    }
+
+    fn detector(&self) -> std::sync::MutexGuard<'_, FailureDetector> {
+        self.detector.lock_or_stop()
+    }
+
+    /// Whether `node` answered within [`MEMBER_LIVE_MS`](crate::control::liveness::MEMBER_LIVE_MS).
+    /// The detector counts every member as seen when it starts, so members get that time once
+    /// before they count as down.
     pub(crate) fn is_live(&self, node: RaftId) -> bool {
-        self.silent_for(node)
-            .is_some_and(|t| t < Duration::from_millis(MEMBER_LIVE_MS))
+        let now = self.ms(Instant::now());
+        self.detector().is_live(node, now)
     }
 
-    /// How long ago `node` last answered (None: never).
-    fn silent_for(&self, node: RaftId) -> Option<Duration> {
-        let seen = self.last_seen.lock_or_stop();
-        seen.get(&node).map(|t| t.elapsed())
-    }
-
-    fn seen(&self, node: RaftId, at: Instant) {
-        let mut seen = self.last_seen.lock_or_stop();
-        let t = seen.entry(node).or_insert(at);
-        *t = (*t).max(at);
+    /// Whether this node reaches a majority of the cluster's members (see
+    /// [`FailureDetector::majority_reachable`]).
+    pub(crate) fn majority_reachable(&self, cluster: &Cluster) -> bool {
+        let members: Vec<RaftId> = cluster.members().nodes.keys().copied().collect();
+        let now = self.ms(Instant::now());
+        self.detector()
+            .majority_reachable(cluster.id(), &members, now)
     }
 }
 
@@ -550,12 +555,10 @@ pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
         let Some(shared) = weak.upgrade() else {
             return;
         };
-        let start = Instant::now();
-        for &n in &others {
-            shared.liveness.seen(n, start);
-        }
+        let l = &shared.liveness;
+        let start = l.ms(Instant::now());
+        l.detector().start(others.iter().copied(), start);
     }
-    let mut reported: HashSet<RaftId> = HashSet::new();
     let mut interval = tokio::time::interval(Duration::from_millis(PING_INTERVAL_MS));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -577,45 +580,40 @@ pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
         let Some(shared) = weak.upgrade() else {
             return;
         };
-        let now = Instant::now();
-        for (n, ok) in results {
-            if ok {
-                shared.liveness.seen(n, now);
-                reported.remove(&n);
+        let l = &shared.liveness;
+        let now = l.ms(Instant::now());
+        // A copy (a few members), so the metadata is read outside the detector's lock.
+        let detector = {
+            let mut d = l.detector();
+            for (n, ok) in results {
+                if ok {
+                    d.answered_ping(n, now);
+                }
             }
-        }
-        // Any answer counts (replication, forwarding): a member too busy to answer a ping in
-        // time is not declared failed while it answers those.
-        for &n in &others {
-            if let Some(t) = cluster.last_answer(n) {
-                shared.liveness.seen(n, t);
+            for &n in &others {
+                if let Some(t) = cluster.last_answer(n) {
+                    d.answered(n, l.ms(t));
+                }
             }
-        }
-        if cluster.leader() != Some(me) {
-            continue;
-        }
-        for &n in &others {
-            let silent = shared
-                .liveness
-                .silent_for(n)
-                .is_none_or(|t| t >= shared.node_failure);
-            if !silent || reported.contains(&n) {
-                continue;
-            }
-            let involved = cluster.read(|s| {
+            d.clone()
+        };
+        let leader = cluster.leader() == Some(me);
+        let involved = |n| {
+            cluster.read(|s| {
                 s.queues
                     .values()
                     .any(|p| p.primary == n || p.secondaries.contains(&n))
-            });
-            if involved {
-                match cluster.write(MetaCommand::NodeFailed { node: n }).await {
-                    Ok(r) => {
-                        tracing::warn!(node = n, result = ?r, "member declared failed");
-                        reported.insert(n);
-                    }
-                    Err(e) => {
-                        tracing::warn!(node = n, error = %e, "could not declare a member failed")
-                    }
+            })
+        };
+        let to_declare = detector.to_declare(&others, now, leader, involved);
+        for n in to_declare {
+            match cluster.write(MetaCommand::NodeFailed { node: n }).await {
+                Ok(r) => {
+                    tracing::warn!(node = n, result = ?r, "member declared failed");
+                    l.detector().declared(n);
+                }
+                Err(e) => {
+                    tracing::warn!(node = n, error = %e, "could not declare a member failed")
                 }
             }
         }
@@ -698,6 +696,8 @@ where
     while set.join_next().await.is_some() {}
 }
 
+/// One round of the reconciler: each step decided by [`reconcile`](crate::control::reconcile)
+/// on what is read at that moment, then carried out here.
 async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     let me = cluster.id();
     // Promotions first: their clients wait for them.
@@ -706,7 +706,7 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
         let (shared, cell) = (shared.clone(), shared.copies.get(&id)?);
         Some(async move {
             let mut copy = cell.lock().await;
-            if !copy.gone && p.epoch > copy.replica.epoch() {
+            if !copy.gone && promotes(&copy, &p, me) {
                 promote(&shared, &id, &mut copy, &p).await;
             }
         })
@@ -715,17 +715,22 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     let own: Vec<(String, u64)> = shared.core().durable_epochs();
     let mut repairs = Vec::new();
     for (id, epoch) in own {
-        match cluster.placement(&id) {
-            Some(p) if p.primary == me => {
+        let placement = cluster.placement(&id);
+        let applied = cluster.applied_index();
+        match reconcile::own_queue_step(placement.as_ref(), me, epoch, applied) {
+            OwnQueueStep::Primary => {
+                let p = placement.expect("a primary's queue is placed");
                 ensure_shipping(shared, &id, &p);
                 let (shared, cluster) = (shared.clone(), cluster.clone());
                 repairs.push(async move { repair(&shared, &cluster, &id, &p).await });
             }
-            Some(p) if p.epoch > epoch => depose(shared, &id, &p).await,
-            Some(_) => {}
-            None if drop_unplaced(shared, cluster, &id).await => {}
-            None => {
-                // Never placed (made before the node joined a cluster): no copies.
+            OwnQueueStep::Deposed => {
+                depose(shared, &id, &placement.expect("a deposed queue is placed")).await
+            }
+            OwnQueueStep::Wait => {}
+            OwnQueueStep::Ended if drop_unplaced(shared, cluster, &id).await => {}
+            OwnQueueStep::Ended | OwnQueueStep::Unreplicated => {
+                // No copies: everything committed is delivered.
                 let mut core = shared.core();
                 let qid = core.durable_queue(&id).map(|q| q.id);
                 if let Some(s) = qid.and_then(|q| core.set_deliver_cap(q, None)) {
@@ -748,8 +753,10 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
         }
         let placement = cluster.placement(&id);
         let (epoch, placed_at) = (copy.replica.epoch(), copy.placed_at);
-        if !copy_not_held(placement.as_ref(), me, epoch, placed_at, applied, caught_up) {
-            continue;
+        let step =
+            reconcile::copy_step(placement.as_ref(), me, epoch, placed_at, applied, caught_up);
+        if step != CopyStep::Drop {
+            continue; // Kept, or promoted by the next round.
         }
         // Not ours any more (expired, released, or another replica set): drop it.
         let mut batch = tether_storage::Batch::new();
@@ -763,48 +770,10 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     }
 }
 
-/// Whether this node no longer holds its copy of a queue (so the copy is dropped), given the
-/// queue's placement in the metadata applied here up to `applied`, the copy's epoch (its
-/// primary's) and `placed_at` (the highest placement epoch its primary shipped under).
-///
-/// A placement without this node is not enough: this node's metadata may lag behind the
-/// primary's, which added this node to the replica set and shipped to it before this node
-/// applied that change. Dropping the copy then would leave the primary counting a copy that is
-/// gone, one the metadata may promote. So the metadata must be applied at least as far as the
-/// placement the copy was shipped under, and, after a restart (when `placed_at` is forgotten),
-/// the node's read barrier must have been applied (`caught_up`): every placement shipped under
-/// before the restart is then known here.
-pub(crate) fn copy_not_held(
-    placement: Option<&Placement>,
-    me: RaftId,
-    copy_epoch: u64,
-    placed_at: u64,
-    applied: u64,
-    caught_up: bool,
-) -> bool {
-    match placement {
-        // To be promoted (or the promotion failed and is tried again next time).
-        Some(p) if p.primary == me && p.epoch > copy_epoch => false,
-        Some(p) if p.secondaries.contains(&me) => false,
-        _ => caught_up && applied >= copy_epoch.max(placed_at),
-    }
-}
-
-/// Whether a replication message from node `from`, shipped under placement epoch
-/// `shipped_under` ([`ReplicateMsg::placement_epoch`](crate::cluster::network::ReplicateMsg)),
-/// contradicts the metadata applied here (up to `applied`): the placement in force at that
-/// epoch is known here (applied that far, and `placement` not changed since) and names another
-/// primary. A primary ships under the placement that made it primary, so this never holds for
-/// one; a member shipping a queue it does not own is refused. Metadata applied less far here
-/// cannot tell (the copy's epochs then fence a stale primary, as before).
-pub(crate) fn shipped_by_non_primary(
-    placement: Option<&Placement>,
-    from: RaftId,
-    shipped_under: u64,
-    applied: u64,
-) -> bool {
-    placement
-        .is_some_and(|p| applied >= shipped_under && p.epoch <= shipped_under && p.primary != from)
+/// Whether the copy `copy` is to be promoted under `p` (see [`reconcile::copy_step`]).
+fn promotes(copy: &super::copies::Copy, p: &Placement, me: RaftId) -> bool {
+    let step = reconcile::copy_step(Some(p), me, copy.replica.epoch(), copy.placed_at, 0, false);
+    step == CopyStep::Promote
 }
 
 /// Drops this node's queue of `id` if the cluster placed it (epoch above 0) and the metadata,
@@ -813,10 +782,16 @@ pub(crate) fn shipped_by_non_primary(
 /// restarts would bring an ended queue back to life. The id's next client here learns
 /// `expired` if it expired. Returns whether the queue was dropped.
 pub(crate) async fn drop_unplaced(shared: &Arc<Shared>, cluster: &Cluster, id: &str) -> bool {
-    let epoch = shared.core().durable_queue(id).map(|q| q.epoch);
-    if !epoch.is_some_and(|e| e > 0 && cluster.applied_index() >= e)
-        || cluster.placement(id).is_some()
-    {
+    let Some(epoch) = shared.core().durable_queue(id).map(|q| q.epoch) else {
+        return false;
+    };
+    let step = reconcile::own_queue_step(
+        cluster.placement(id).as_ref(),
+        cluster.id(),
+        epoch,
+        cluster.applied_index(),
+    );
+    if step != OwnQueueStep::Ended {
         return false;
     }
     shared.shipping.stop(id);
@@ -919,84 +894,73 @@ pub(crate) fn ensure_shipping(shared: &Arc<Shared>, id: &str, p: &Placement) {
 /// promoted from then on), and a missing secondary is replaced by a live member.
 async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Placement) {
     let shipped = shared.shipping.get(id);
-    // A secondary that lost what it acknowledged must not stay promotable: out of the replica
-    // set it goes, and the repair below (a later round) adds a member back as syncing.
-    let lost = shipped
+    let regressed = shipped
         .as_ref()
         .map(|sq| sq.regressed())
         .unwrap_or_default();
-    if lost.iter().any(|n| p.secondaries.contains(n)) {
-        let secondaries: Vec<RaftId> = p
-            .secondaries
-            .iter()
-            .copied()
-            .filter(|n| !lost.contains(n))
-            .collect();
-        let cmd = MetaCommand::SetSecondaries {
-            id: id.to_string(),
-            expected_epoch: p.epoch,
-            secondaries: secondaries.clone(),
-        };
-        match cluster.write(cmd).await {
-            Ok(MetaResponse::Placed(_)) => {
-                metrics::counter!(m::REPLICATION_COPIES_REGRESSED).increment(1);
-                tracing::warn!(
+    let in_sync = |n| shipped.as_ref().is_some_and(|sq| sq.in_sync(n));
+    match reconcile::repair_step(p, cluster.id(), &regressed, in_sync) {
+        RepairStep::TakeOut { lost, secondaries } => {
+            let cmd = MetaCommand::SetSecondaries {
+                id: id.to_string(),
+                expected_epoch: p.epoch,
+                secondaries,
+            };
+            match cluster.write(cmd).await {
+                Ok(MetaResponse::Placed(_)) => {
+                    metrics::counter!(m::REPLICATION_COPIES_REGRESSED).increment(1);
+                    tracing::warn!(
+                        durable_id = %id,
+                        ?lost,
+                        "a secondary lost entries it had acknowledged; taken out of the replica set"
+                    )
+                }
+                Ok(r) => tracing::debug!(
                     durable_id = %id,
                     ?lost,
-                    "a secondary lost entries it had acknowledged; taken out of the replica set"
-                )
+                    result = ?r,
+                    "the metadata changed before a secondary that lost its copy was taken out"
+                ),
+                Err(e) => tracing::warn!(
+                    durable_id = %id,
+                    ?lost,
+                    error = %e,
+                    "could not take a secondary that lost its copy out of the replica set"
+                ),
             }
-            Ok(r) => tracing::debug!(
-                durable_id = %id,
-                ?lost,
-                result = ?r,
-                "the metadata changed before a secondary that lost its copy was taken out"
-            ),
-            Err(e) => tracing::warn!(
-                durable_id = %id,
-                ?lost,
-                error = %e,
-                "could not take a secondary that lost its copy out of the replica set"
-            ),
         }
-        return;
-    }
-    if let Some(sq) = shipped
-        && let Some(&node) = p.syncing.iter().find(|&&s| sq.in_sync(s))
-    {
-        let cmd = MetaCommand::Synced {
-            id: id.to_string(),
-            expected_epoch: p.epoch,
-            node,
-        };
-        if let Err(e) = cluster.write(cmd).await {
-            tracing::debug!(durable_id = %id, error = %e, "could not report a synced copy");
+        RepairStep::Synced(node) => {
+            let cmd = MetaCommand::Synced {
+                id: id.to_string(),
+                expected_epoch: p.epoch,
+                node,
+            };
+            if let Err(e) = cluster.write(cmd).await {
+                tracing::debug!(durable_id = %id, error = %e, "could not report a synced copy");
+            }
         }
-        return;
-    }
-    let have = p.secondaries.len();
-    if have >= usize::from(p.redundancy) {
-        return;
-    }
-    let mut exclude = p.secondaries.clone();
-    exclude.push(cluster.id());
-    let want = p.redundancy - have as u8;
-    let add = super::placement::choose_secondaries(shared, cluster, id, want, &exclude);
-    if add.is_empty() {
-        return;
-    }
-    let mut secondaries = p.secondaries.clone();
-    secondaries.extend(add);
-    let cmd = MetaCommand::SetSecondaries {
-        id: id.to_string(),
-        expected_epoch: p.epoch,
-        secondaries: secondaries.clone(),
-    };
-    match cluster.write(cmd).await {
-        Ok(r) => {
-            tracing::info!(durable_id = %id, ?secondaries, result = ?r, "repairing redundancy")
+        RepairStep::Add { want, exclude } => {
+            let add = super::placement::choose_secondaries(shared, cluster, id, want, &exclude);
+            if add.is_empty() {
+                return;
+            }
+            let mut secondaries = p.secondaries.clone();
+            secondaries.extend(add);
+            let cmd = MetaCommand::SetSecondaries {
+                id: id.to_string(),
+                expected_epoch: p.epoch,
+                secondaries: secondaries.clone(),
+            };
+            match cluster.write(cmd).await {
+                Ok(r) => {
+                    tracing::info!(durable_id = %id, ?secondaries, result = ?r, "repairing redundancy")
+                }
+                Err(e) => {
+                    tracing::debug!(durable_id = %id, error = %e, "could not repair redundancy")
+                }
+            }
         }
-        Err(e) => tracing::debug!(durable_id = %id, error = %e, "could not repair redundancy"),
+        RepairStep::Nothing => {}
     }
 }
 
@@ -1075,7 +1039,8 @@ pub(crate) async fn adopt_promoted_copy(
         return Ok(());
     };
     let mut copy = cell.lock().await;
-    if !copy.gone && p.epoch > copy.replica.epoch() {
+    // (The caller checked that `p` makes this node primary.)
+    if !copy.gone && promotes(&copy, p, p.primary) {
         promote(shared, id, &mut copy, p).await;
     }
     if copy.gone {
@@ -1315,69 +1280,6 @@ mod tests {
                 KeptPublish::Logged(_) => 'l',
             })
             .collect()
-    }
-
-    #[test]
-    fn a_copy_is_dropped_only_on_metadata_as_new_as_what_it_was_shipped_under() {
-        let placement = |primary, secondaries: &[RaftId], epoch| Placement {
-            primary,
-            secondaries: secondaries.to_vec(),
-            epoch,
-            redundancy: 1,
-            timeout_ms: 60_000,
-            syncing: Vec::new(),
-            handed_over: false,
-        };
-        // Node 2 holds a copy of a queue its primary 1 promoted at epoch 10 and shipped under the
-        // placement of epoch 40 (the repair that added node 2).
-        let dropped = |p: Option<&Placement>, placed_at, applied, caught_up| {
-            copy_not_held(p, 2, 10, placed_at, applied, caught_up)
-        };
-        let mine = placement(1, &[2], 40);
-        let other = placement(1, &[3], 50);
-        // Listed: held, whatever else.
-        assert!(!dropped(Some(&mine), 40, 60, true));
-        // Metadata applied here only to 30 (before the repair): the placement it shows is older
-        // than the one the primary shipped under; the copy stays.
-        let before_repair = placement(1, &[], 30);
-        assert!(!dropped(Some(&before_repair), 40, 30, true));
-        assert!(!dropped(None, 40, 39, true));
-        // Applied past it, this node taken out (or the queue gone): dropped.
-        assert!(dropped(Some(&other), 40, 50, true));
-        assert!(dropped(None, 40, 60, true));
-        // After a restart (placed_at forgotten), only once the read barrier was applied.
-        assert!(!dropped(Some(&before_repair), 0, 30, false));
-        assert!(dropped(Some(&other), 0, 55, true));
-        // Promoted here: kept for the promotion.
-        assert!(!dropped(Some(&placement(2, &[], 70)), 40, 70, true));
-    }
-
-    #[test]
-    fn only_the_primary_of_the_placement_shipped_under_may_replicate() {
-        let placement = |primary, epoch| Placement {
-            primary,
-            secondaries: vec![2],
-            epoch,
-            redundancy: 1,
-            timeout_ms: 60_000,
-            syncing: Vec::new(),
-            handed_over: false,
-        };
-        let at_40 = placement(1, 40);
-        // The primary of the placement it ships under: never refused.
-        assert!(!shipped_by_non_primary(Some(&at_40), 1, 40, 40));
-        assert!(!shipped_by_non_primary(Some(&at_40), 1, 40, 90));
-        // Another member claiming that placement, once the metadata here is applied that far.
-        assert!(shipped_by_non_primary(Some(&at_40), 3, 40, 40));
-        // Or claiming a later epoch that never changed this queue (applied past it here).
-        assert!(shipped_by_non_primary(Some(&at_40), 3, 45, 50));
-        // The metadata here not applied as far as the claim: it cannot tell.
-        assert!(!shipped_by_non_primary(Some(&at_40), 3, 45, 44));
-        // A primary deposed since (the placement here is newer): left to the epochs' fencing.
-        assert!(!shipped_by_non_primary(Some(&placement(3, 60)), 1, 40, 60));
-        // No placement known here, or a message without an epoch (0): no claim to check.
-        assert!(!shipped_by_non_primary(None, 3, 40, 90));
-        assert!(!shipped_by_non_primary(Some(&at_40), 3, 0, 90));
     }
 
     #[test]

@@ -25,7 +25,6 @@ mod placement;
 mod rebalance;
 mod revocation;
 mod shipping;
-mod watermark;
 mod writer;
 
 use crate::bug::{LockExt, RwLockExt};
@@ -157,10 +156,8 @@ pub(crate) struct Shared {
     /// not shipped).
     pub(crate) recent: Mutex<failover::RecentForwards>,
     /// Per origin node (this one included): the highest publish-log offset whose publish is
-    /// committed here, queue entries visible (read before a shipped queue's end, `watermark.rs`).
-    applied_through: Mutex<watermark::Through>,
-    /// A member silent this long is declared failed (`node-failure-ms`).
-    pub(crate) node_failure: Duration,
+    /// committed here, queue entries visible (read before a shipped queue's end, `control/watermark.rs`).
+    applied_through: Mutex<crate::control::watermark::Through>,
     /// Set once this node's metadata holds everything committed before it started (clustered
     /// nodes serve durable clients only then; see `failover::catch_up`).
     pub(crate) meta_caught_up: watch::Sender<bool>,
@@ -180,7 +177,7 @@ impl Shared {
     }
 
     /// A snapshot of what this node applied, per origin (see `applied_through`).
-    pub(crate) fn applied_through(&self) -> watermark::Through {
+    pub(crate) fn applied_through(&self) -> crate::control::watermark::Through {
         self.applied_through.lock_or_stop().clone()
     }
 
@@ -1120,10 +1117,9 @@ impl Node {
             copies,
             placing: Default::default(),
             shipping: shipping::Shipping::default(),
-            liveness: failover::Liveness::default(),
+            liveness: failover::Liveness::new(Duration::from_millis(config.node_failure_ms)),
             recent: Mutex::new(recent),
             applied_through: Mutex::new(Default::default()),
-            node_failure: Duration::from_millis(config.node_failure_ms),
             meta_caught_up: watch::channel(false).0,
             stats: admin::NodeStats::default(),
         });

@@ -168,6 +168,23 @@ pub(crate) async fn place_durable(
         placement = p;
     }
     if placement.primary == me {
+        // Cut off from the majority without a lease: a copy there takes the queue over (the
+        // client goes to the copies first once refused here).
+        let lease_held = shared
+            .shipping
+            .get(&d.id)
+            .is_none_or(|sq| sq.lease_held(std::time::Instant::now()));
+        let has_copies = !placement.secondaries.is_empty();
+        if crate::control::reconcile::step_aside(
+            has_copies,
+            lease_held,
+            shared.liveness.majority_reachable(cluster),
+        ) {
+            return Err(WireError::new(
+                ErrorCode::Unavailable,
+                super::shipping::CUT_OFF_REASON,
+            ));
+        }
         // Promoted (by a client's failover or by the cluster): the copy must be a queue of the
         // core before the session attaches, or the client would find a new, empty queue.
         super::failover::adopt_promoted_copy(shared, &d.id, &placement).await?;
@@ -257,17 +274,11 @@ pub(crate) fn choose_secondaries(
     count: u8,
     exclude: &[RaftId],
 ) -> Vec<RaftId> {
-    let mut candidates: Vec<(u64, RaftId)> = cluster
-        .members()
+    let members = cluster.members();
+    let candidates = members
         .nodes
         .iter()
         .filter(|(n, _)| !exclude.contains(n) && shared.liveness.is_live(**n))
-        .map(|(&n, node)| (raft_id(&format!("{id}\u{0}{}", node.name)), n))
-        .collect();
-    candidates.sort_unstable_by(|a, b| b.cmp(a));
-    candidates
-        .into_iter()
-        .take(usize::from(count))
-        .map(|(_, n)| n)
-        .collect()
+        .map(|(&n, node)| (n, raft_id(&format!("{id}\u{0}{}", node.name))));
+    crate::control::reconcile::rendezvous(candidates, count)
 }

@@ -22,12 +22,13 @@ use tether_transport::codec::encode_body;
 use tokio::sync::{Notify, mpsc};
 
 use super::Shared;
-use super::watermark::Coverage;
 use crate::cluster::Cluster;
 use crate::cluster::meta::{Placement, RaftId};
 use crate::cluster::network::{
     PeerRequest, PeerResponse, ReplicateHeader, ReplicateMsg, ShippedEntry,
 };
+use crate::control::reconcile;
+use crate::control::watermark::Coverage;
 use crate::metrics as m;
 use crate::replication::{Epoch, Reply, Shipper, ToSecondary, Transmit};
 
@@ -35,6 +36,11 @@ use crate::replication::{Epoch, Reply, Shipper, ToSecondary, Transmit};
 /// acknowledged message was sent). A promoted secondary's node waits this long before it
 /// delivers.
 pub const LEASE_MS: u64 = 1_500;
+/// Why a primary cut off from most of the cluster sends its client away, or refuses it (see
+/// [`reconcile::step_aside`]).
+pub(crate) const CUT_OFF_REASON: &str =
+    "this node is cut off from most of the cluster: the queue fails over to a copy; reconnect";
+
 /// Longest sleep of a shipping task between looks at its queue, in milliseconds.
 pub const SHIP_IDLE_MS: u64 = 100;
 /// Timeout of one replication RPC, in milliseconds.
@@ -65,7 +71,7 @@ fn mono_ms() -> u64 {
 
 /// One queue's shipping state.
 pub(crate) struct ShipQueue {
-    /// What the queue's log holds of the publishes this node applied (see `watermark.rs`).
+    /// What the queue's log holds of the publishes this node applied (see `control/watermark.rs`).
     coverage: Mutex<Coverage>,
     pub(crate) durable_id: String,
     pub(crate) qid: QueueId,
@@ -136,7 +142,7 @@ impl ShipQueue {
     }
 
     /// Whether every secondary acknowledged a message sent within the lease.
-    fn lease_held(&self, now: Instant) -> bool {
+    pub(crate) fn lease_held(&self, now: Instant) -> bool {
         if now < self.deliver_after {
             return false;
         }
@@ -462,14 +468,29 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
             *r = (*r).max(replicated_end);
             moved
         });
-        let cap = if sq.lease_held(Instant::now()) {
-            replicated_end
-        } else {
-            0
+        let lease_held = sq.lease_held(Instant::now());
+        let cap = if lease_held { replicated_end } else { 0 };
+        let (wake, attached) = {
+            let mut core = shared.core();
+            let wake = core.set_deliver_cap(sq.qid, Some(cap));
+            let attached = match lease_held {
+                true => None,
+                false => core.attached_session(sq.qid),
+            };
+            (wake, attached)
         };
-        let wake = shared.core().set_deliver_cap(sq.qid, Some(cap));
         if let Some(s) = wake {
             shared.wake(s);
+        }
+        if let Some(s) = attached
+            && reconcile::step_aside(true, false, shared.liveness.majority_reachable(&cluster))
+        {
+            metrics::counter!(m::REPLICATION_STEPPED_ASIDE).increment(1);
+            tracing::warn!(
+                durable_id = %sq.durable_id,
+                "cut off from most of the cluster without a lease: the client is sent to a copy"
+            );
+            shared.disconnect_session(s, ErrorCode::Unavailable, CUT_OFF_REASON);
         }
         // The queue info (durable interest, timeout, away time: up to
         // INTEREST_BYTES_PER_QUEUE_MAX) goes to a copy until it acknowledged this version.

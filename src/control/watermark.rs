@@ -1,13 +1,13 @@
 //! Per-queue watermarks: how far, per origin, a copy of a queue holds the publishes its
-//! primary applied. A sans-IO state machine; `shipping.rs` drives it, `copies.rs` records what
-//! a copy is told.
+//! primary applied. A sans-IO state machine; `server/shipping.rs` drives it, `server/copies.rs`
+//! records what a copy is told.
 //!
-//! Why: a node keeps the publishes it applied lately ([`RecentForwards`]) for a promotion of
+//! Why: a node keeps the publishes it applied lately (`RecentForwards`) for a promotion of
 //! a copy it holds (the failed primary may not have shipped them yet). It may forget a publish
 //! only once each copy it holds is known to hold it (and every member applied it, see
-//! `failover.rs`); a promotion appends only the kept publishes its copy does not hold.
+//! `server/failover.rs`); a promotion appends only the kept publishes its copy does not hold.
 //! Applied publishes are counted per origin by the origin's publish-log offset (each origin's
-//! entries are applied in order, see `forward.rs`), so "everything from origin `o` up to
+//! entries are applied in order, see `server/forward.rs`), so "everything from origin `o` up to
 //! offset `x`" is one number per origin ([`Through`]).
 //!
 //! How: before the primary reads a queue's committed end `E` to ship it, it reads what it has
@@ -16,22 +16,18 @@
 //! [`Coverage`] point. A message whose log reaches `E` carries the latest such point; the copy
 //! records `A` as its watermark once it acknowledged its log up to `E` (durably, in the message's
 //! epoch), and forgets it if its log is cut back (a new primary with another tail).
-//!
-//! [`RecentForwards`]: super::failover::RecentForwards
 
 use std::collections::{BTreeMap, VecDeque};
 
-use tether_storage::Offset;
-
 /// Per origin node: the highest publish-log offset covered.
-pub(crate) type Through = BTreeMap<String, u64>;
+pub type Through = BTreeMap<String, u64>;
 
 /// Most coverage points kept per shipped queue; when full, every other one goes (a message may
 /// then carry an older point: the watermark moves in coarser steps, never wrongly).
 pub const COVERAGE_POINTS_MAX: usize = 64;
 
 /// Raises every origin of `into` to at least its value in `from`.
-pub(crate) fn merge(into: &mut Through, from: &Through) {
+pub fn merge(into: &mut Through, from: &Through) {
     for (origin, &offset) in from {
         let e = into.entry(origin.clone()).or_insert(0);
         *e = (*e).max(offset);
@@ -42,13 +38,13 @@ pub(crate) fn merge(into: &mut Through, from: &Through) {
 /// to `end` holds every matching publish counted in `applied`. Ends and applied offsets only
 /// grow along the list.
 #[derive(Default)]
-pub(crate) struct Coverage {
-    points: VecDeque<(Offset, Through)>,
+pub struct Coverage {
+    points: VecDeque<(u64, Through)>,
 }
 
 impl Coverage {
     /// `applied` was read before the queue's committed end `end`.
-    pub(crate) fn note(&mut self, applied: Through, end: Offset) {
+    pub fn note(&mut self, applied: Through, end: u64) {
         if applied.is_empty() {
             return;
         }
@@ -73,13 +69,13 @@ impl Coverage {
     }
 
     /// The point a message whose log reaches `log_end` may carry: the latest at or below it.
-    pub(crate) fn for_end(&self, log_end: Offset) -> Option<&(Offset, Through)> {
+    pub fn for_end(&self, log_end: u64) -> Option<&(u64, Through)> {
         self.points.iter().rev().find(|(e, _)| *e <= log_end)
     }
 
     /// Every copy acknowledged up to `replicated_end`: the points before the latest one at or
     /// below it are of no more use.
-    pub(crate) fn prune(&mut self, replicated_end: Offset) {
+    pub fn prune(&mut self, replicated_end: u64) {
         while self.points.len() > 1 && self.points[1].0 <= replicated_end {
             self.points.pop_front();
         }

@@ -1,0 +1,19 @@
+//! The cluster's decisions, without I/O.
+//!
+//! Each module here is a pure state machine or a pure function: inputs are what the node
+//! observed (metadata applied here, peer answers, what its core and copies hold) and the time,
+//! passed in as milliseconds of the caller's clock; outputs are decisions the server executes
+//! (declare a member failed, promote, depose, ship, repair, hand over, drop a copy). Nothing
+//! here reads a clock, touches storage or the network, spawns or awaits: the drivers in
+//! `server/` do, and tests drive these deterministically. `tests/tidy.rs` checks the rule.
+//!
+//! - [`liveness`]: which members answer, and which the metadata leader declares failed;
+//! - [`reconcile`]: per queue and per copy, what the node does next (ship and repair, depose,
+//!   drop, promote), and the fencing checks on copies;
+//! - [`rebalance`]: how many queues each member hands over, and which;
+//! - [`watermark`]: how far a copy holds the publishes its primary applied.
+
+pub mod liveness;
+pub mod rebalance;
+pub mod reconcile;
+pub mod watermark;

@@ -1,0 +1,368 @@
+//! Reconciling a node with the metadata: per queue and per copy, what the node does next.
+//!
+//! Pure decisions over the placement applied here and what the node holds; the driver
+//! (`server/failover.rs`, the reconciler every `RECONCILE_MS`) evaluates each one at the moment
+//! it acts, under the lock of what it changes (a copy's lock, the core), so a decision is never
+//! carried out on inputs older than the action. The driver then executes it: promote, depose,
+//! ship, write metadata, drop.
+
+use crate::cluster::meta::{Placement, RaftId};
+
+/// What becomes of a durable queue of this node's core, given its placement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OwnQueueStep {
+    /// This node is its primary: ship it to the placement's secondaries and repair its
+    /// redundancy ([`repair_step`]).
+    Primary,
+    /// Another node holds it at a higher epoch (a failover or a handover): drop it here and
+    /// send its client on.
+    Deposed,
+    /// Placed elsewhere at an epoch not above this queue's: this node's metadata or the other
+    /// node's promotion is behind; nothing yet.
+    Wait,
+    /// The cluster placed it (epoch above 0) and the metadata, applied past that placement, no
+    /// longer places it: it moved while this node was down, then expired or was released.
+    /// Dropped here, or a restarted old primary would bring an ended queue back to life.
+    Ended,
+    /// No placement: made before the node joined a cluster (or its placement is not applied
+    /// here yet). It has no copies and delivers everything committed.
+    Unreplicated,
+}
+
+/// The step for a queue of the core at `queue_epoch` (the epoch it became primary at here),
+/// placed as `placement` in the metadata applied here up to `applied`.
+pub fn own_queue_step(
+    placement: Option<&Placement>,
+    me: RaftId,
+    queue_epoch: u64,
+    applied: u64,
+) -> OwnQueueStep {
+    match placement {
+        Some(p) if p.primary == me => OwnQueueStep::Primary,
+        Some(p) if p.epoch > queue_epoch => OwnQueueStep::Deposed,
+        Some(_) => OwnQueueStep::Wait,
+        None if queue_epoch > 0 && applied >= queue_epoch => OwnQueueStep::Ended,
+        None => OwnQueueStep::Unreplicated,
+    }
+}
+
+/// What becomes of a copy this node holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyStep {
+    /// The metadata made this node the queue's primary at a higher epoch than the copy's: the
+    /// copy becomes a queue of the core.
+    Promote,
+    /// Not held any more ([`copy_not_held`]).
+    Drop,
+    /// Held, or not known yet to be not held.
+    Keep,
+}
+
+/// The step for a copy at `copy_epoch` (its primary's), shipped under placements up to
+/// `placed_at`; see [`copy_not_held`] for the other inputs.
+pub fn copy_step(
+    placement: Option<&Placement>,
+    me: RaftId,
+    copy_epoch: u64,
+    placed_at: u64,
+    applied: u64,
+    caught_up: bool,
+) -> CopyStep {
+    match placement {
+        Some(p) if p.primary == me && p.epoch > copy_epoch => CopyStep::Promote,
+        _ if copy_not_held(placement, me, copy_epoch, placed_at, applied, caught_up) => {
+            CopyStep::Drop
+        }
+        _ => CopyStep::Keep,
+    }
+}
+
+/// Whether the primary of a queue sends the queue's client away, and refuses new ones: the
+/// queue has copies (`has_copies`), this node lost its lease on them (a copy stopped
+/// acknowledging: it delivers nothing) and it does not reach a majority of the cluster. The
+/// majority's side then promotes a copy (the metadata leader declares this node failed, or the
+/// client itself asks a copy to take over), and the client is better served there; staying
+/// attached here it would wait, silent, for the whole partition.
+///
+/// A primary that still reaches a majority keeps its client: a copy that died is taken out of
+/// the replica set there and delivery resumes. A queue without copies stays wherever its only
+/// node is.
+pub fn step_aside(has_copies: bool, lease_held: bool, majority_reachable: bool) -> bool {
+    has_copies && !lease_held && !majority_reachable
+}
+
+/// One metadata change that restores a primary's redundancy, at most one per round (each is
+/// a compare-and-set on the placement's epoch, which it raises).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RepairStep {
+    /// Secondaries lost entries they had acknowledged: out of the replica set with them (they
+    /// must not stay promotable); a later round adds members back as syncing.
+    TakeOut {
+        lost: Vec<RaftId>,
+        secondaries: Vec<RaftId>,
+    },
+    /// A syncing secondary caught up: report it, it may be promoted from then on.
+    Synced(RaftId),
+    /// Fewer secondaries than the redundancy asked for: add up to `want` live members, none of
+    /// `exclude` (the current secondaries and this node), chosen by [`rendezvous`].
+    Add { want: u8, exclude: Vec<RaftId> },
+    /// Nothing to repair.
+    Nothing,
+}
+
+/// The repair of a queue this node (`me`) is primary of, placed as `p`: `regressed` lists the
+/// secondaries that lost what they acknowledged, `in_sync` tells whether a secondary holds
+/// everything the primary shipped.
+pub fn repair_step(
+    p: &Placement,
+    me: RaftId,
+    regressed: &[RaftId],
+    in_sync: impl Fn(RaftId) -> bool,
+) -> RepairStep {
+    if regressed.iter().any(|n| p.secondaries.contains(n)) {
+        let secondaries = p
+            .secondaries
+            .iter()
+            .copied()
+            .filter(|n| !regressed.contains(n))
+            .collect();
+        return RepairStep::TakeOut {
+            lost: regressed.to_vec(),
+            secondaries,
+        };
+    }
+    if let Some(&node) = p.syncing.iter().find(|&&s| in_sync(s)) {
+        return RepairStep::Synced(node);
+    }
+    let have = p.secondaries.len();
+    if have >= usize::from(p.redundancy) {
+        return RepairStep::Nothing;
+    }
+    let mut exclude = p.secondaries.clone();
+    exclude.push(me);
+    RepairStep::Add {
+        want: p.redundancy - have as u8,
+        exclude,
+    }
+}
+
+/// Up to `count` of `candidates` (member id, hash of the queue id with the member's name) for
+/// copies: those with the highest hash, so each queue id has a stable preference order and
+/// queues spread over the members.
+pub fn rendezvous(candidates: impl IntoIterator<Item = (RaftId, u64)>, count: u8) -> Vec<RaftId> {
+    let mut ranked: Vec<(u64, RaftId)> = candidates.into_iter().map(|(n, h)| (h, n)).collect();
+    ranked.sort_unstable_by(|a, b| b.cmp(a));
+    ranked
+        .into_iter()
+        .take(usize::from(count))
+        .map(|(_, n)| n)
+        .collect()
+}
+
+/// Whether this node no longer holds its copy of a queue (so the copy is dropped), given the
+/// queue's placement in the metadata applied here up to `applied`, the copy's epoch (its
+/// primary's) and `placed_at` (the highest placement epoch its primary shipped under).
+///
+/// A placement without this node is not enough: this node's metadata may lag behind the
+/// primary's, which added this node to the replica set and shipped to it before this node
+/// applied that change. Dropping the copy then would leave the primary counting a copy that is
+/// gone, one the metadata may promote. So the metadata must be applied at least as far as the
+/// placement the copy was shipped under, and, after a restart (when `placed_at` is forgotten),
+/// the node's read barrier must have been applied (`caught_up`): every placement shipped under
+/// before the restart is then known here.
+pub fn copy_not_held(
+    placement: Option<&Placement>,
+    me: RaftId,
+    copy_epoch: u64,
+    placed_at: u64,
+    applied: u64,
+    caught_up: bool,
+) -> bool {
+    match placement {
+        // To be promoted (or the promotion failed and is tried again next time).
+        Some(p) if p.primary == me && p.epoch > copy_epoch => false,
+        Some(p) if p.secondaries.contains(&me) => false,
+        _ => caught_up && applied >= copy_epoch.max(placed_at),
+    }
+}
+
+/// Whether a replication message from node `from`, shipped under placement epoch
+/// `shipped_under` ([`ReplicateMsg::placement_epoch`](crate::cluster::network::ReplicateMsg)),
+/// contradicts the metadata applied here (up to `applied`): the placement in force at that
+/// epoch is known here (applied that far, and `placement` not changed since) and names another
+/// primary. A primary ships under the placement that made it primary, so this never holds for
+/// one; a member shipping a queue it does not own is refused. Metadata applied less far here
+/// cannot tell (the copy's epochs then fence a stale primary, as before).
+pub fn shipped_by_non_primary(
+    placement: Option<&Placement>,
+    from: RaftId,
+    shipped_under: u64,
+    applied: u64,
+) -> bool {
+    placement
+        .is_some_and(|p| applied >= shipped_under && p.epoch <= shipped_under && p.primary != from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_is_dropped_only_on_metadata_as_new_as_what_it_was_shipped_under() {
+        let placement = |primary, secondaries: &[RaftId], epoch| Placement {
+            primary,
+            secondaries: secondaries.to_vec(),
+            epoch,
+            redundancy: 1,
+            timeout_ms: 60_000,
+            syncing: Vec::new(),
+            handed_over: false,
+        };
+        // Node 2 holds a copy of a queue its primary 1 promoted at epoch 10 and shipped under the
+        // placement of epoch 40 (the repair that added node 2).
+        let dropped = |p: Option<&Placement>, placed_at, applied, caught_up| {
+            copy_not_held(p, 2, 10, placed_at, applied, caught_up)
+        };
+        let mine = placement(1, &[2], 40);
+        let other = placement(1, &[3], 50);
+        // Listed: held, whatever else.
+        assert!(!dropped(Some(&mine), 40, 60, true));
+        // Metadata applied here only to 30 (before the repair): the placement it shows is older
+        // than the one the primary shipped under; the copy stays.
+        let before_repair = placement(1, &[], 30);
+        assert!(!dropped(Some(&before_repair), 40, 30, true));
+        assert!(!dropped(None, 40, 39, true));
+        // Applied past it, this node taken out (or the queue gone): dropped.
+        assert!(dropped(Some(&other), 40, 50, true));
+        assert!(dropped(None, 40, 60, true));
+        // After a restart (placed_at forgotten), only once the read barrier was applied.
+        assert!(!dropped(Some(&before_repair), 0, 30, false));
+        assert!(dropped(Some(&other), 0, 55, true));
+        // Promoted here: kept for the promotion.
+        assert!(!dropped(Some(&placement(2, &[], 70)), 40, 70, true));
+    }
+
+    #[test]
+    fn only_the_primary_of_the_placement_shipped_under_may_replicate() {
+        let placement = |primary, epoch| Placement {
+            primary,
+            secondaries: vec![2],
+            epoch,
+            redundancy: 1,
+            timeout_ms: 60_000,
+            syncing: Vec::new(),
+            handed_over: false,
+        };
+        let at_40 = placement(1, 40);
+        // The primary of the placement it ships under: never refused.
+        assert!(!shipped_by_non_primary(Some(&at_40), 1, 40, 40));
+        assert!(!shipped_by_non_primary(Some(&at_40), 1, 40, 90));
+        // Another member claiming that placement, once the metadata here is applied that far.
+        assert!(shipped_by_non_primary(Some(&at_40), 3, 40, 40));
+        // Or claiming a later epoch that never changed this queue (applied past it here).
+        assert!(shipped_by_non_primary(Some(&at_40), 3, 45, 50));
+        // The metadata here not applied as far as the claim: it cannot tell.
+        assert!(!shipped_by_non_primary(Some(&at_40), 3, 45, 44));
+        // A primary deposed since (the placement here is newer): left to the epochs' fencing.
+        assert!(!shipped_by_non_primary(Some(&placement(3, 60)), 1, 40, 60));
+        // No placement known here, or a message without an epoch (0): no claim to check.
+        assert!(!shipped_by_non_primary(None, 3, 40, 90));
+        assert!(!shipped_by_non_primary(Some(&at_40), 3, 0, 90));
+    }
+
+    fn placed(
+        primary: RaftId,
+        secondaries: &[RaftId],
+        syncing: &[RaftId],
+        epoch: u64,
+    ) -> Placement {
+        Placement {
+            primary,
+            secondaries: secondaries.to_vec(),
+            epoch,
+            redundancy: 2,
+            timeout_ms: 60_000,
+            syncing: syncing.to_vec(),
+            handed_over: false,
+        }
+    }
+
+    #[test]
+    fn a_queue_of_the_core_is_shipped_deposed_or_dropped_by_its_placement() {
+        use OwnQueueStep::*;
+        // This node (1) holds the queue at epoch 10.
+        let step = |p: Option<&Placement>, applied| own_queue_step(p, 1, 10, applied);
+        assert_eq!(step(Some(&placed(1, &[2], &[], 12)), 12), Primary);
+        assert_eq!(step(Some(&placed(2, &[3], &[], 11)), 11), Deposed);
+        assert_eq!(step(Some(&placed(2, &[3], &[], 10)), 11), Wait);
+        assert_eq!(step(Some(&placed(2, &[3], &[], 9)), 11), Wait);
+        // No placement: ended once the metadata is applied past the queue's own placement.
+        assert_eq!(step(None, 10), Ended);
+        assert_eq!(step(None, 9), Unreplicated);
+        // Never placed by the cluster (epoch 0).
+        assert_eq!(own_queue_step(None, 1, 0, 50), Unreplicated);
+    }
+
+    #[test]
+    fn a_copy_is_promoted_only_above_its_epoch_and_dropped_only_when_not_held() {
+        use CopyStep::*;
+        // Node 2 holds a copy at epoch 10, shipped under the placement of epoch 40.
+        let step = |p: Option<&Placement>, applied| copy_step(p, 2, 10, 40, applied, true);
+        assert_eq!(step(Some(&placed(2, &[3], &[], 70)), 70), Promote);
+        assert_eq!(step(Some(&placed(1, &[2], &[], 40)), 60), Keep);
+        assert_eq!(step(Some(&placed(1, &[3], &[], 50)), 50), Drop);
+        assert_eq!(step(None, 39), Keep);
+        assert_eq!(step(None, 40), Drop);
+    }
+
+    #[test]
+    fn a_repair_takes_out_lost_copies_first_then_reports_synced_ones_then_adds() {
+        use RepairStep::*;
+        let p = placed(1, &[2, 3], &[3], 20);
+        assert_eq!(
+            repair_step(&p, 1, &[2], |_| true),
+            TakeOut {
+                lost: vec![2],
+                secondaries: vec![3]
+            }
+        );
+        // A regressed node that is no longer a secondary changes nothing.
+        assert_eq!(repair_step(&p, 1, &[4], |n| n == 3), Synced(3));
+        assert_eq!(repair_step(&p, 1, &[], |_| false), Nothing);
+        let short = placed(1, &[3], &[], 20);
+        assert_eq!(
+            repair_step(&short, 1, &[], |_| true),
+            Add {
+                want: 1,
+                exclude: vec![3, 1]
+            }
+        );
+        let none = Placement {
+            redundancy: 0,
+            ..placed(1, &[], &[], 5)
+        };
+        assert_eq!(repair_step(&none, 1, &[], |_| true), Nothing);
+    }
+
+    #[test]
+    fn only_a_primary_without_lease_and_majority_sends_its_client_away() {
+        assert!(step_aside(true, false, false));
+        // A dead copy (the majority is reached): the client stays; the copy is replaced.
+        assert!(!step_aside(true, false, true));
+        // Cut from most members but still acknowledged by every copy: it still delivers.
+        assert!(!step_aside(true, true, false));
+        // Without copies there is nowhere else to go.
+        assert!(!step_aside(false, false, false));
+    }
+
+    #[test]
+    fn rendezvous_takes_the_highest_hashes_in_a_stable_order() {
+        let c = [(1, 50), (2, 90), (3, 10), (4, 70)];
+        assert_eq!(rendezvous(c, 2), vec![2, 4]);
+        let mut shuffled = c;
+        shuffled.reverse();
+        assert_eq!(rendezvous(shuffled, 2), vec![2, 4]);
+        assert_eq!(rendezvous(c, 9), vec![2, 4, 1, 3]);
+        assert!(rendezvous(c, 0).is_empty());
+    }
+}
