@@ -20,8 +20,7 @@ use serde::Deserialize;
 
 use crate::protocol::{ErrorCode, WireError};
 
-/// Longest token a client may present, in bytes.
-pub const TOKEN_BYTES_MAX: usize = 4096;
+pub use crate::limits::TOKEN_BYTES_MAX;
 
 /// The `[auth]` table of the configuration file.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]

@@ -236,7 +236,7 @@ pub struct ServerConfig {
     /// Longest wait for the copies of queues to hold a change before answering a client that
     /// asked for it (`--ack replicated`, a durable registration, a close with keepalive) or a
     /// peer that forwarded publishes, in milliseconds. Default
-    /// [`REPLICATED_ACK_TIMEOUT_MS`](crate::server::REPLICATED_ACK_TIMEOUT_MS); tests shorten
+    /// [`REPLICATED_ACK_TIMEOUT_MS`](crate::limits::REPLICATED_ACK_TIMEOUT_MS); tests shorten
     /// it. Not read from the configuration file or the command line.
     pub replicated_ack_timeout_ms: u64,
 }
@@ -267,8 +267,7 @@ pub fn validate_node_failure_ms(ms: u64) -> Result<(), String> {
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7400";
 /// Default metrics address.
 pub const DEFAULT_METRICS: &str = "127.0.0.1:9400";
-/// Longest node id, in bytes.
-pub const NODE_ID_BYTES_MAX: usize = 64;
+pub use crate::limits::NODE_ID_BYTES_MAX;
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -288,7 +287,7 @@ impl Default for ServerConfig {
             advertise: Vec::new(),
             metrics_top_queues: METRICS_TOP_QUEUES_DEFAULT,
             clock_offset_ms: 0,
-            replicated_ack_timeout_ms: crate::server::REPLICATED_ACK_TIMEOUT_MS,
+            replicated_ack_timeout_ms: crate::limits::REPLICATED_ACK_TIMEOUT_MS,
         }
     }
 }

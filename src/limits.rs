@@ -17,6 +17,12 @@ pub const KEY_BYTES_MAX: usize = 1024;
 pub const VALUE_BYTES_MAX: usize = 1024 * 1024;
 /// Longest durable id, in bytes of UTF-8.
 pub const DURABLE_ID_BYTES_MAX: usize = 256;
+/// Longest token a client may present, in bytes.
+pub const TOKEN_BYTES_MAX: usize = 4096;
+/// Longest node id, in bytes.
+pub const NODE_ID_BYTES_MAX: usize = 64;
+/// Longest wait of a `--ack replicated` publish for its copies, in milliseconds.
+pub const REPLICATED_ACK_TIMEOUT_MS: u64 = 10_000;
 /// Longest principal name (a token's principal or a client certificate's common name), in
 /// bytes: the owner of a durable id travels in the cluster's metadata commands.
 pub const PRINCIPAL_BYTES_MAX: usize = 1024;
@@ -144,10 +150,7 @@ const _: () = {
     assert!(DURABLE_TIMEOUT_SECS_DEFAULT <= DURABLE_TIMEOUT_SECS_MAX);
     // A hello with the longest durable id, token and node name fits its limit with room to
     // spare (field names, the client's name).
-    assert!(
-        DURABLE_ID_BYTES_MAX + crate::auth::TOKEN_BYTES_MAX + crate::config::NODE_ID_BYTES_MAX
-            < HELLO_BYTES_MAX / 2
-    );
+    assert!(DURABLE_ID_BYTES_MAX + TOKEN_BYTES_MAX + NODE_ID_BYTES_MAX < HELLO_BYTES_MAX / 2);
     assert!(LIVENESS_PROBE_TIMEOUT_MS < HANDSHAKE_TIMEOUT_MS);
     // A part of an initial image, passed by one largest entry, fits a frame with room.
     assert!(

@@ -3,7 +3,8 @@
 //! The decisions (core, replication, cluster control) are plain state machines driven by the
 //! server; the client library stands without the server's storage. These rules are checked on
 //! the source text, comments left out, so a rule broken by a new `use` fails here with the file
-//! and line rather than in a review.
+//! and line rather than in a review. Modules must not import each other in a cycle, at the top
+//! level of `src/` nor among the server's drivers.
 
 use std::path::{Path, PathBuf};
 
@@ -220,4 +221,130 @@ fn the_checker_sees_code_and_not_comments_or_strings() {
     assert!(names(&code_of("x.map(tokio::spawn)"), "tokio"));
     assert!(!names(&code_of("mytether::x"), "tether::"));
     assert!(names(&code_of("use tether::core;"), "tether::"));
+}
+
+/// The modules a file's code names: `crate::name` (top level) or, with `siblings`, `super::name`.
+fn named_modules(code: &str, prefix: &str, out: &mut std::collections::BTreeSet<String>) {
+    for (i, _) in code.match_indices(prefix) {
+        let before = code[..i].chars().next_back();
+        if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
+            continue;
+        }
+        let name: String = code[i + prefix.len()..]
+            .chars()
+            .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+            .collect();
+        if !name.is_empty() {
+            out.insert(name);
+        }
+    }
+}
+
+/// The module graph of the directory `dir` (each `.rs` file or subdirectory is a module; a
+/// module's files are read whole): module -> the modules of the same graph it names through
+/// `prefix`.
+fn module_graph(
+    dir: &str,
+    prefix: &str,
+) -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+    let base = root().join(dir);
+    let mut modules = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(&base).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_stem().unwrap().to_string_lossy().to_string();
+        if matches!(name.as_str(), "mod" | "lib" | "main") {
+            continue;
+        }
+        if path.is_file() && path.extension().is_none_or(|e| e != "rs") {
+            continue;
+        }
+        let mut files = Vec::new();
+        rust_files(&path, &mut files);
+        let mut names = std::collections::BTreeSet::new();
+        for f in files {
+            let text = std::fs::read_to_string(&f).unwrap();
+            for line in text.lines() {
+                named_modules(&code_of(line), prefix, &mut names);
+            }
+        }
+        modules.insert(name, names);
+    }
+    let known: std::collections::BTreeSet<String> = modules.keys().cloned().collect();
+    for (name, names) in modules.iter_mut() {
+        names.retain(|n| known.contains(n) && n != name);
+    }
+    modules
+}
+
+/// A cycle of `graph`, if there is one (depth-first search), as the modules along it.
+fn find_cycle(
+    graph: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+) -> Option<Vec<String>> {
+    fn visit(
+        graph: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+        node: &str,
+        path: &mut Vec<String>,
+        done: &mut std::collections::BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|n| n == node) {
+            let mut cycle = path[at..].to_vec();
+            cycle.push(node.to_string());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_string());
+        for next in graph.get(node).into_iter().flatten() {
+            if let Some(c) = visit(graph, next, path, done) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        done.insert(node.to_string());
+        None
+    }
+    let mut done = std::collections::BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|n| visit(graph, n, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn modules_do_not_import_each_other_in_a_cycle() {
+    for (dir, prefix) in [("src", "crate::"), ("src/server", "super::")] {
+        let graph = module_graph(dir, prefix);
+        assert!(graph.len() > 5, "{dir}: too few modules found: {graph:?}");
+        if let Some(cycle) = find_cycle(&graph) {
+            panic!("{dir}: modules import each other: {}", cycle.join(" -> "));
+        }
+    }
+}
+
+#[test]
+fn the_cycle_finder_finds_cycles() {
+    let g = |edges: &[(&str, &str)]| {
+        let mut m: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
+            Default::default();
+        for (a, b) in edges {
+            m.entry(a.to_string()).or_default().insert(b.to_string());
+            m.entry(b.to_string()).or_default();
+        }
+        m
+    };
+    assert_eq!(find_cycle(&g(&[("a", "b"), ("b", "c"), ("a", "c")])), None);
+    assert_eq!(
+        find_cycle(&g(&[("a", "b"), ("b", "c"), ("c", "a")])),
+        Some(vec!["a".into(), "b".into(), "c".into(), "a".into()])
+    );
+    let mut names = std::collections::BTreeSet::new();
+    named_modules(
+        "use crate::core::X; crate::limits::Y; mycrate::z; super::super::w",
+        "crate::",
+        &mut names,
+    );
+    assert_eq!(
+        names.into_iter().collect::<Vec<_>>(),
+        vec!["core", "limits"]
+    );
 }

@@ -27,7 +27,7 @@ use tether_transport::ErrorCode;
 
 use super::Shared;
 use crate::cluster::Cluster;
-use crate::cluster::meta::{MetaCommand, MetaResponse, Placement, RaftId};
+use crate::cluster::meta::{MetaCommand, MetaResponse, Placement, RaftId, raft_id};
 use crate::cluster::network::{PeerRequest, PeerResponse};
 use crate::control::liveness::{FailureDetector, PING_INTERVAL_MS, PING_TIMEOUT_MS};
 use crate::control::reconcile::{self, CopyStep, OwnQueueStep, RepairStep};
@@ -940,7 +940,7 @@ async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Plac
             }
         }
         RepairStep::Add { want, exclude } => {
-            let add = super::placement::choose_secondaries(shared, cluster, id, want, &exclude);
+            let add = choose_secondaries(shared, cluster, id, want, &exclude);
             if add.is_empty() {
                 return;
             }
@@ -962,6 +962,25 @@ async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Plac
         }
         RepairStep::Nothing => {}
     }
+}
+
+/// Up to `count` live members for copies of `id`, none of them in `exclude`: the members with
+/// the highest rendezvous hash of (id, member), so each id has a stable preference order and
+/// queues spread over the members.
+pub(crate) fn choose_secondaries(
+    shared: &Shared,
+    cluster: &Cluster,
+    id: &str,
+    count: u8,
+    exclude: &[RaftId],
+) -> Vec<RaftId> {
+    let members = cluster.members();
+    let candidates = members
+        .nodes
+        .iter()
+        .filter(|(n, _)| !exclude.contains(n) && shared.liveness.is_live(**n))
+        .map(|(&n, node)| (n, raft_id(&format!("{id}\u{0}{}", node.name))));
+    crate::control::reconcile::rendezvous(candidates, count)
 }
 
 /// Another node holds `id` at a higher epoch: drop this node's queue and send its client on.

@@ -801,8 +801,6 @@ pub(crate) struct Receipt {
 /// Longest reason sent with a connection close, in bytes (it must fit one packet).
 const CLOSE_REASON_BYTES_MAX: usize = 512;
 
-/// Longest wait of a `--ack replicated` publish for its copies, in milliseconds.
-pub const REPLICATED_ACK_TIMEOUT_MS: u64 = 10_000;
 /// How often a `--ack replicated` publish looks again at which members are alive, in ms.
 pub const REPLICATED_POLL_MS: u64 = 100;
 

@@ -14,7 +14,7 @@ use tether_transport::ErrorCode;
 
 use super::Shared;
 use crate::cluster::Cluster;
-use crate::cluster::meta::{MetaCommand, MetaResponse, REDUNDANCY_MAX, RaftId, raft_id};
+use crate::cluster::meta::{MetaCommand, MetaResponse, REDUNDANCY_MAX};
 use crate::protocol::{DurableHello, WireError};
 
 /// Durable ids whose hellos are between placing and attaching on this node, with how many.
@@ -126,7 +126,13 @@ pub(crate) async fn place_durable(
             let cmd = MetaCommand::Place {
                 id: d.id.clone(),
                 primary: me,
-                secondaries: choose_secondaries(shared, cluster, &d.id, d.redundancy, &[me]),
+                secondaries: super::failover::choose_secondaries(
+                    shared,
+                    cluster,
+                    &d.id,
+                    d.redundancy,
+                    &[me],
+                ),
                 redundancy: d.redundancy,
                 timeout_ms: d.timeout_secs.saturating_mul(1_000),
             };
@@ -262,23 +268,4 @@ pub(crate) fn forget(shared: &Arc<Shared>, id: &str, ended: Ended) {
             tracing::warn!(durable_id = %id, error = %e, "could not remove the queue's placement");
         }
     });
-}
-
-/// Up to `count` live members for copies of `id`, none of them in `exclude`: the members with
-/// the highest rendezvous hash of (id, member), so each id has a stable preference order and
-/// queues spread over the members.
-pub(crate) fn choose_secondaries(
-    shared: &Shared,
-    cluster: &Cluster,
-    id: &str,
-    count: u8,
-    exclude: &[RaftId],
-) -> Vec<RaftId> {
-    let members = cluster.members();
-    let candidates = members
-        .nodes
-        .iter()
-        .filter(|(n, _)| !exclude.contains(n) && shared.liveness.is_live(**n))
-        .map(|(&n, node)| (n, raft_id(&format!("{id}\u{0}{}", node.name))));
-    crate::control::reconcile::rendezvous(candidates, count)
 }
