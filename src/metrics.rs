@@ -47,6 +47,7 @@ pub const REPLICATION_SNAPSHOTS_RECEIVED: &str = "tether_replication_snapshots_r
 pub const REPLICATION_SUPERSEDED: &str = "tether_replication_superseded_total";
 pub const REPLICATION_COPIES_REGRESSED: &str = "tether_replication_copies_regressed_total";
 pub const REPLICATION_STEPPED_ASIDE: &str = "tether_replication_stepped_aside_total";
+pub const REPLICATION_COPIES_UNREACHABLE: &str = "tether_replication_copies_unreachable_total";
 pub const FAILOVERS: &str = "tether_failovers_total";
 pub const CLIENT_FAILOVERS: &str = "tether_client_failovers_total";
 pub const REBALANCE_MOVES: &str = "tether_rebalance_moves_total";
@@ -143,6 +144,10 @@ fn describe() {
     describe_counter!(
         REPLICATION_COPIES_REGRESSED,
         "Secondaries found holding less than they had acknowledged (their copy was lost), taken out of the replica set to join again as syncing"
+    );
+    describe_counter!(
+        REPLICATION_COPIES_UNREACHABLE,
+        "Secondaries their primary could not reach for two failure times while it reached a majority, taken out of the replica set (another member becomes a copy)"
     );
     describe_counter!(
         REPLICATION_STEPPED_ASIDE,

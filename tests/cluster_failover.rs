@@ -696,6 +696,94 @@ async fn a_client_of_a_cut_off_primary_moves_to_the_new_primary_within_5_s() {
     sub.close(true).await.ok();
 }
 
+/// A link cut between a primary and its copy only (issue 25, point 7): both still reach the
+/// third member, so the metadata leader may see both alive and declare nobody failed. The
+/// primary, which reaches a majority, takes the copy it cannot reach out of the replica set and
+/// delivers again (a new copy is then made on the third member); the client, online
+/// throughout, gets every event, and nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_cut_from_its_copy_only_delivers_again() {
+    use std::sync::atomic::AtomicBool;
+    const BEFORE: u32 = 1_000;
+    const TOTAL: u32 = 2_000;
+    /// Far longer than twice the failure time plus the lease: the queue must not wait for the
+    /// link to heal.
+    const RESUMED_WITHIN: Duration = Duration::from_secs(30);
+    let ports = common::cluster::free_ports(3);
+    // One flag per pair of nodes, shared by the relays of both directions.
+    let cuts: Vec<Arc<AtomicBool>> = (0..3).map(|_| Arc::new(AtomicBool::new(false))).collect();
+    let pair = |i: usize, j: usize| i + j - 1; // (0,1) -> 0, (0,2) -> 1, (1,2) -> 2
+    let mut routes = vec![vec![None; 3]; 3];
+    for i in 0..3 {
+        for j in 0..3 {
+            if i != j {
+                let target: std::net::SocketAddr =
+                    format!("127.0.0.1:{}", ports[j]).parse().unwrap();
+                routes[i][j] = Some(common::relay_with(target, cuts[pair(i, j)].clone()).await);
+            }
+        }
+    }
+    let p = ProcCluster::start_routed(ports, routes);
+    // The queue's primary is PRIMARY.
+    const PRIMARY: usize = 1;
+    let a = p
+        .get(PRIMARY)
+        .builder()
+        .durable("d", 600)
+        .redundancy(1)
+        .failure_timeout(Duration::from_secs(10))
+        .ack_interval(Duration::from_millis(20))
+        .connect()
+        .await
+        .expect("durable client connects");
+    assert_eq!(a.node_id(), format!("n{}", PRIMARY + 1));
+    a.region("R").register(Interest::all_keys()).await.unwrap();
+    a.ready_for_events().await.unwrap();
+    let mut events = a.events().unwrap();
+    let progress = Arc::new(AtomicU32::new(0));
+    assert_eq!(
+        publish(p.get(PRIMARY).builder(), 0, BEFORE, progress.clone()).await,
+        BEFORE
+    );
+    let mut seen: HashSet<u32> = HashSet::new();
+    for e in receive(&mut events, BEFORE as usize).await {
+        seen.insert(value(&e));
+    }
+    let secondary = in_sync_secondary(&p, PRIMARY, "d", u64::from(BEFORE)).await;
+    eprintln!("primary n{}, copy on n{}", PRIMARY + 1, secondary + 1);
+    cuts[pair(PRIMARY, secondary)].store(true, Ordering::SeqCst);
+    let cut_at = std::time::Instant::now();
+    let third = 3 - secondary - PRIMARY;
+    assert_eq!(
+        publish(p.get(third).builder(), BEFORE, TOTAL, progress.clone()).await,
+        TOTAL
+    );
+    while seen.len() < TOTAL as usize {
+        let left = RESUMED_WITHIN.saturating_sub(cut_at.elapsed());
+        match tokio::time::timeout(left, events.next()).await {
+            Ok(Some(ClientEvent::Event(e))) => {
+                let v = value(&e);
+                assert!(
+                    seen.insert(v) || e.possible_duplicate,
+                    "event {v} received twice without the possible-duplicate flag"
+                );
+            }
+            Ok(Some(ClientEvent::Live { .. })) => {}
+            other => panic!(
+                "{} of {TOTAL} events {:?} after the cut: {other:?}",
+                seen.len(),
+                cut_at.elapsed()
+            ),
+        }
+    }
+    eprintln!("every event received {:?} after the cut", cut_at.elapsed());
+    for c in &cuts {
+        c.store(false, Ordering::SeqCst);
+    }
+    events.commit();
+    a.close(true).await.ok();
+}
+
 /// kill -9 of the secondary while the client is online: the primary stops waiting for it once
 /// it is declared failed, delivery goes on, redundancy is repaired on the third node, and
 /// nothing is lost or delivered twice.

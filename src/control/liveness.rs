@@ -27,6 +27,13 @@ pub const PING_TIMEOUT_MS: u64 = 1_000;
 /// copies and when waiting for copies, in milliseconds.
 pub const MEMBER_LIVE_MS: u64 = 1_500;
 
+/// A secondary this node has not reached for this many failure times (`node-failure-ms`) is
+/// unreachable from here ([`FailureDetector::unreachable`]): its primary takes it out of the
+/// replica set if the primary reaches a majority. Longer than the one failure time after
+/// which the metadata leader declares a member failed, so a member that died is taken out by
+/// that one declaration, not by one metadata write per queue.
+pub const SECONDARY_UNREACHABLE_FAILURE_PERIODS: u64 = 2;
+
 const _: () = assert!(PING_INTERVAL_MS < MEMBER_LIVE_MS && PING_TIMEOUT_MS < MEMBER_LIVE_MS);
 const _: () = assert!(PING_TIMEOUT_MS < crate::config::NODE_FAILURE_MS_MIN);
 
@@ -104,6 +111,13 @@ impl FailureDetector {
         self.last_seen_ms
             .get(&node)
             .map(|&t| now_ms.saturating_sub(t))
+    }
+
+    /// Whether `node` has been silent here for [`SECONDARY_UNREACHABLE_FAILURE_PERIODS`]
+    /// failure times at `now_ms` (never seen counts, once the driver started).
+    pub fn unreachable(&self, node: RaftId, now_ms: u64) -> bool {
+        let period = SECONDARY_UNREACHABLE_FAILURE_PERIODS * self.failure_ms;
+        self.started && self.silent_ms(node, now_ms).is_none_or(|t| t >= period)
     }
 
     /// Whether `node` answered within [`MEMBER_LIVE_MS`] of `now_ms`.
@@ -211,6 +225,18 @@ mod tests {
         assert!(d.majority_reachable(1, &[1], 1_000_000));
         // Two members: the survivor of a cut reaches no majority (neither side may act).
         assert!(!d.majority_reachable(1, &[1, 2], 1_000_000));
+    }
+
+    #[test]
+    fn a_member_is_unreachable_after_two_failure_times_of_silence() {
+        let mut d = FailureDetector::empty(FAIL_MS);
+        assert!(!d.unreachable(2, 1_000_000), "no evidence before the start");
+        d.start([2], 1_000);
+        assert!(!d.unreachable(2, 1_000 + 2 * FAIL_MS - 1));
+        assert!(d.unreachable(2, 1_000 + 2 * FAIL_MS));
+        d.answered(2, 9_000);
+        assert!(!d.unreachable(2, 9_000 + 2 * FAIL_MS - 1));
+        assert!(d.unreachable(3, 0), "never seen");
     }
 
     #[test]

@@ -101,6 +101,14 @@ pub enum RepairStep {
         lost: Vec<RaftId>,
         secondaries: Vec<RaftId>,
     },
+    /// Secondaries this node has not reached for a while (it reaches a majority, so the
+    /// fault is on their side or on the link): out of the replica set with them, so the queue
+    /// delivers again without waiting for the link to heal; a later round adds another
+    /// member. The metadata leader may see them alive and never declare them failed.
+    TakeOutUnreachable {
+        unreachable: Vec<RaftId>,
+        secondaries: Vec<RaftId>,
+    },
     /// A syncing secondary caught up: report it, it may be promoted from then on.
     Synced(RaftId),
     /// Fewer secondaries than the redundancy asked for: add up to `want` live members, none of
@@ -110,15 +118,26 @@ pub enum RepairStep {
     Nothing,
 }
 
-/// The repair of a queue this node (`me`) is primary of, placed as `p`: `regressed` lists the
-/// secondaries that lost what they acknowledged, `in_sync` tells whether a secondary holds
-/// everything the primary shipped.
-pub fn repair_step(
-    p: &Placement,
-    me: RaftId,
-    regressed: &[RaftId],
-    in_sync: impl Fn(RaftId) -> bool,
-) -> RepairStep {
+/// What a primary observes of its queue's copies, for [`repair_step`].
+pub struct CopiesSeen<'a> {
+    /// Secondaries that lost what they acknowledged.
+    pub regressed: &'a [RaftId],
+    /// Whether a secondary holds everything the primary shipped.
+    pub in_sync: &'a dyn Fn(RaftId) -> bool,
+    /// Whether this node has not reached a member for a while
+    /// ([`FailureDetector::unreachable`](super::liveness::FailureDetector::unreachable)).
+    pub unreachable: &'a dyn Fn(RaftId) -> bool,
+    /// Whether this node reaches a majority of the members.
+    pub majority_reachable: bool,
+}
+
+/// The repair of a queue this node (`me`) is primary of, placed as `p`, given what it sees
+/// of the copies: copies that lost data go first, then copies this node cannot reach (only
+/// while it reaches a majority: a primary on the minority's side leaves its queue to the
+/// majority, see [`step_aside`]), then a syncing copy that caught up is reported, then
+/// missing copies are added.
+pub fn repair_step(p: &Placement, me: RaftId, seen: &CopiesSeen<'_>) -> RepairStep {
+    let regressed = seen.regressed;
     if regressed.iter().any(|n| p.secondaries.contains(n)) {
         let secondaries = p
             .secondaries
@@ -131,7 +150,17 @@ pub fn repair_step(
             secondaries,
         };
     }
-    if let Some(&node) = p.syncing.iter().find(|&&s| in_sync(s)) {
+    if seen.majority_reachable {
+        let (unreachable, secondaries): (Vec<RaftId>, Vec<RaftId>) =
+            p.secondaries.iter().partition(|&&n| (seen.unreachable)(n));
+        if !unreachable.is_empty() {
+            return RepairStep::TakeOutUnreachable {
+                unreachable,
+                secondaries,
+            };
+        }
+    }
+    if let Some(&node) = p.syncing.iter().find(|&&s| (seen.in_sync)(s)) {
         return RepairStep::Synced(node);
     }
     let have = p.secondaries.len();
@@ -315,23 +344,33 @@ mod tests {
         assert_eq!(step(None, 40), Drop);
     }
 
+    fn step(p: &Placement, regressed: &[RaftId], in_sync: fn(RaftId) -> bool) -> RepairStep {
+        let seen = CopiesSeen {
+            regressed,
+            in_sync: &in_sync,
+            unreachable: &|_| false,
+            majority_reachable: true,
+        };
+        repair_step(p, 1, &seen)
+    }
+
     #[test]
     fn a_repair_takes_out_lost_copies_first_then_reports_synced_ones_then_adds() {
         use RepairStep::*;
         let p = placed(1, &[2, 3], &[3], 20);
         assert_eq!(
-            repair_step(&p, 1, &[2], |_| true),
+            step(&p, &[2], |_| true),
             TakeOut {
                 lost: vec![2],
                 secondaries: vec![3]
             }
         );
         // A regressed node that is no longer a secondary changes nothing.
-        assert_eq!(repair_step(&p, 1, &[4], |n| n == 3), Synced(3));
-        assert_eq!(repair_step(&p, 1, &[], |_| false), Nothing);
+        assert_eq!(step(&p, &[4], |n| n == 3), Synced(3));
+        assert_eq!(step(&p, &[], |_| false), Nothing);
         let short = placed(1, &[3], &[], 20);
         assert_eq!(
-            repair_step(&short, 1, &[], |_| true),
+            step(&short, &[], |_| true),
             Add {
                 want: 1,
                 exclude: vec![3, 1]
@@ -341,7 +380,36 @@ mod tests {
             redundancy: 0,
             ..placed(1, &[], &[], 5)
         };
-        assert_eq!(repair_step(&none, 1, &[], |_| true), Nothing);
+        assert_eq!(step(&none, &[], |_| true), Nothing);
+    }
+
+    #[test]
+    fn a_primary_reaching_a_majority_takes_out_the_copies_it_cannot_reach() {
+        use RepairStep::*;
+        let p = placed(1, &[2, 3], &[], 20);
+        let seen = |regressed: &'static [RaftId], majority_reachable| CopiesSeen {
+            regressed,
+            in_sync: &|_| true,
+            unreachable: &|n| n == 3,
+            majority_reachable,
+        };
+        assert_eq!(
+            repair_step(&p, 1, &seen(&[], true)),
+            TakeOutUnreachable {
+                unreachable: vec![3],
+                secondaries: vec![2]
+            }
+        );
+        // On the minority's side it leaves the queue to the majority (see step_aside).
+        assert_eq!(repair_step(&p, 1, &seen(&[], false)), Nothing);
+        // A copy that lost data goes first.
+        assert_eq!(
+            repair_step(&p, 1, &seen(&[2], true)),
+            TakeOut {
+                lost: vec![2],
+                secondaries: vec![3]
+            }
+        );
     }
 
     #[test]

@@ -531,6 +531,13 @@ impl Liveness {
         self.detector().is_live(node, now)
     }
 
+    /// Whether this node has not reached `node` for a while (see
+    /// [`FailureDetector::unreachable`]).
+    pub(crate) fn unreachable(&self, node: RaftId) -> bool {
+        let now = self.ms(Instant::now());
+        self.detector().unreachable(node, now)
+    }
+
     /// Whether this node reaches a majority of the cluster's members (see
     /// [`FailureDetector::majority_reachable`]).
     pub(crate) fn majority_reachable(&self, cluster: &Cluster) -> bool {
@@ -898,8 +905,50 @@ async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Plac
         .as_ref()
         .map(|sq| sq.regressed())
         .unwrap_or_default();
-    let in_sync = |n| shipped.as_ref().is_some_and(|sq| sq.in_sync(n));
-    match reconcile::repair_step(p, cluster.id(), &regressed, in_sync) {
+    let step = {
+        let in_sync = |n| shipped.as_ref().is_some_and(|sq| sq.in_sync(n));
+        let unreachable = |n| shared.liveness.unreachable(n);
+        let seen = reconcile::CopiesSeen {
+            regressed: &regressed,
+            in_sync: &in_sync,
+            unreachable: &unreachable,
+            majority_reachable: shared.liveness.majority_reachable(cluster),
+        };
+        reconcile::repair_step(p, cluster.id(), &seen)
+    };
+    match step {
+        RepairStep::TakeOutUnreachable {
+            unreachable,
+            secondaries,
+        } => {
+            let cmd = MetaCommand::SetSecondaries {
+                id: id.to_string(),
+                expected_epoch: p.epoch,
+                secondaries,
+            };
+            match cluster.write(cmd).await {
+                Ok(MetaResponse::Placed(_)) => {
+                    metrics::counter!(m::REPLICATION_COPIES_UNREACHABLE).increment(1);
+                    tracing::warn!(
+                        durable_id = %id,
+                        ?unreachable,
+                        "a secondary this node cannot reach was taken out of the replica set"
+                    )
+                }
+                Ok(r) => tracing::debug!(
+                    durable_id = %id,
+                    ?unreachable,
+                    result = ?r,
+                    "the metadata changed before an unreachable secondary was taken out"
+                ),
+                Err(e) => tracing::warn!(
+                    durable_id = %id,
+                    ?unreachable,
+                    error = %e,
+                    "could not take an unreachable secondary out of the replica set"
+                ),
+            }
+        }
         RepairStep::TakeOut { lost, secondaries } => {
             let cmd = MetaCommand::SetSecondaries {
                 id: id.to_string(),
