@@ -104,8 +104,13 @@ async fn reconnect_until(
 
 /// A durable client `id` with redundancy 1 and interest in all keys of R, placed on node 0.
 async fn durable_on_n1(p: &ProcCluster, id: &str) -> Client {
+    durable_on(p, 0, id).await
+}
+
+/// A durable client `id` with redundancy 1 and interest in all keys of R, placed on node `i`.
+async fn durable_on(p: &ProcCluster, i: usize, id: &str) -> Client {
     let c = p
-        .get(0)
+        .get(i)
         .builder()
         .durable(id, 600)
         .redundancy(1)
@@ -114,7 +119,7 @@ async fn durable_on_n1(p: &ProcCluster, id: &str) -> Client {
         .connect()
         .await
         .expect("durable client connects");
-    assert_eq!(c.node_id(), "n1");
+    assert_eq!(c.node_id(), format!("n{}", i + 1));
     c.region("R").register(Interest::all_keys()).await.unwrap();
     c
 }
@@ -145,6 +150,37 @@ async fn in_sync_secondary(p: &ProcCluster, primary: usize, id: &str, end: u64) 
     })
     .await;
     p.index(&r.copies[0].node)
+}
+
+/// Three nodes whose links go through UDP relays: `cut_of(i, j)` is the flag that cuts the
+/// link from node `i` to node `j` (None: a direct link). Clients reach every node directly.
+async fn routed_cluster(
+    cut_of: impl Fn(usize, usize) -> Option<Arc<std::sync::atomic::AtomicBool>>,
+) -> ProcCluster {
+    let ports = common::cluster::free_ports(3);
+    let mut routes = vec![vec![None; 3]; 3];
+    for (i, row) in routes.iter_mut().enumerate() {
+        for (j, route) in row.iter_mut().enumerate() {
+            if i == j {
+                continue;
+            }
+            if let Some(cut) = cut_of(i, j) {
+                let target: std::net::SocketAddr =
+                    format!("127.0.0.1:{}", ports[j]).parse().unwrap();
+                *route = Some(common::relay_with(target, cut).await);
+            }
+        }
+    }
+    ProcCluster::start_routed(ports, routes)
+}
+
+/// Notes the value of `e` in `seen`; an event received again must be flagged.
+fn note_event(seen: &mut HashSet<u32>, e: &Event) {
+    let v = value(e);
+    assert!(
+        seen.insert(v) || e.possible_duplicate,
+        "event {v} received twice without the possible-duplicate flag"
+    );
 }
 
 /// G1 (copies exist and follow the primary): a queue with redundancy 1 has a copy on another
@@ -495,14 +531,9 @@ async fn partitioned_primary_stops_delivering_before_the_new_one_starts() {
     use std::sync::atomic::AtomicBool;
     const BEFORE: u32 = 20_000;
     const TOTAL: u32 = 23_000;
-    let ports = common::cluster::free_ports(3);
     let cut = Arc::new(AtomicBool::new(false));
-    let mut routes = vec![vec![None; 3]; 3];
-    for (i, j) in [(0, 1), (0, 2), (1, 0), (2, 0)] {
-        let target: std::net::SocketAddr = format!("127.0.0.1:{}", ports[j]).parse().unwrap();
-        routes[i][j] = Some(common::relay_with(target, cut.clone()).await);
-    }
-    let p = ProcCluster::start_routed(ports, routes);
+    // Every link between n1 and its peers.
+    let p = routed_cluster(|i, j| (i == 0 || j == 0).then(|| cut.clone())).await;
     // Client A on n1, registered but not ready: a backlog waits on n1 and on its copy.
     let a = durable_on_n1(&p, "d").await;
     let progress = Arc::new(AtomicU32::new(0));
@@ -609,14 +640,9 @@ async fn a_client_of_a_cut_off_primary_moves_to_the_new_primary_within_5_s() {
     const BEFORE: u32 = 2_000;
     const TOTAL: u32 = 3_000;
     const MOVED_WITHIN: Duration = Duration::from_secs(5);
-    let ports = common::cluster::free_ports(3);
     let cut = Arc::new(AtomicBool::new(false));
-    let mut routes = vec![vec![None; 3]; 3];
-    for (i, j) in [(0, 1), (0, 2), (1, 0), (2, 0)] {
-        let target: std::net::SocketAddr = format!("127.0.0.1:{}", ports[j]).parse().unwrap();
-        routes[i][j] = Some(common::relay_with(target, cut.clone()).await);
-    }
-    let p = ProcCluster::start_routed(ports, routes);
+    // Every link between n1 and its peers.
+    let p = routed_cluster(|i, j| (i == 0 || j == 0).then(|| cut.clone())).await;
     let policy = ReconnectPolicy {
         delay_initial: Duration::from_millis(100),
         delay_max: Duration::from_millis(500),
@@ -639,16 +665,9 @@ async fn a_client_of_a_cut_off_primary_moves_to_the_new_primary_within_5_s() {
         BEFORE
     );
     let mut seen: HashSet<u32> = HashSet::new();
-    let check = |e: &Event, seen: &mut HashSet<u32>| {
-        let v = value(e);
-        assert!(
-            seen.insert(v) || e.possible_duplicate,
-            "event {v} received twice without the possible-duplicate flag"
-        );
-    };
     while seen.len() < BEFORE as usize {
         match tokio::time::timeout(FAILOVER_WAIT, sub.next()).await {
-            Ok(Some(ClientEvent::Event(e))) => check(&e, &mut seen),
+            Ok(Some(ClientEvent::Event(e))) => note_event(&mut seen, &e),
             Ok(Some(ClientEvent::Live { .. })) => {}
             other => panic!("before the cut: {other:?}"),
         }
@@ -667,7 +686,7 @@ async fn a_client_of_a_cut_off_primary_moves_to_the_new_primary_within_5_s() {
     let mut moved_after = None;
     while seen.len() < TOTAL as usize {
         match tokio::time::timeout(FAILOVER_WAIT, sub.next()).await {
-            Ok(Some(ClientEvent::Event(e))) => check(&e, &mut seen),
+            Ok(Some(ClientEvent::Event(e))) => note_event(&mut seen, &e),
             Ok(Some(ClientEvent::Reconnected { .. })) => {
                 let node = sub.client().unwrap().node_id().to_string();
                 eprintln!("reconnected to {node} {:?} after the cut", cut_at.elapsed());
@@ -709,35 +728,13 @@ async fn a_primary_cut_from_its_copy_only_delivers_again() {
     /// Far longer than twice the failure time plus the lease: the queue must not wait for the
     /// link to heal.
     const RESUMED_WITHIN: Duration = Duration::from_secs(30);
-    let ports = common::cluster::free_ports(3);
     // One flag per pair of nodes, shared by the relays of both directions.
     let cuts: Vec<Arc<AtomicBool>> = (0..3).map(|_| Arc::new(AtomicBool::new(false))).collect();
     let pair = |i: usize, j: usize| i + j - 1; // (0,1) -> 0, (0,2) -> 1, (1,2) -> 2
-    let mut routes = vec![vec![None; 3]; 3];
-    for i in 0..3 {
-        for j in 0..3 {
-            if i != j {
-                let target: std::net::SocketAddr =
-                    format!("127.0.0.1:{}", ports[j]).parse().unwrap();
-                routes[i][j] = Some(common::relay_with(target, cuts[pair(i, j)].clone()).await);
-            }
-        }
-    }
-    let p = ProcCluster::start_routed(ports, routes);
+    let p = routed_cluster(|i, j| Some(cuts[pair(i, j)].clone())).await;
     // The queue's primary is PRIMARY.
     const PRIMARY: usize = 1;
-    let a = p
-        .get(PRIMARY)
-        .builder()
-        .durable("d", 600)
-        .redundancy(1)
-        .failure_timeout(Duration::from_secs(10))
-        .ack_interval(Duration::from_millis(20))
-        .connect()
-        .await
-        .expect("durable client connects");
-    assert_eq!(a.node_id(), format!("n{}", PRIMARY + 1));
-    a.region("R").register(Interest::all_keys()).await.unwrap();
+    let a = durable_on(&p, PRIMARY, "d").await;
     a.ready_for_events().await.unwrap();
     let mut events = a.events().unwrap();
     let progress = Arc::new(AtomicU32::new(0));
@@ -761,13 +758,7 @@ async fn a_primary_cut_from_its_copy_only_delivers_again() {
     while seen.len() < TOTAL as usize {
         let left = RESUMED_WITHIN.saturating_sub(cut_at.elapsed());
         match tokio::time::timeout(left, events.next()).await {
-            Ok(Some(ClientEvent::Event(e))) => {
-                let v = value(&e);
-                assert!(
-                    seen.insert(v) || e.possible_duplicate,
-                    "event {v} received twice without the possible-duplicate flag"
-                );
-            }
+            Ok(Some(ClientEvent::Event(e))) => note_event(&mut seen, &e),
             Ok(Some(ClientEvent::Live { .. })) => {}
             other => panic!(
                 "{} of {TOTAL} events {:?} after the cut: {other:?}",

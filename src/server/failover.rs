@@ -897,6 +897,59 @@ pub(crate) fn ensure_shipping(shared: &Arc<Shared>, id: &str, p: &Placement) {
         .start(shared, (id, qid), shipper, p, Instant::now());
 }
 
+/// Why secondaries are taken out of a replica set.
+#[derive(Clone, Copy)]
+enum TakenOut {
+    /// They lost entries they had acknowledged.
+    Regressed,
+    /// This node has not reached them for a while.
+    Unreachable,
+}
+
+/// Takes `nodes` out of `id`'s replica set (placed as `p`), leaving `secondaries`.
+async fn take_out(
+    cluster: &Cluster,
+    id: &str,
+    p: &Placement,
+    secondaries: Vec<RaftId>,
+    nodes: &[RaftId],
+    why: TakenOut,
+) {
+    let cmd = MetaCommand::SetSecondaries {
+        id: id.to_string(),
+        expected_epoch: p.epoch,
+        secondaries,
+    };
+    let (counter, what) = match why {
+        TakenOut::Regressed => (
+            m::REPLICATION_COPIES_REGRESSED,
+            "a secondary lost entries it had acknowledged",
+        ),
+        TakenOut::Unreachable => (
+            m::REPLICATION_COPIES_UNREACHABLE,
+            "this node cannot reach a secondary",
+        ),
+    };
+    match cluster.write(cmd).await {
+        Ok(MetaResponse::Placed(_)) => {
+            metrics::counter!(counter).increment(1);
+            tracing::warn!(durable_id = %id, ?nodes, "{what}: taken out of the replica set")
+        }
+        Ok(r) => tracing::debug!(
+            durable_id = %id,
+            ?nodes,
+            result = ?r,
+            "{what}: the metadata changed before it was taken out"
+        ),
+        Err(e) => tracing::warn!(
+            durable_id = %id,
+            ?nodes,
+            error = %e,
+            "{what}: could not take it out of the replica set"
+        ),
+    }
+}
+
 /// Restores a queue's redundancy: a syncing secondary that caught up is reported (it may be
 /// promoted from then on), and a missing secondary is replaced by a live member.
 async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Placement) {
@@ -921,62 +974,18 @@ async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Plac
             unreachable,
             secondaries,
         } => {
-            let cmd = MetaCommand::SetSecondaries {
-                id: id.to_string(),
-                expected_epoch: p.epoch,
+            take_out(
+                cluster,
+                id,
+                p,
                 secondaries,
-            };
-            match cluster.write(cmd).await {
-                Ok(MetaResponse::Placed(_)) => {
-                    metrics::counter!(m::REPLICATION_COPIES_UNREACHABLE).increment(1);
-                    tracing::warn!(
-                        durable_id = %id,
-                        ?unreachable,
-                        "a secondary this node cannot reach was taken out of the replica set"
-                    )
-                }
-                Ok(r) => tracing::debug!(
-                    durable_id = %id,
-                    ?unreachable,
-                    result = ?r,
-                    "the metadata changed before an unreachable secondary was taken out"
-                ),
-                Err(e) => tracing::warn!(
-                    durable_id = %id,
-                    ?unreachable,
-                    error = %e,
-                    "could not take an unreachable secondary out of the replica set"
-                ),
-            }
+                &unreachable,
+                TakenOut::Unreachable,
+            )
+            .await
         }
         RepairStep::TakeOut { lost, secondaries } => {
-            let cmd = MetaCommand::SetSecondaries {
-                id: id.to_string(),
-                expected_epoch: p.epoch,
-                secondaries,
-            };
-            match cluster.write(cmd).await {
-                Ok(MetaResponse::Placed(_)) => {
-                    metrics::counter!(m::REPLICATION_COPIES_REGRESSED).increment(1);
-                    tracing::warn!(
-                        durable_id = %id,
-                        ?lost,
-                        "a secondary lost entries it had acknowledged; taken out of the replica set"
-                    )
-                }
-                Ok(r) => tracing::debug!(
-                    durable_id = %id,
-                    ?lost,
-                    result = ?r,
-                    "the metadata changed before a secondary that lost its copy was taken out"
-                ),
-                Err(e) => tracing::warn!(
-                    durable_id = %id,
-                    ?lost,
-                    error = %e,
-                    "could not take a secondary that lost its copy out of the replica set"
-                ),
-            }
+            take_out(cluster, id, p, secondaries, &lost, TakenOut::Regressed).await
         }
         RepairStep::Synced(node) => {
             let cmd = MetaCommand::Synced {
