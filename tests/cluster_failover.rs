@@ -775,6 +775,137 @@ async fn a_primary_cut_from_its_copy_only_delivers_again() {
     a.close(true).await.ok();
 }
 
+/// Flapping links (issue 25, point 7): for 40 s, one link between two members at a time is
+/// cut for 1–4 s and healed for 0.5–2 s (seeded; `TETHER_FLAP_SEED` replays a run), so every
+/// member always reaches a majority. A durable client with a reconnecting subscription is
+/// never without a session for longer than one failure-detection period plus the lease (and
+/// the subscription's longest reconnect wait); publishes go on through one member all along,
+/// and the client gets every acknowledged event, a repeated one flagged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flapping_links_never_leave_a_client_without_a_session_for_long() {
+    use std::sync::atomic::AtomicBool;
+    use tether::client::ReconnectPolicy;
+    const FLAP_FOR: Duration = Duration::from_secs(40);
+    /// The subscription's longest wait between reconnect attempts.
+    const RECONNECT_DELAY_MAX: Duration = Duration::from_millis(500);
+    /// `node-failure-ms` (default) plus the lease (`LEASE_MS`, 1.5 s) plus one reconnect wait.
+    const OUTAGE_MAX: Duration = Duration::from_millis(
+        tether::config::NODE_FAILURE_MS_DEFAULT + 1_500 + RECONNECT_DELAY_MAX.as_millis() as u64,
+    );
+    let seed: u64 = std::env::var("TETHER_FLAP_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                | 1
+        });
+    eprintln!("TETHER_FLAP_SEED={seed}");
+    let flags: Vec<Arc<AtomicBool>> = (0..3).map(|_| Arc::new(AtomicBool::new(false))).collect();
+    let pair = |i: usize, j: usize| i + j - 1; // (0,1) -> 0, (0,2) -> 1, (1,2) -> 2
+    let p = routed_cluster(|i, j| Some(flags[pair(i, j)].clone())).await;
+    let policy = ReconnectPolicy {
+        delay_initial: Duration::from_millis(100),
+        delay_max: RECONNECT_DELAY_MAX,
+        ..ReconnectPolicy::default()
+    };
+    let mut sub = p
+        .builder(&[0, 1, 2])
+        .durable("d", 600)
+        .redundancy(1)
+        .failure_timeout(Duration::from_secs(3))
+        .ack_interval(Duration::from_millis(20))
+        .reconnect(policy)
+        .subscribe([("R".to_string(), Interest::all_keys())])
+        .await
+        .expect("the subscription starts");
+    // Publishes through n3 all along: 20 every 50 ms, about as long as the flapping.
+    const PER_PUBLISH: u32 = 20;
+    const TOTAL: u32 = 16_000;
+    let publisher = tokio::spawn({
+        let builder = p.get(2).builder();
+        async move {
+            let c = builder.connect().await.expect("publisher connects");
+            for from in (0..TOTAL).step_by(PER_PUBLISH as usize) {
+                let ops = (from..from + PER_PUBLISH)
+                    .map(|i| PublishOp::Put {
+                        region: "R".into(),
+                        key: format!("k-{i}"),
+                        value: i.to_string().into_bytes(),
+                    })
+                    .collect();
+                c.publish(ops).await.expect("a publish through n3");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            c.close(false).await.ok();
+        }
+    });
+    let flapper = tokio::spawn({
+        let flags = flags.clone();
+        async move {
+            let mut x = seed;
+            let mut next = move |n: u64| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x % n
+            };
+            let start = std::time::Instant::now();
+            let mut cuts = 0;
+            while start.elapsed() < FLAP_FOR {
+                let k = next(3) as usize;
+                flags[k].store(true, Ordering::SeqCst);
+                cuts += 1;
+                tokio::time::sleep(Duration::from_millis(1_000 + next(3_000))).await;
+                flags[k].store(false, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(500 + next(1_500))).await;
+            }
+            cuts
+        }
+    });
+    let mut seen: HashSet<u32> = HashSet::new();
+    let mut lost_at: Option<std::time::Instant> = None;
+    let mut outage_max = Duration::ZERO;
+    let mut disconnects = 0;
+    // The longest wait for an event (reported: publishes come every 50 ms).
+    let (mut last_event, mut silence_max) = (std::time::Instant::now(), Duration::ZERO);
+    while seen.len() < TOTAL as usize {
+        match tokio::time::timeout(FAILOVER_WAIT, sub.next()).await {
+            Ok(Some(ClientEvent::Event(e))) => {
+                note_event(&mut seen, &e);
+                silence_max = silence_max.max(last_event.elapsed());
+                last_event = std::time::Instant::now();
+            }
+            Ok(Some(ClientEvent::Disconnected { error })) => {
+                disconnects += 1;
+                eprintln!("disconnected: {error}");
+                lost_at = Some(std::time::Instant::now());
+            }
+            Ok(Some(ClientEvent::Reconnected { .. })) => {
+                let node = sub.client().map(|c| c.node_id().to_string());
+                let outage = lost_at.take().map(|t| t.elapsed()).unwrap_or_default();
+                eprintln!("reconnected to {node:?} after {outage:?}");
+                outage_max = outage_max.max(outage);
+            }
+            Ok(Some(ClientEvent::Live { .. })) => {}
+            other => panic!("{} of {TOTAL} seen (seed {seed}): {other:?}", seen.len()),
+        }
+    }
+    publisher.await.unwrap();
+    let cuts_made = flapper.await.unwrap();
+    eprintln!(
+        "{cuts_made} cuts, {disconnects} disconnects, longest without a session {outage_max:?}, \
+         longest wait for an event {silence_max:?}"
+    );
+    assert!(
+        outage_max <= OUTAGE_MAX,
+        "the client was without a session for {outage_max:?} (seed {seed})"
+    );
+    sub.close(true).await.ok();
+}
+
 /// kill -9 of the secondary while the client is online: the primary stops waiting for it once
 /// it is declared failed, delivery goes on, redundancy is repaired on the third node, and
 /// nothing is lost or delivered twice.
