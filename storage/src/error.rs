@@ -15,6 +15,17 @@ pub enum StorageError {
     /// longer than [`crate::MAX_VALUE_BYTES`]). Nothing of the batch was applied.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The data directory was written in a layout this build does not read (a newer
+    /// version's, or one more than a version older). Nothing was changed in it.
+    #[error(
+        "the data directory's storage format is {found}; this tether reads formats {oldest} to \
+         {newest}: run the tether version that wrote it, or one that reads it"
+    )]
+    IncompatibleFormat {
+        found: u32,
+        oldest: u32,
+        newest: u32,
+    },
     /// A column family that `open` creates is missing (should be impossible).
     #[error("missing column family {0}")]
     MissingColumnFamily(&'static str),

@@ -61,6 +61,16 @@ impl std::fmt::Debug for RocksStore {
     }
 }
 
+/// The storage layout this build writes (keys, records, column families). Raised with every
+/// change a previous build could not read; recorded in each data directory.
+pub const STORAGE_FORMAT: u32 = 1;
+/// The oldest layout this build reads (one version back is accepted, once there is one).
+pub const STORAGE_FORMAT_OLDEST: u32 = 1;
+const _: () =
+    assert!(STORAGE_FORMAT_OLDEST <= STORAGE_FORMAT && STORAGE_FORMAT_OLDEST + 1 >= STORAGE_FORMAT);
+/// Node-state key of a data directory's storage format (a big-endian `u32`).
+pub const STORAGE_FORMAT_KEY: &str = "tether-storage-format";
+
 impl RocksStore {
     /// Opens (creating if missing) the database in `dir`.
     pub fn open(dir: &Path) -> Result<Self, StorageError> {
@@ -110,8 +120,37 @@ impl RocksStore {
                 .db
                 .set_options_cf(store.cf(cf)?, &[("memtable_max_range_deletions", &limit)])?;
         }
+        store.check_format()?;
         tracing::debug!(path = %dir.display(), "opened rocksdb store");
         Ok(store)
+    }
+
+    /// Checks the directory's storage format ([`STORAGE_FORMAT_KEY`]) against the formats
+    /// this build reads, and records this build's in a directory that has none (a new one, or
+    /// one written before formats were recorded: format 1).
+    fn check_format(&self) -> Result<(), StorageError> {
+        match self.state_get(STORAGE_FORMAT_KEY)? {
+            None => {
+                let mut b = Batch::new();
+                b.state_put(STORAGE_FORMAT_KEY, STORAGE_FORMAT.to_be_bytes().to_vec());
+                self.write(&b, true)
+            }
+            Some(v) => {
+                let bytes: [u8; 4] = v.as_slice().try_into().map_err(|_| {
+                    StorageError::Corrupt(format!("storage format record of {} bytes", v.len()))
+                })?;
+                let found = u32::from_be_bytes(bytes);
+                if (STORAGE_FORMAT_OLDEST..=STORAGE_FORMAT).contains(&found) {
+                    Ok(())
+                } else {
+                    Err(StorageError::IncompatibleFormat {
+                        found,
+                        oldest: STORAGE_FORMAT_OLDEST,
+                        newest: STORAGE_FORMAT,
+                    })
+                }
+            }
+        }
     }
 
     /// Offsets of `queue`'s stored byte marks at or below `to`.
@@ -500,6 +539,80 @@ impl Store for RocksStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Writes `value` as the storage format record of the directory `dir`, bypassing the check.
+    fn force_format(dir: &Path, value: &[u8]) {
+        let opts = Options::default();
+        let cfs = DB::list_cf(&opts, dir).unwrap();
+        let db = DB::open_cf(&opts, dir, &cfs).unwrap();
+        let state = db.cf_handle(CF_STATE).unwrap();
+        db.put_cf(state, STORAGE_FORMAT_KEY.as_bytes(), value)
+            .unwrap();
+        db.flush_wal(true).unwrap();
+    }
+
+    #[test]
+    fn a_data_directory_records_its_format_and_another_format_is_refused_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = RocksStore::open(dir.path()).unwrap();
+            assert_eq!(
+                s.state_get(STORAGE_FORMAT_KEY).unwrap(),
+                Some(STORAGE_FORMAT.to_be_bytes().to_vec())
+            );
+            let mut b = Batch::new();
+            b.state_put("node-id", b"n1".to_vec());
+            s.write(&b, true).unwrap();
+        }
+        // Reopened by the same build: fine, nothing lost.
+        let s = RocksStore::open(dir.path()).unwrap();
+        assert_eq!(s.state_get("node-id").unwrap(), Some(b"n1".to_vec()));
+        drop(s);
+        // A newer build's directory, or one two versions old: refused with both numbers.
+        for found in [STORAGE_FORMAT + 1, STORAGE_FORMAT_OLDEST - 1] {
+            force_format(dir.path(), &found.to_be_bytes());
+            let Err(e) = RocksStore::open(dir.path()) else {
+                panic!("format {found} was opened");
+            };
+            assert!(
+                matches!(e, StorageError::IncompatibleFormat { found: f, .. } if f == found),
+                "{e}"
+            );
+            let msg = e.to_string();
+            assert!(msg.contains(&format!("format is {found}")), "{msg}");
+            assert!(
+                msg.contains(&format!(
+                    "formats {STORAGE_FORMAT_OLDEST} to {STORAGE_FORMAT}"
+                )),
+                "{msg}"
+            );
+        }
+        // A record that is not a format number: corrupt, never a panic.
+        force_format(dir.path(), b"xyz");
+        assert!(matches!(
+            RocksStore::open(dir.path()),
+            Err(StorageError::Corrupt(_))
+        ));
+    }
+
+    #[test]
+    fn a_directory_written_before_formats_were_recorded_is_read_as_format_1() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RocksStore::open(dir.path()).unwrap();
+        let mut b = Batch::new();
+        b.state_put("node-id", b"n1".to_vec());
+        s.write(&b, true).unwrap();
+        // As a directory of before this record existed: the key absent, data present.
+        s.db.delete_cf(s.cf(CF_STATE).unwrap(), STORAGE_FORMAT_KEY.as_bytes())
+            .unwrap();
+        drop(s);
+        let s = RocksStore::open(dir.path()).unwrap();
+        assert_eq!(s.state_get("node-id").unwrap(), Some(b"n1".to_vec()));
+        assert_eq!(
+            s.state_get(STORAGE_FORMAT_KEY).unwrap(),
+            Some(1u32.to_be_bytes().to_vec())
+        );
+    }
 
     /// Every stored byte-mark offset of `queue`.
     fn stored_marks(s: &RocksStore, queue: QueueId) -> Vec<Offset> {
