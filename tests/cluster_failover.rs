@@ -174,6 +174,30 @@ async fn routed_cluster(
     ProcCluster::start_routed(ports, routes)
 }
 
+/// A reconnecting subscription of durable client "d" (redundancy 1, interest in all keys of
+/// R) knowing every node, first placed on the first that answers (n1), noticing a lost
+/// connection after `failure_timeout` and waiting at most `delay_max` between attempts.
+async fn subscribe_d(
+    p: &ProcCluster,
+    failure_timeout: Duration,
+    delay_max: Duration,
+) -> tether::client::Subscription {
+    let policy = tether::client::ReconnectPolicy {
+        delay_initial: Duration::from_millis(100),
+        delay_max,
+        ..Default::default()
+    };
+    p.builder(&[0, 1, 2])
+        .durable("d", 600)
+        .redundancy(1)
+        .failure_timeout(failure_timeout)
+        .ack_interval(Duration::from_millis(20))
+        .reconnect(policy)
+        .subscribe([("R".to_string(), Interest::all_keys())])
+        .await
+        .expect("the subscription starts")
+}
+
 /// Notes the value of `e` in `seen`; an event received again must be flagged.
 fn note_event(seen: &mut HashSet<u32>, e: &Event) {
     let v = value(e);
@@ -636,28 +660,13 @@ async fn partitioned_primary_stops_delivering_before_the_new_one_starts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_of_a_cut_off_primary_moves_to_the_new_primary_within_5_s() {
     use std::sync::atomic::AtomicBool;
-    use tether::client::ReconnectPolicy;
     const BEFORE: u32 = 2_000;
     const TOTAL: u32 = 3_000;
     const MOVED_WITHIN: Duration = Duration::from_secs(5);
     let cut = Arc::new(AtomicBool::new(false));
     // Every link between n1 and its peers.
     let p = routed_cluster(|i, j| (i == 0 || j == 0).then(|| cut.clone())).await;
-    let policy = ReconnectPolicy {
-        delay_initial: Duration::from_millis(100),
-        delay_max: Duration::from_millis(500),
-        ..ReconnectPolicy::default()
-    };
-    let mut sub = p
-        .builder(&[0, 1, 2])
-        .durable("d", 600)
-        .redundancy(1)
-        .failure_timeout(Duration::from_secs(10))
-        .ack_interval(Duration::from_millis(20))
-        .reconnect(policy)
-        .subscribe([("R".to_string(), Interest::all_keys())])
-        .await
-        .expect("the subscription starts");
+    let mut sub = subscribe_d(&p, Duration::from_secs(10), Duration::from_millis(500)).await;
     assert_eq!(sub.client().unwrap().node_id(), "n1");
     let progress = Arc::new(AtomicU32::new(0));
     assert_eq!(
@@ -784,7 +793,6 @@ async fn a_primary_cut_from_its_copy_only_delivers_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flapping_links_never_leave_a_client_without_a_session_for_long() {
     use std::sync::atomic::AtomicBool;
-    use tether::client::ReconnectPolicy;
     const FLAP_FOR: Duration = Duration::from_secs(40);
     /// The subscription's longest wait between reconnect attempts.
     const RECONNECT_DELAY_MAX: Duration = Duration::from_millis(500);
@@ -806,21 +814,7 @@ async fn flapping_links_never_leave_a_client_without_a_session_for_long() {
     let flags: Vec<Arc<AtomicBool>> = (0..3).map(|_| Arc::new(AtomicBool::new(false))).collect();
     let pair = |i: usize, j: usize| i + j - 1; // (0,1) -> 0, (0,2) -> 1, (1,2) -> 2
     let p = routed_cluster(|i, j| Some(flags[pair(i, j)].clone())).await;
-    let policy = ReconnectPolicy {
-        delay_initial: Duration::from_millis(100),
-        delay_max: RECONNECT_DELAY_MAX,
-        ..ReconnectPolicy::default()
-    };
-    let mut sub = p
-        .builder(&[0, 1, 2])
-        .durable("d", 600)
-        .redundancy(1)
-        .failure_timeout(Duration::from_secs(3))
-        .ack_interval(Duration::from_millis(20))
-        .reconnect(policy)
-        .subscribe([("R".to_string(), Interest::all_keys())])
-        .await
-        .expect("the subscription starts");
+    let mut sub = subscribe_d(&p, Duration::from_secs(3), RECONNECT_DELAY_MAX).await;
     // Publishes through n3 all along: 20 every 50 ms, about as long as the flapping.
     const PER_PUBLISH: u32 = 20;
     const TOTAL: u32 = 16_000;

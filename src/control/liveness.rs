@@ -82,15 +82,21 @@ impl FailureDetector {
     /// Whether this node reaches a majority of the cluster's `members` (every voter, this node
     /// included, which counts as reached) at `now_ms`: more than half of them answered within
     /// [`MEMBER_LIVE_MS`]. True before the driver started (no evidence yet).
-    pub fn majority_reachable(&self, me: RaftId, members: &[RaftId], now_ms: u64) -> bool {
+    pub fn majority_reachable(
+        &self,
+        me: RaftId,
+        members: impl IntoIterator<Item = RaftId>,
+        now_ms: u64,
+    ) -> bool {
         if !self.started {
             return true;
         }
-        let reached = members
-            .iter()
-            .filter(|&&n| n == me || self.is_live(n, now_ms))
-            .count();
-        reached * 2 > members.len()
+        let (mut reached, mut all) = (0, 0);
+        for n in members {
+            all += 1;
+            reached += usize::from(n == me || self.is_live(n, now_ms));
+        }
+        reached * 2 > all
     }
 
     /// `node` answered a ping at `at_ms`: it is seen, and may be declared failed again later.
@@ -213,18 +219,18 @@ mod tests {
     fn a_majority_is_reached_while_more_than_half_the_members_answer() {
         let mut d = FailureDetector::empty(FAIL_MS);
         // Before the driver starts: no evidence of a partition.
-        assert!(d.majority_reachable(1, &[1, 2, 3], 100_000));
+        assert!(d.majority_reachable(1, [1, 2, 3], 100_000));
         d.start([2, 3], 1_000);
-        assert!(d.majority_reachable(1, &[1, 2, 3], 2_000));
+        assert!(d.majority_reachable(1, [1, 2, 3], 2_000));
         // Both peers silent for the live time: this node alone is a minority.
-        assert!(!d.majority_reachable(1, &[1, 2, 3], 2_500));
+        assert!(!d.majority_reachable(1, [1, 2, 3], 2_500));
         d.answered(3, 2_600);
-        assert!(d.majority_reachable(1, &[1, 2, 3], 2_700));
+        assert!(d.majority_reachable(1, [1, 2, 3], 2_700));
         // Two of four is not a majority; a single member always reaches itself.
-        assert!(!d.majority_reachable(1, &[1, 2, 3, 4], 2_700));
-        assert!(d.majority_reachable(1, &[1], 1_000_000));
+        assert!(!d.majority_reachable(1, [1, 2, 3, 4], 2_700));
+        assert!(d.majority_reachable(1, [1], 1_000_000));
         // Two members: the survivor of a cut reaches no majority (neither side may act).
-        assert!(!d.majority_reachable(1, &[1, 2], 1_000_000));
+        assert!(!d.majority_reachable(1, [1, 2], 1_000_000));
     }
 
     #[test]

@@ -58,6 +58,12 @@ pub enum CopyStep {
     Keep,
 }
 
+/// Whether `p` makes this node (`me`) the primary of a queue it holds a copy of at
+/// `copy_epoch` (its primary's): the copy is then promoted into a queue of the core.
+pub fn promotes(p: &Placement, me: RaftId, copy_epoch: u64) -> bool {
+    p.primary == me && p.epoch > copy_epoch
+}
+
 /// The step for a copy at `copy_epoch` (its primary's), shipped under placements up to
 /// `placed_at`; see [`copy_not_held`] for the other inputs.
 pub fn copy_step(
@@ -69,7 +75,7 @@ pub fn copy_step(
     caught_up: bool,
 ) -> CopyStep {
     match placement {
-        Some(p) if p.primary == me && p.epoch > copy_epoch => CopyStep::Promote,
+        Some(p) if promotes(p, me, copy_epoch) => CopyStep::Promote,
         _ if copy_not_held(placement, me, copy_epoch, placed_at, applied, caught_up) => {
             CopyStep::Drop
         }
@@ -209,7 +215,7 @@ pub fn copy_not_held(
 ) -> bool {
     match placement {
         // To be promoted (or the promotion failed and is tried again next time).
-        Some(p) if p.primary == me && p.epoch > copy_epoch => false,
+        Some(p) if promotes(p, me, copy_epoch) => false,
         Some(p) if p.secondaries.contains(&me) => false,
         _ => caught_up && applied >= copy_epoch.max(placed_at),
     }

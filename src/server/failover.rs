@@ -541,10 +541,10 @@ impl Liveness {
     /// Whether this node reaches a majority of the cluster's members (see
     /// [`FailureDetector::majority_reachable`]).
     pub(crate) fn majority_reachable(&self, cluster: &Cluster) -> bool {
-        let members: Vec<RaftId> = cluster.members().nodes.keys().copied().collect();
+        let members = cluster.members().nodes.keys().copied();
         let now = self.ms(Instant::now());
         self.detector()
-            .majority_reachable(cluster.id(), &members, now)
+            .majority_reachable(cluster.id(), members, now)
     }
 }
 
@@ -713,7 +713,7 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
         let (shared, cell) = (shared.clone(), shared.copies.get(&id)?);
         Some(async move {
             let mut copy = cell.lock().await;
-            if !copy.gone && promotes(&copy, &p, me) {
+            if !copy.gone && reconcile::promotes(&p, me, copy.replica.epoch()) {
                 promote(&shared, &id, &mut copy, &p).await;
             }
         })
@@ -775,12 +775,6 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
             tracing::info!(durable_id = %id, "dropped a copy this node no longer holds");
         }
     }
-}
-
-/// Whether the copy `copy` is to be promoted under `p` (see [`reconcile::copy_step`]).
-fn promotes(copy: &super::copies::Copy, p: &Placement, me: RaftId) -> bool {
-    let step = reconcile::copy_step(Some(p), me, copy.replica.epoch(), copy.placed_at, 0, false);
-    step == CopyStep::Promote
 }
 
 /// Drops this node's queue of `id` if the cluster placed it (epoch above 0) and the metadata,
@@ -1117,7 +1111,7 @@ pub(crate) async fn adopt_promoted_copy(
     };
     let mut copy = cell.lock().await;
     // (The caller checked that `p` makes this node primary.)
-    if !copy.gone && promotes(&copy, p, p.primary) {
+    if !copy.gone && reconcile::promotes(p, p.primary, copy.replica.epoch()) {
         promote(shared, id, &mut copy, p).await;
     }
     if copy.gone {
