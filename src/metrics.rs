@@ -61,6 +61,7 @@ pub const AUTH_RELOADS: &str = "tether_auth_reloads_total";
 pub const WITHDRAWN_TOKEN_CONNECTIONS_CLOSED: &str =
     "tether_withdrawn_token_connections_closed_total";
 pub const PEER_REFUSED: &str = "tether_peer_refused_total";
+pub const PROTOCOL_VERSION_REFUSED: &str = "tether_protocol_version_refused_total";
 // Per durable queue, rendered at each scrape for the top N queues by pending events only.
 pub const QUEUE_PENDING_EVENTS: &str = "tether_queue_pending_events";
 pub const QUEUE_PENDING_BYTES: &str = "tether_queue_pending_bytes";
@@ -205,6 +206,10 @@ fn describe() {
     describe_counter!(
         PEER_REFUSED,
         "Peer connections and requests refused for their identity (label reason: not_cluster_ca, no_node_name, several_node_names, not_a_member, sender_mismatch, not_primary, node_cert_as_client)"
+    );
+    describe_counter!(
+        PROTOCOL_VERSION_REFUSED,
+        "Connections refused in the handshake for offering no protocol version this node speaks (a client or member of another build)"
     );
     describe_counter!(
         FORWARDED,

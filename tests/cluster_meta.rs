@@ -306,3 +306,71 @@ async fn a_stopped_follower_frees_its_port_at_once() {
     c.leader().await;
     c.shutdown().await;
 }
+
+/// Issue 25 point 4, peer protocol versions: a member of a build that speaks only a newer peer
+/// protocol version is refused in the handshake with an error that says so, and the node goes
+/// on serving; a member of a build one version ahead (which also speaks this one, as every
+/// build speaks one version back) is served, in this build's version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_of_another_peer_protocol_version_is_refused_clearly() {
+    use tether_transport::PEER_PROTOCOL_VERSION as V;
+    let c = TestCluster::start(3).await;
+    let leader = c.leader().await;
+    let tls_dir = c.dirs[0].path().join("tls");
+    let files = tls::TlsFiles {
+        ca: tls_dir.join(tls::CA_CERT_FILE),
+        cert: tls_dir.join(tls::SERVER_CERT_FILE),
+        key: tls_dir.join(tls::SERVER_KEY_FILE),
+    };
+    let addr = c.node(leader).addr();
+    let write = |id: &str| {
+        PeerRequest::Write(MetaCommand::Place {
+            id: id.into(),
+            primary: raft_id(&c.names[leader]),
+            secondaries: vec![],
+            redundancy: 0,
+            timeout_ms: 1_000,
+        })
+    };
+    let pool_speaking = |versions: std::ops::RangeInclusive<u32>| {
+        let cfg = tls::peer_client_config_speaking(&files, versions).unwrap();
+        let ep = tether_transport::client_endpoint(cfg.clone(), addr).unwrap();
+        PeerPool::new(ep, cfg)
+    };
+    let leader_id = raft_id(&c.names[leader]);
+
+    let newer_only = pool_speaking(V + 1..=V + 1);
+    let err = newer_only
+        .call(
+            leader_id,
+            &addr.to_string(),
+            write("q1"),
+            Duration::from_secs(10),
+        )
+        .await
+        .err()
+        .expect("a member speaking only a newer version is refused");
+    let text = err.to_string();
+    assert!(
+        text.contains("speaks no peer protocol version this node does"),
+        "the refusal names the cause: {text}"
+    );
+    newer_only.close();
+
+    let one_ahead = pool_speaking(V..=V + 1);
+    let r = one_ahead
+        .call(
+            leader_id,
+            &addr.to_string(),
+            write("q2"),
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("a member one version ahead is served");
+    let PeerResponse::Write(Ok(w)) = r else {
+        panic!("not a committed write")
+    };
+    assert!(matches!(w.data, MetaResponse::Placed(_)), "{:?}", w.data);
+    one_ahead.close();
+    c.shutdown().await;
+}

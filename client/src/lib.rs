@@ -688,7 +688,17 @@ impl ClientBuilder {
             .connect(addr, name)
             .map_err(|e| ClientError::Connect(e.to_string()))?
             .await
-            .map_err(|e| ClientError::Connect(e.to_string()))?;
+            .map_err(|e| {
+                ClientError::Connect(if tls::no_common_protocol(&e) {
+                    format!(
+                        "the server speaks no version of the Tether protocol this client does \
+                         (this client speaks {}): upgrade the client or the server",
+                        String::from_utf8_lossy(tether_transport::ALPN)
+                    )
+                } else {
+                    e.to_string()
+                })
+            })?;
         let (mut send, recv) = conn
             .open_bi()
             .await

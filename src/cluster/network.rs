@@ -8,9 +8,9 @@
 //! request for another id answers [`PeerResponse::WrongNode`] (a stale address), which the
 //! caller reports as unreachable.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use openraft::error::{
@@ -309,6 +309,9 @@ struct PoolState {
     conns: Mutex<HashMap<SocketAddr, PeerConn>>,
     /// Per peer address: the streams calls other than pings may hold at once.
     call_slots: Mutex<HashMap<SocketAddr, Arc<Semaphore>>>,
+    /// Peer addresses whose handshake failed for want of a common protocol version, logged
+    /// once each (until a handshake there succeeds).
+    version_mismatch_logged: Mutex<HashSet<SocketAddr>>,
 }
 
 /// An established peer connection and the node names its server certificate carries.
@@ -333,6 +336,7 @@ impl PeerPool {
                 resolved: Mutex::new(HashMap::new()),
                 conns: Mutex::new(HashMap::new()),
                 call_slots: Mutex::new(HashMap::new()),
+                version_mismatch_logged: Mutex::new(HashSet::new()),
             }),
             client_config,
         }
@@ -387,10 +391,13 @@ impl PeerPool {
         let (tx, rx) = watch::channel(None);
         let state = Arc::downgrade(&self.state);
         tokio::spawn(async move {
-            let outcome = connecting.await.map_err(|e| e.to_string()).map(|conn| {
-                let names: Arc<[String]> = tls::connection_node_names(&conn).into();
-                (conn, names)
-            });
+            let outcome = connecting
+                .await
+                .map_err(|e| handshake_error(&state, addr, &e))
+                .map(|conn| {
+                    let names: Arc<[String]> = tls::connection_node_names(&conn).into();
+                    (conn, names)
+                });
             let outcome = match (state.upgrade(), outcome) {
                 (Some(state), outcome) => state.handshake_done(addr, outcome),
                 (None, Ok((conn, _))) => {
@@ -587,6 +594,10 @@ impl PoolState {
                 Err("this node is stopping".into())
             }
             Ok(conn) => {
+                self.version_mismatch_logged
+                    .lock()
+                    .expect("pool lock")
+                    .remove(&addr);
                 conns.insert(addr, PeerConn::Up(conn.clone()));
                 Ok(conn)
             }
@@ -608,6 +619,35 @@ impl PoolState {
         }
         conn.close(0u32.into(), b"rpc failed");
     }
+}
+
+/// Why a handshake with the peer at `addr` failed, for the operator: a member of another build
+/// that speaks no peer protocol version in common is named as such, and logged at error once
+/// (it will not heal by itself).
+fn handshake_error(
+    state: &Weak<PoolState>,
+    addr: SocketAddr,
+    e: &quinn::ConnectionError,
+) -> String {
+    if !tls::no_common_protocol(e) {
+        return e.to_string();
+    }
+    let why = format!(
+        "the node at {addr} speaks no peer protocol version this node does (this node speaks \
+         versions {}–{}): upgrade a cluster one version at a time",
+        tether_transport::PEER_PROTOCOL_VERSION_OLDEST,
+        tether_transport::PEER_PROTOCOL_VERSION
+    );
+    if let Some(state) = state.upgrade()
+        && state
+            .version_mismatch_logged
+            .lock()
+            .expect("pool lock")
+            .insert(addr)
+    {
+        tracing::error!("{why}");
+    }
+    why
 }
 
 /// Serves RPCs arriving on one verified peer connection (from member `peer`) until it closes.

@@ -143,11 +143,35 @@ fn serve_peer(shared: &Arc<Shared>, conn: quinn::Connection) -> Result<(), ()> {
 
 async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> Result<(), ()> {
     let deadline = Duration::from_millis(shared.limits.handshake_timeout_ms);
+    let remote = incoming.remote_address();
     let conn = match tokio::time::timeout(deadline, incoming).await {
         Ok(Ok(c)) => c,
+        Ok(Err(e)) if tls::no_common_protocol(&e) => {
+            // A client or a member of another build, too old or too new for this one.
+            metrics::counter!(m::PROTOCOL_VERSION_REFUSED).increment(1);
+            tracing::warn!(
+                %remote,
+                "connection refused: it offers no protocol version this node speaks (clients \
+                 {}, members {})",
+                String::from_utf8_lossy(tether_transport::ALPN),
+                tether_transport::peer_alpns(
+                    tether_transport::PEER_PROTOCOL_VERSION_OLDEST
+                        ..=tether_transport::PEER_PROTOCOL_VERSION
+                )
+                .iter()
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect::<Vec<_>>()
+                .join(", ")
+            );
+            return Err(());
+        }
         _ => return Err(()),
     };
-    if tls::negotiated_alpn(&conn).as_deref() == Some(tether_transport::PEER_ALPN) {
+    if tls::negotiated_alpn(&conn)
+        .as_deref()
+        .and_then(tether_transport::peer_protocol_version)
+        .is_some()
+    {
         return serve_peer(shared, conn);
     }
     // This connection is counted: more than the limit means it is one too many.

@@ -18,10 +18,12 @@ pub enum StorageError {
     /// The data directory was written in a layout this build does not read (a newer
     /// version's, or one more than a version older). Nothing was changed in it.
     #[error(
-        "the data directory's storage format is {found}; this tether reads formats {oldest} to \
+        "the data directory's {what} format is {found}; this tether reads formats {oldest} to \
          {newest}: run the tether version that wrote it, or one that reads it"
     )]
     IncompatibleFormat {
+        /// Which database: `storage` (the queues) or `consensus log` (cluster metadata).
+        what: &'static str,
         found: u32,
         oldest: u32,
         newest: u32,
@@ -33,4 +35,32 @@ pub enum StorageError {
     /// content may be half-updated, so it refuses further work.
     #[error("store lock poisoned")]
     Poisoned,
+}
+
+/// Checks a database's recorded format (`record`, a big-endian `u32`, None when the database
+/// has none yet) against the formats `oldest..=newest` a build reads. `Ok(true)`: there is no
+/// record, and the caller writes its own format.
+pub(crate) fn check_format_record(
+    what: &'static str,
+    record: Option<&[u8]>,
+    oldest: u32,
+    newest: u32,
+) -> Result<bool, StorageError> {
+    let Some(v) = record else {
+        return Ok(true);
+    };
+    let bytes: [u8; 4] = v
+        .try_into()
+        .map_err(|_| StorageError::Corrupt(format!("{what} format record of {} bytes", v.len())))?;
+    let found = u32::from_be_bytes(bytes);
+    if (oldest..=newest).contains(&found) {
+        Ok(false)
+    } else {
+        Err(StorageError::IncompatibleFormat {
+            what,
+            found,
+            oldest,
+            newest,
+        })
+    }
 }

@@ -29,6 +29,18 @@ pub const CF_RAFT_LOG: &str = "log";
 /// Column family of the vote, committed id, purged id and snapshot.
 pub const CF_RAFT_META: &str = "raft_meta";
 
+/// The consensus log's layout this build writes: the column families above and the encoding
+/// of entries, votes and snapshots by `src/cluster/`. Raised with every change a previous
+/// build could not read; recorded in the database.
+pub const RAFT_LOG_FORMAT: u32 = 1;
+/// The oldest consensus log layout this build reads (one version back, once there is one).
+pub const RAFT_LOG_FORMAT_OLDEST: u32 = 1;
+const _: () = assert!(
+    RAFT_LOG_FORMAT_OLDEST <= RAFT_LOG_FORMAT && RAFT_LOG_FORMAT_OLDEST + 1 >= RAFT_LOG_FORMAT
+);
+/// Meta name of the consensus log's format record (a big-endian `u32`).
+pub const RAFT_LOG_FORMAT_KEY: &str = "format";
+
 /// Durable consensus log on RocksDB. All methods take `&self` and may be called from
 /// several threads; writes are applied in call order per thread.
 pub struct RaftLogDb {
@@ -58,8 +70,20 @@ impl RaftLogDb {
         let cfs = [CF_RAFT_LOG, CF_RAFT_META]
             .into_iter()
             .map(|name| ColumnFamilyDescriptor::new(name, Options::default()));
-        let db = DB::open_cf_descriptors(&opts, dir, cfs)?;
-        Ok(RaftLogDb { db })
+        let db = RaftLogDb {
+            db: DB::open_cf_descriptors(&opts, dir, cfs)?,
+        };
+        // A log written before formats were recorded is format 1, and gets the record.
+        let record = db.meta_get(RAFT_LOG_FORMAT_KEY)?;
+        if crate::error::check_format_record(
+            "consensus log",
+            record.as_deref(),
+            RAFT_LOG_FORMAT_OLDEST,
+            RAFT_LOG_FORMAT,
+        )? {
+            db.meta_put(RAFT_LOG_FORMAT_KEY, &RAFT_LOG_FORMAT.to_be_bytes())?;
+        }
+        Ok(db)
     }
 
     fn cf(&self, name: &str) -> &ColumnFamily {
@@ -192,5 +216,54 @@ mod tests {
         let idx: Vec<u64> = db.range(0, 100).unwrap().iter().map(|e| e.0).collect();
         assert_eq!(idx, vec![5, 6, 7]);
         assert_eq!(db.range(6, 6).unwrap(), vec![]);
+    }
+
+    #[test]
+    fn the_log_records_its_format_and_another_format_is_refused_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let db = RaftLogDb::open(dir.path()).unwrap();
+            assert_eq!(
+                db.meta_get(RAFT_LOG_FORMAT_KEY).unwrap(),
+                Some(RAFT_LOG_FORMAT.to_be_bytes().to_vec())
+            );
+            db.meta_put("vote", b"v1").unwrap();
+        }
+        // The database opened without the format check.
+        let raw = || RaftLogDb {
+            db: DB::open_cf(&Options::default(), dir.path(), [CF_RAFT_LOG, CF_RAFT_META]).unwrap(),
+        };
+        for found in [RAFT_LOG_FORMAT + 1, RAFT_LOG_FORMAT_OLDEST - 1] {
+            raw()
+                .meta_put(RAFT_LOG_FORMAT_KEY, &found.to_be_bytes())
+                .unwrap();
+            let Err(e) = RaftLogDb::open(dir.path()) else {
+                panic!("format {found} was opened");
+            };
+            let msg = e.to_string();
+            assert!(
+                msg.contains(&format!("consensus log format is {found}")),
+                "{msg}"
+            );
+            assert!(
+                msg.contains(&format!(
+                    "formats {RAFT_LOG_FORMAT_OLDEST} to {RAFT_LOG_FORMAT}"
+                )),
+                "{msg}"
+            );
+        }
+        // A log without the record (written before it existed) is read as format 1, unchanged.
+        {
+            let db = raw();
+            let mut b = WriteBatch::default();
+            b.delete_cf(db.cf(CF_RAFT_META), RAFT_LOG_FORMAT_KEY);
+            db.db.write_opt(b, &sync_opts()).unwrap();
+        }
+        let db = RaftLogDb::open(dir.path()).unwrap();
+        assert_eq!(db.meta_get("vote").unwrap(), Some(b"v1".to_vec()));
+        assert_eq!(
+            db.meta_get(RAFT_LOG_FORMAT_KEY).unwrap(),
+            Some(1u32.to_be_bytes().to_vec())
+        );
     }
 }

@@ -129,28 +129,18 @@ impl RocksStore {
     /// this build reads, and records this build's in a directory that has none (a new one, or
     /// one written before formats were recorded: format 1).
     fn check_format(&self) -> Result<(), StorageError> {
-        match self.state_get(STORAGE_FORMAT_KEY)? {
-            None => {
-                let mut b = Batch::new();
-                b.state_put(STORAGE_FORMAT_KEY, STORAGE_FORMAT.to_be_bytes().to_vec());
-                self.write(&b, true)
-            }
-            Some(v) => {
-                let bytes: [u8; 4] = v.as_slice().try_into().map_err(|_| {
-                    StorageError::Corrupt(format!("storage format record of {} bytes", v.len()))
-                })?;
-                let found = u32::from_be_bytes(bytes);
-                if (STORAGE_FORMAT_OLDEST..=STORAGE_FORMAT).contains(&found) {
-                    Ok(())
-                } else {
-                    Err(StorageError::IncompatibleFormat {
-                        found,
-                        oldest: STORAGE_FORMAT_OLDEST,
-                        newest: STORAGE_FORMAT,
-                    })
-                }
-            }
+        let record = self.state_get(STORAGE_FORMAT_KEY)?;
+        if crate::error::check_format_record(
+            "storage",
+            record.as_deref(),
+            STORAGE_FORMAT_OLDEST,
+            STORAGE_FORMAT,
+        )? {
+            let mut b = Batch::new();
+            b.state_put(STORAGE_FORMAT_KEY, STORAGE_FORMAT.to_be_bytes().to_vec());
+            self.write(&b, true)?;
         }
+        Ok(())
     }
 
     /// Offsets of `queue`'s stored byte marks at or below `to`.
@@ -579,7 +569,7 @@ mod tests {
                 "{e}"
             );
             let msg = e.to_string();
-            assert!(msg.contains(&format!("format is {found}")), "{msg}");
+            assert!(msg.contains(&format!("storage format is {found}")), "{msg}");
             assert!(
                 msg.contains(&format!(
                     "formats {STORAGE_FORMAT_OLDEST} to {STORAGE_FORMAT}"

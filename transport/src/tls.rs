@@ -12,7 +12,7 @@ use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer};
 
-use crate::{ALPN, PEER_ALPN};
+use crate::{ALPN, PEER_PROTOCOL_VERSION, PEER_PROTOCOL_VERSION_OLDEST, peer_alpns};
 
 /// Server name clients pass to `connect`; the dev server certificate carries it as a SAN.
 pub const SERVER_NAME: &str = "localhost";
@@ -261,8 +261,8 @@ pub fn server_config_with_client_ca(
     finish_server(tls)
 }
 
-/// Server configuration of a cluster node: serves clients (ALPN [`ALPN`]) and peers (ALPN
-/// [`PEER_ALPN`]) on one address. Client certificates are verified against the cluster CA
+/// Server configuration of a cluster node: serves clients (ALPN [`ALPN`]) and peers (the
+/// peer protocol versions this build speaks, [`peer_alpns`]) on one address. Client certificates are verified against the cluster CA
 /// (`files.ca`) and, if given, the client CA; a client without a certificate is accepted
 /// (tokens, or an open node). Whether a peer connection's certificate comes from the cluster
 /// CA is checked after the handshake with [`peer_issued_by_ca`]. `crls` revoke client
@@ -286,7 +286,10 @@ pub fn server_config_for_cluster(
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(verifier)
         .with_single_cert(certs, key)?;
-    tls.alpn_protocols = vec![ALPN.to_vec(), PEER_ALPN.to_vec()];
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    tls.alpn_protocols.extend(peer_alpns(
+        PEER_PROTOCOL_VERSION_OLDEST..=PEER_PROTOCOL_VERSION,
+    ));
     let quic = QuicServerConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
     let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(quic));
     cfg.transport_config(Arc::new(transport_config()));
@@ -411,8 +414,17 @@ pub const PEER_KEEP_ALIVE_INTERVAL_MS: u64 = 500;
 pub const PEER_INITIAL_RTT_MS: u64 = 50;
 
 /// Client configuration a node uses towards its peers: trusts the cluster CA (`files.ca`),
-/// presents the node's own certificate, speaks [`PEER_ALPN`].
+/// presents the node's own certificate, offers the peer protocol versions this build speaks.
 pub fn peer_client_config(files: &TlsFiles) -> Result<quinn::ClientConfig, TlsError> {
+    peer_client_config_speaking(files, PEER_PROTOCOL_VERSION_OLDEST..=PEER_PROTOCOL_VERSION)
+}
+
+/// [`peer_client_config`] offering the peer protocol `versions` (a node of another build, in
+/// tests of version negotiation).
+pub fn peer_client_config_speaking(
+    files: &TlsFiles,
+    versions: std::ops::RangeInclusive<u32>,
+) -> Result<quinn::ClientConfig, TlsError> {
     let roots = roots_from(&files.ca)?;
     let chain = parse_certs(&read_file(&files.cert)?, &files.cert)?;
     let key = parse_key(&read_file(&files.key)?, &files.key)?;
@@ -425,7 +437,7 @@ pub fn peer_client_config(files: &TlsFiles) -> Result<quinn::ClientConfig, TlsEr
         .dangerous()
         .with_custom_certificate_verifier(verifier)
         .with_client_auth_cert(chain, key)?;
-    tls.alpn_protocols = vec![PEER_ALPN.to_vec()];
+    tls.alpn_protocols = peer_alpns(versions);
     let quic = QuicClientConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
     let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
     let mut transport = transport_config();
@@ -510,6 +522,21 @@ impl rustls::client::danger::ServerCertVerifier for NodeCertVerifier {
         self.provider
             .signature_verification_algorithms
             .supported_schemes()
+    }
+}
+
+/// TLS alert `no_application_protocol` (RFC 8446, 120): the two sides offered no ALPN name in
+/// common.
+const TLS_ALERT_NO_APPLICATION_PROTOCOL: u8 = 120;
+
+/// Whether a handshake failed because the two sides speak no protocol version in common (no
+/// ALPN name in common: a build too old or too new for the other side), on either side.
+pub fn no_common_protocol(e: &quinn::ConnectionError) -> bool {
+    let code = quinn::TransportErrorCode::crypto(TLS_ALERT_NO_APPLICATION_PROTOCOL);
+    match e {
+        quinn::ConnectionError::ConnectionClosed(c) => c.error_code == code,
+        quinn::ConnectionError::TransportError(t) => t.code == code,
+        _ => false,
     }
 }
 
