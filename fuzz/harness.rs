@@ -1345,6 +1345,7 @@ pub fn hello_frame(version: u32, durable: Option<(&str, u64)>) -> Vec<u8> {
         }),
         token: None,
         client: "seed".into(),
+        going_away: false,
     })
 }
 

@@ -504,6 +504,7 @@ async fn raw_hello_as(
         durable: Some(durable),
         token: token.map(str::to_string),
         client: "adversarial".into(),
+        going_away: false,
     };
     codec::write_frame(&mut send, &hello)
         .await

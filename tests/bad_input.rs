@@ -236,6 +236,7 @@ fn hello_msg(version: u32, durable: Option<DurableHello>) -> ClientMsg {
         durable,
         token: None,
         client: "bad-input-test".into(),
+        going_away: false,
     }
 }
 

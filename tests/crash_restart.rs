@@ -221,3 +221,80 @@ fn a_panic_on_any_thread_aborts_the_process() {
     assert!(err.contains("a bug in a task"), "{err}");
     assert!(err.contains(tether::bug::STOPPING_LINE), "{err}");
 }
+
+/// What a publisher saw of one publish while the node stopped.
+#[derive(Debug)]
+enum Outcome {
+    Applied,
+    GoingAway,
+    /// Any other error: the outcome is unknown (the connection closed with it under way).
+    Unknown(String),
+}
+
+/// Graceful stop (issue 25 point 4): a stopping node answers every publish it read before it
+/// started to stop, and answers `going-away` to those it read after, without applying them.
+/// Four clients publish back to back while the node stops; after the restart, every publish
+/// answered as applied is there and every one answered `going-away` is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_node_applies_what_it_answers_and_not_what_it_sends_away() {
+    use tether::protocol::ErrorCode;
+    const PUBLISHERS: usize = 4;
+    let mut t = TestNode::start().await;
+    let mut tasks = Vec::new();
+    for c in 0..PUBLISHERS {
+        let client = t.plain().await;
+        tasks.push(tokio::spawn(async move {
+            let mut outcomes = Vec::new();
+            for n in 0.. {
+                let key = format!("p{c}-{n}");
+                let op = PublishOp::Put {
+                    region: "R".into(),
+                    key: key.clone(),
+                    value: b"v".to_vec(),
+                };
+                let outcome = match client.publish(vec![op]).await {
+                    Ok(_) => Outcome::Applied,
+                    Err(tether::client::ClientError::Server(e))
+                        if e.code == ErrorCode::GoingAway =>
+                    {
+                        Outcome::GoingAway
+                    }
+                    Err(e) => Outcome::Unknown(e.to_string()),
+                };
+                let last = !matches!(outcome, Outcome::Applied);
+                outcomes.push((key, outcome));
+                if last {
+                    break;
+                }
+            }
+            outcomes
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    t.restart().await;
+    let reader = t.plain().await;
+    let (mut applied, mut sent_away) = (0, 0);
+    for task in tasks {
+        for (key, outcome) in task.await.unwrap() {
+            let stored = reader.region("R").get(&key).await.unwrap();
+            match outcome {
+                Outcome::Applied => {
+                    applied += 1;
+                    assert_eq!(stored.as_deref(), Some(&b"v"[..]), "{key} answered applied");
+                }
+                Outcome::GoingAway => {
+                    sent_away += 1;
+                    assert_eq!(stored, None, "{key} answered going-away but applied");
+                }
+                Outcome::Unknown(e) => eprintln!("{key}: outcome unknown ({e})"),
+            }
+        }
+    }
+    eprintln!("{applied} publishes applied, {sent_away} answered going-away");
+    assert!(applied > 0, "the clients published before the stop");
+    assert!(
+        sent_away > 0,
+        "a publish sent during the stop was answered going-away"
+    );
+    reader.close(false).await.ok();
+}

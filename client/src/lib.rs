@@ -31,10 +31,12 @@ use tokio::sync::{Mutex as AsyncMutex, mpsc, oneshot};
 
 mod acks;
 pub mod protocol;
+mod publisher;
 mod reconnect;
 
 pub use crate::acks::{AckError, AckMode, AckTracker};
 use crate::protocol::*;
+pub use crate::publisher::Publisher;
 pub use crate::reconnect::{
     Backoff, RECONNECT_ATTEMPT_TIMEOUT_MS_DEFAULT, RECONNECT_DELAY_INITIAL_MS_DEFAULT,
     RECONNECT_DELAY_MAX_MS_DEFAULT, RECONNECT_GIVE_UP_SECS_DEFAULT, ReconnectPolicy, Subscription,
@@ -712,6 +714,7 @@ impl ClientBuilder {
             durable,
             token: self.token.clone(),
             client: self.name.clone(),
+            going_away: true,
         };
         codec::write_frame(&mut send, &hello)
             .await
@@ -1333,6 +1336,11 @@ impl Client {
     pub fn crash(self) {
         self.dedup.forget_live();
         self.abandon(ErrorCode::Crashed, b"crashed");
+    }
+
+    /// Whether the connection is closed (by either side, or lost).
+    pub fn is_closed(&self) -> bool {
+        self.inner.conn.close_reason().is_some()
     }
 
     /// Stops this client's tasks and closes its connection (if still open) with `code`,

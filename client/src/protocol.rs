@@ -261,6 +261,11 @@ pub enum ClientMsg {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         token: Option<String>,
         client: String,
+        /// The client understands `going-away` (19): a request the node read while stopping,
+        /// and did not apply. A client that does not say so is answered `shutdown` (12)
+        /// instead, which it knows.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        going_away: bool,
     },
     Request {
         id: u64,

@@ -132,6 +132,43 @@ fn is_permanent(e: &ClientError) -> bool {
     }
 }
 
+/// Runs `attempt` until it succeeds, waiting by a [`Backoff`] of `policy` between attempts
+/// (and before the first, if `wait_first`); gives up on an error no retry can fix
+/// ([`is_permanent`]) or when the policy's time limit would pass. Returns the value and the
+/// number of attempts made.
+pub(crate) async fn retry<T, F: std::future::Future<Output = Result<T, ClientError>>>(
+    policy: &ReconnectPolicy,
+    wait_first: bool,
+    mut attempt: impl FnMut() -> F,
+) -> Result<(T, u32), ClientError> {
+    let started = Instant::now();
+    let mut backoff = Backoff::new(policy);
+    let mut attempts = 0;
+    loop {
+        if attempts > 0 || wait_first {
+            let delay = backoff.next_delay(random_draw());
+            if let Some(limit) = policy.give_up_after
+                && started.elapsed() + delay > limit
+            {
+                return Err(ClientError::Connect(format!(
+                    "gave up reconnecting after {} s and {attempts} attempts",
+                    started.elapsed().as_secs(),
+                )));
+            }
+            tokio::time::sleep(delay).await;
+        }
+        attempts += 1;
+        match attempt().await {
+            Ok(v) => return Ok((v, attempts)),
+            Err(e) if is_permanent(&e) => {
+                tracing::warn!(error = %e, "reconnecting refused; giving up");
+                return Err(e);
+            }
+            Err(e) => tracing::debug!(error = %e, attempts, "reconnect failed"),
+        }
+    }
+}
+
 /// A subscription that survives lost connections (see the [module](self) docs). Made by
 /// [`ClientBuilder::subscribe`].
 pub struct Subscription {
@@ -265,51 +302,28 @@ impl Subscription {
     }
 
     async fn reconnect(&mut self) {
-        let started = Instant::now();
-        let mut backoff = Backoff::new(&self.policy);
-        loop {
-            let delay = backoff.next_delay(random_draw());
-            if let Some(limit) = self.policy.give_up_after
-                && started.elapsed() + delay > limit
-            {
-                self.ended = Some(ClientError::Connect(format!(
-                    "gave up reconnecting after {} s and {} attempts",
-                    started.elapsed().as_secs(),
-                    backoff.attempts() - 1
-                )));
-                return;
+        let (builder, interests) = (&self.builder, &self.interests);
+        match retry(&self.policy, true, || open(builder, interests)).await {
+            Ok(((client, stream, _initial), attempts)) => {
+                // The initial image of a re-registration is not shown: a durable queue
+                // replays what happened meanwhile, and non-durable interest misses it
+                // by definition (read current values with `Region::get`).
+                learn_servers(&mut self.builder, &client).await;
+                tracing::info!(
+                    server = %client.server_addr(),
+                    queue = client.queue_status().as_str(),
+                    attempts,
+                    "reconnected"
+                );
+                self.queued.push_back(ClientEvent::Reconnected {
+                    queue: client.queue_status(),
+                    pending: client.pending(),
+                });
+                self.session = Some((client, stream));
+                self.lost = false;
+                self.reconnects += 1;
             }
-            tokio::time::sleep(delay).await;
-            match open(&self.builder, &self.interests).await {
-                Ok((client, stream, _initial)) => {
-                    // The initial image of a re-registration is not shown: a durable queue
-                    // replays what happened meanwhile, and non-durable interest misses it
-                    // by definition (read current values with `Region::get`).
-                    learn_servers(&mut self.builder, &client).await;
-                    tracing::info!(
-                        server = %client.server_addr(),
-                        queue = client.queue_status().as_str(),
-                        attempts = backoff.attempts(),
-                        "reconnected"
-                    );
-                    self.queued.push_back(ClientEvent::Reconnected {
-                        queue: client.queue_status(),
-                        pending: client.pending(),
-                    });
-                    self.session = Some((client, stream));
-                    self.lost = false;
-                    self.reconnects += 1;
-                    return;
-                }
-                Err(e) if is_permanent(&e) => {
-                    tracing::warn!(error = %e, "reconnecting refused; giving up");
-                    self.ended = Some(e);
-                    return;
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, attempt = backoff.attempts(), "reconnect failed");
-                }
-            }
+            Err(e) => self.ended = Some(e),
         }
     }
 

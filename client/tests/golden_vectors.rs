@@ -233,6 +233,7 @@ fn vectors() -> Vec<Vector> {
                 }),
                 token: None,
                 client: s("app"),
+                going_away: false,
             }),
         ),
         v(
@@ -249,6 +250,7 @@ fn vectors() -> Vec<Vector> {
                 }),
                 token: Some(s("t0k3n")),
                 client: s("app"),
+                going_away: false,
             }),
         ),
         v(
@@ -272,6 +274,7 @@ fn vectors() -> Vec<Vector> {
                 }),
                 token: None,
                 client: s("app"),
+                going_away: false,
             }),
         ),
         v(
@@ -282,6 +285,7 @@ fn vectors() -> Vec<Vector> {
                 durable: None,
                 token: None,
                 client: s("pub"),
+                going_away: false,
             }),
         ),
         v(
@@ -1193,6 +1197,7 @@ fn unknown_fields_are_ignored_and_unknown_variants_refused() {
             durable: None,
             token: None,
             client: s("app"),
+            going_away: false,
         }
     );
     let subscribe =

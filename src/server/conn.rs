@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -217,6 +217,7 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         version,
         durable,
         token,
+        going_away,
         ..
     } = hello
     else {
@@ -231,6 +232,16 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         .await;
         return Err(());
     };
+    if *shared.draining.borrow() {
+        // Stopping: the client tries its next server.
+        refuse(
+            &conn,
+            &mut send,
+            WireError::new(ErrorCode::Shutdown, "the node is stopping"),
+        )
+        .await;
+        return Err(());
+    }
     if version != PROTOCOL_VERSION {
         let msg = format!(
             "unsupported protocol version {version}; this server speaks {PROTOCOL_VERSION}"
@@ -390,11 +401,15 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
             Err(_) => Ended::LOST,
             Ok(delivery) => {
                 let delivery_task = tokio::spawn(deliver(shared.clone(), session, delivery, wake));
+                let caller = Caller {
+                    principal: principal.as_ref(),
+                    knows_going_away: going_away,
+                };
                 let ended = control_loop(
                     shared,
                     &conn,
                     session,
-                    principal.as_ref(),
+                    caller,
                     &mut reader,
                     &mut send,
                     probe_rx,
@@ -640,19 +655,33 @@ impl Ended {
     };
 }
 
+/// Who a session serves, as its hello and authentication said.
+struct Caller<'a> {
+    /// The authenticated principal (None on an open node).
+    principal: Option<&'a Principal>,
+    /// The client understands `going-away` (its hello said so).
+    knows_going_away: bool,
+}
+
 /// Reads the control stream until the session ends.
 async fn control_loop(
     shared: &Arc<Shared>,
     conn: &quinn::Connection,
     session: SessionId,
-    principal: Option<&Principal>,
+    caller: Caller<'_>,
     reader: &mut FrameReader,
     send: &mut quinn::SendStream,
     mut probes: mpsc::Receiver<oneshot::Sender<()>>,
 ) -> Ended {
+    let Caller {
+        principal,
+        knows_going_away,
+    } = caller;
     let mut next_nonce: u64 = 1;
     let mut waiting: Vec<(u64, oneshot::Sender<()>)> = Vec::new();
-    let mut publishing = Answering::new(&shared.publish_bytes_in_flight);
+    let mut publishing =
+        Answering::new(&shared.publish_bytes_in_flight, &shared.requests_unanswered);
+    let draining = shared.draining.subscribe();
     let (stop_tx, stop) = watch::channel(false);
     let ended = 'session: loop {
         let msg = tokio::select! {
@@ -731,10 +760,25 @@ async fn control_loop(
                     }
                 }
             }
+            ClientMsg::Request { id, ref body }
+                if *draining.borrow() && !matches!(body, RequestBody::Close { .. }) =>
+            {
+                // Stopping: not applied, and said so, after the answers of the publishes before.
+                let answer = ServerMsg::Response {
+                    id,
+                    result: Err(going_away(knows_going_away)),
+                };
+                if !answer_all(send, &mut publishing).await
+                    || codec::write_frame(send, &answer).await.is_err()
+                {
+                    break 'session Ended::LOST;
+                }
+            }
             ClientMsg::Request {
                 id,
                 body: RequestBody::Publish { ops, ack },
             } => {
+                let _unanswered = Unanswered::count(&shared.requests_unanswered);
                 // Submitted (offsets assigned, in request order) before the next frame is
                 // read; its commit and copies are awaited while later requests come in.
                 let submitted = match authorize_publish(shared, principal, &ops) {
@@ -760,6 +804,7 @@ async fn control_loop(
                 );
             }
             ClientMsg::Request { id, body } => {
+                let _unanswered = Unanswered::count(&shared.requests_unanswered);
                 // Every other request sees the publishes before it committed, and is answered
                 // after them.
                 if !answer_all(send, &mut publishing).await {
@@ -816,20 +861,24 @@ struct Answering<'a> {
     queue: VecDeque<(usize, Answer<'a>)>,
     bytes: usize,
     node_bytes: &'a AtomicU64,
+    /// The node's count of requests not answered (`Shared::requests_unanswered`).
+    node_requests: &'a AtomicUsize,
 }
 
 impl<'a> Answering<'a> {
-    fn new(node_bytes: &'a AtomicU64) -> Self {
+    fn new(node_bytes: &'a AtomicU64, node_requests: &'a AtomicUsize) -> Self {
         Answering {
             queue: VecDeque::new(),
             bytes: 0,
             node_bytes,
+            node_requests,
         }
     }
 
     fn push(&mut self, bytes: usize, answer: Answer<'a>) {
         self.bytes += bytes;
         self.node_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.node_requests.fetch_add(1, Ordering::SeqCst);
         self.queue.push_back((bytes, answer));
     }
 
@@ -852,6 +901,7 @@ impl<'a> Answering<'a> {
                 if let Some((bytes, _)) = self.queue.pop_front() {
                     self.bytes -= bytes;
                     self.node_bytes.fetch_sub(bytes as u64, Ordering::Relaxed);
+                    self.node_requests.fetch_sub(1, Ordering::SeqCst);
                 }
                 answer
             }
@@ -864,7 +914,40 @@ impl Drop for Answering<'_> {
     fn drop(&mut self) {
         self.node_bytes
             .fetch_sub(self.bytes as u64, Ordering::Relaxed);
+        self.node_requests
+            .fetch_sub(self.queue.len(), Ordering::SeqCst);
     }
+}
+
+/// One request read and not answered yet, counted in `Shared::requests_unanswered` while
+/// this lives.
+struct Unanswered<'a>(&'a AtomicUsize);
+
+impl<'a> Unanswered<'a> {
+    fn count(node_requests: &'a AtomicUsize) -> Self {
+        node_requests.fetch_add(1, Ordering::SeqCst);
+        Unanswered(node_requests)
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The answer to a request read while the node stops: not applied; send it to another node.
+/// `going-away` to a client that understands it (its hello says so), else `shutdown`.
+fn going_away(knows_going_away: bool) -> WireError {
+    let code = if knows_going_away {
+        ErrorCode::GoingAway
+    } else {
+        ErrorCode::Shutdown
+    };
+    WireError::new(
+        code,
+        "the node is stopping and did not apply this request: send it to another node",
+    )
 }
 
 /// Writes the answers of every publish in flight, in request order: before a later request's

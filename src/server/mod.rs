@@ -112,6 +112,12 @@ pub(crate) struct Shared {
     write_kib: Arc<Semaphore>,
     /// Bytes of publish operations read from client connections and not answered yet.
     pub(crate) publish_bytes_in_flight: std::sync::atomic::AtomicU64,
+    /// Client requests read and not answered yet (publishes included), node-wide: a stopping
+    /// node answers them before it closes ([`Node::shutdown`]).
+    pub(crate) requests_unanswered: AtomicUsize,
+    /// Set when the node starts to stop: sessions answer every later request `going-away`
+    /// (not applied) and new sessions are refused, while the requests under way finish.
+    pub(crate) draining: watch::Sender<bool>,
     /// Bytes of publish operations submitted to the writer and not committed.
     writer_queue_bytes: std::sync::atomic::AtomicU64,
     /// The core's regex matchers of the regions published to, so a publish matches its keys
@@ -1096,6 +1102,8 @@ impl Node {
             regex_matchers: Default::default(),
             regex_matches_under_lock: Default::default(),
             publish_bytes_in_flight: std::sync::atomic::AtomicU64::new(0),
+            requests_unanswered: AtomicUsize::new(0),
+            draining: watch::Sender::new(false),
             writer_queue_bytes: std::sync::atomic::AtomicU64::new(0),
             delivery_reads: Semaphore::new(DELIVERY_READS_IN_FLIGHT_MAX),
             delivery_pool: low_priority::LowPriorityPool::start(
@@ -1323,9 +1331,12 @@ impl Node {
         }
     }
 
-    /// Stops accepting, closes every session as after a client crash (durable queues are
-    /// kept), flushes storage.
+    /// Stops gracefully: first drains the client sessions (every request read so far is
+    /// answered, later ones are answered `going-away`, not applied, so a client sends them to
+    /// another node; at most [`SHUTDOWN_REQUESTS_DRAIN_MS`]), then stops accepting, closes
+    /// every session as after a client crash (durable queues are kept), flushes storage.
     pub async fn shutdown(self) {
+        self.drain_requests().await;
         if let Some(c) = self.shared.cluster.get() {
             c.shutdown().await;
         }
@@ -1387,6 +1398,41 @@ impl Node {
         let _ = tokio::task::spawn_blocking(move || drop(shared)).await;
     }
 }
+
+impl Node {
+    /// The first step of [`Node::shutdown`]: no new request is taken, and those under way are
+    /// answered (for at most [`SHUTDOWN_REQUESTS_DRAIN_MS`]). Acks and deliveries go on.
+    async fn drain_requests(&self) {
+        self.shared.draining.send_replace(true);
+        let start = std::time::Instant::now();
+        let under_way = || self.shared.requests_unanswered.load(Ordering::SeqCst);
+        let had_sessions = !self.shared.sessions.lock_or_stop().is_empty();
+        while under_way() > 0 && start.elapsed() < Duration::from_millis(SHUTDOWN_REQUESTS_DRAIN_MS)
+        {
+            tokio::time::sleep(Duration::from_millis(SHUTDOWN_DRAIN_POLL_MS)).await;
+        }
+        if under_way() > 0 {
+            tracing::warn!(
+                requests = under_way(),
+                "stopping with client requests not answered"
+            );
+        }
+        if had_sessions {
+            // The last answers are written to their streams; give them a moment on the wire
+            // before the close discards what is not sent.
+            tokio::time::sleep(Duration::from_millis(SHUTDOWN_ANSWERS_GRACE_MS)).await;
+        }
+    }
+}
+
+/// How long a stopping node waits for the client requests under way to be answered, in
+/// milliseconds (a publish with `ack: replicated` waits for copies).
+pub const SHUTDOWN_REQUESTS_DRAIN_MS: u64 = 3_000;
+/// Pause between two looks at the requests under way while draining, in milliseconds.
+pub const SHUTDOWN_DRAIN_POLL_MS: u64 = 5;
+/// How long a stopping node that had sessions leaves its last answers to reach their clients
+/// before it closes the connections, in milliseconds.
+pub const SHUTDOWN_ANSWERS_GRACE_MS: u64 = 50;
 
 impl Drop for Node {
     /// A node dropped without [`Node::shutdown`] stops its tasks; its storage closes once the

@@ -49,11 +49,13 @@ pub enum ErrorCode {
     Forbidden = 17,
     /// The cluster could not serve the request now (no metadata leader reachable); retry.
     Unavailable = 18,
+    /// The node is stopping and did not apply this request: send it to another node.
+    GoingAway = 19,
 }
 
 impl ErrorCode {
     /// Every code, in numeric order.
-    pub const ALL: [ErrorCode; 19] = [
+    pub const ALL: [ErrorCode; 20] = [
         ErrorCode::Ok,
         ErrorCode::ClosedByPeer,
         ErrorCode::Internal,
@@ -73,6 +75,7 @@ impl ErrorCode {
         ErrorCode::Unauthenticated,
         ErrorCode::Forbidden,
         ErrorCode::Unavailable,
+        ErrorCode::GoingAway,
     ];
 
     /// The numeric value.
@@ -117,6 +120,7 @@ impl ErrorCode {
             ErrorCode::Unauthenticated => "unauthenticated",
             ErrorCode::Forbidden => "forbidden",
             ErrorCode::Unavailable => "unavailable",
+            ErrorCode::GoingAway => "going-away",
         }
     }
 
