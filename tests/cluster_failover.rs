@@ -1560,7 +1560,14 @@ async fn a_rolling_restart_under_load_loses_nothing() {
         let start = std::time::Instant::now();
         let node = p.procs[i].take().expect("running");
         tokio::task::block_in_place(|| node.sigterm());
-        eprintln!("n{} stopped in {:?}", i + 1, start.elapsed());
+        let took = start.elapsed();
+        eprintln!("n{} stopped in {took:?}", i + 1);
+        // Nothing held the node past its drain: shutdown did not wait out its last resort.
+        assert!(
+            took < Duration::from_secs(tether::server::SHUTDOWN_DRAIN_SECS),
+            "n{} took {took:?} to stop",
+            i + 1
+        );
         p.restart(i);
         wait_for_copies(&p, format!("both queues copied after n{} came back", i + 1)).await;
         eprintln!(

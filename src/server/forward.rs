@@ -724,19 +724,37 @@ impl PublishSink for PeerInbox {
             if skipped {
                 appended.extend(s.shipped_ends());
             }
-            if !s.wait_local_replicated(&appended, s.replicated_wait).await {
-                tracing::warn!(
-                    origin,
-                    through = done,
-                    "forwarded publishes not replicated in time"
-                );
-                return PeerResponse::PublishedUnconfirmed {
-                    through: done,
-                    reason: format!(
-                        "applied, but the copies of the queues they reached do not all hold them within {} ms",
-                        s.replicated_wait.as_millis()
-                    ),
-                };
+            // Not past this node's close: the wait holds the node's shared state, which its
+            // shutdown waits for.
+            let mut closing = s.closing.subscribe();
+            let replicated = tokio::select! {
+                r = s.wait_local_replicated(&appended, s.replicated_wait) => Some(r),
+                _ = closing.wait_for(|c| *c) => None,
+            };
+            match replicated {
+                Some(true) => {}
+                Some(false) => {
+                    tracing::warn!(
+                        origin,
+                        through = done,
+                        "forwarded publishes not replicated in time"
+                    );
+                    return PeerResponse::PublishedUnconfirmed {
+                        through: done,
+                        reason: format!(
+                            "applied, but the copies of the queues they reached do not all hold them within {} ms",
+                            s.replicated_wait.as_millis()
+                        ),
+                    };
+                }
+                None => {
+                    return PeerResponse::PublishedUnconfirmed {
+                        through: done,
+                        reason:
+                            "applied, but this node is stopping before its copies confirmed them"
+                                .into(),
+                    };
+                }
             }
             PeerResponse::Published { through: done }
         })

@@ -118,6 +118,9 @@ pub(crate) struct Shared {
     /// Set when the node starts to stop: sessions answer every later request `going-away`
     /// (not applied) and new sessions are refused, while the requests under way finish.
     pub(crate) draining: watch::Sender<bool>,
+    /// Set once the sessions are drained and the node closes: waits that hold the shared state
+    /// (a peer's forwarded publishes waiting for this node's copies) end at once.
+    pub(crate) closing: watch::Sender<bool>,
     /// Bytes of publish operations submitted to the writer and not committed.
     writer_queue_bytes: std::sync::atomic::AtomicU64,
     /// The core's regex matchers of the regions published to, so a publish matches its keys
@@ -1104,6 +1107,7 @@ impl Node {
             publish_bytes_in_flight: std::sync::atomic::AtomicU64::new(0),
             requests_unanswered: AtomicUsize::new(0),
             draining: watch::Sender::new(false),
+            closing: watch::Sender::new(false),
             writer_queue_bytes: std::sync::atomic::AtomicU64::new(0),
             delivery_reads: Semaphore::new(DELIVERY_READS_IN_FLIGHT_MAX),
             delivery_pool: low_priority::LowPriorityPool::start(
@@ -1337,6 +1341,7 @@ impl Node {
     /// every session as after a client crash (durable queues are kept), flushes storage.
     pub async fn shutdown(self) {
         self.drain_requests().await;
+        self.shared.closing.send_replace(true);
         if let Some(c) = self.shared.cluster.get() {
             c.shutdown().await;
         }
