@@ -823,13 +823,7 @@ async fn flapping_links_never_leave_a_client_without_a_session_for_long() {
         async move {
             let c = builder.connect().await.expect("publisher connects");
             for from in (0..TOTAL).step_by(PER_PUBLISH as usize) {
-                let ops = (from..from + PER_PUBLISH)
-                    .map(|i| PublishOp::Put {
-                        region: "R".into(),
-                        key: format!("k-{i}"),
-                        value: i.to_string().into_bytes(),
-                    })
-                    .collect();
+                let ops = common::cluster::numbered_puts(from..from + PER_PUBLISH);
                 c.publish(ops).await.expect("a publish through n3");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
@@ -1488,13 +1482,7 @@ async fn a_rolling_restart_under_load_loses_nothing() {
             let mut publisher = builder().publisher().await.expect("publisher connects");
             let mut next = 0u32;
             while !stop.load(Ordering::SeqCst) {
-                let ops = (next..next + PER_PUBLISH)
-                    .map(|i| PublishOp::Put {
-                        region: "R".into(),
-                        key: format!("k-{i}"),
-                        value: i.to_string().into_bytes(),
-                    })
-                    .collect();
+                let ops = common::cluster::numbered_puts(next..next + PER_PUBLISH);
                 publisher
                     .publish(ops)
                     .await

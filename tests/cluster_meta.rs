@@ -235,28 +235,16 @@ async fn peers_get_through_when_clients_use_every_slot() {
     // A new peer connection (a member's certificate, ALPN tether-peer/1) still gets in and
     // is served: here a metadata write sent straight to the leader.
     let leader = c.leader().await;
-    let tls_dir = c.dirs[0].path().join("tls");
-    let files = tls::TlsFiles {
-        ca: tls_dir.join(tls::CA_CERT_FILE),
-        cert: tls_dir.join(tls::SERVER_CERT_FILE),
-        key: tls_dir.join(tls::SERVER_KEY_FILE),
-    };
+    let files = member_tls(&c, 0);
     let addr = c.node(leader).addr();
     let peer_cfg = tls::peer_client_config(&files).unwrap();
     let ep = tether_transport::client_endpoint(peer_cfg.clone(), addr).unwrap();
     let pool = PeerPool::new(ep, peer_cfg);
-    let cmd = MetaCommand::Place {
-        id: "q".into(),
-        primary: raft_id(&c.names[leader]),
-        secondaries: vec![],
-        redundancy: 0,
-        timeout_ms: 1_000,
-    };
     let r = pool
         .call(
             raft_id(&c.names[leader]),
             &addr.to_string(),
-            PeerRequest::Write(cmd),
+            place("q", raft_id(&c.names[leader])),
             std::time::Duration::from_secs(10),
         )
         .await
@@ -316,22 +304,9 @@ async fn a_member_of_another_peer_protocol_version_is_refused_clearly() {
     use tether_transport::PEER_PROTOCOL_VERSION as V;
     let c = TestCluster::start(3).await;
     let leader = c.leader().await;
-    let tls_dir = c.dirs[0].path().join("tls");
-    let files = tls::TlsFiles {
-        ca: tls_dir.join(tls::CA_CERT_FILE),
-        cert: tls_dir.join(tls::SERVER_CERT_FILE),
-        key: tls_dir.join(tls::SERVER_KEY_FILE),
-    };
+    let files = member_tls(&c, 0);
     let addr = c.node(leader).addr();
-    let write = |id: &str| {
-        PeerRequest::Write(MetaCommand::Place {
-            id: id.into(),
-            primary: raft_id(&c.names[leader]),
-            secondaries: vec![],
-            redundancy: 0,
-            timeout_ms: 1_000,
-        })
-    };
+    let write = |id: &str| place(id, raft_id(&c.names[leader]));
     let pool_speaking = |versions: std::ops::RangeInclusive<u32>| {
         let cfg = tls::peer_client_config_speaking(&files, versions).unwrap();
         let ep = tether_transport::client_endpoint(cfg.clone(), addr).unwrap();
@@ -373,4 +348,25 @@ async fn a_member_of_another_peer_protocol_version_is_refused_clearly() {
     assert!(matches!(w.data, MetaResponse::Placed(_)), "{:?}", w.data);
     one_ahead.close();
     c.shutdown().await;
+}
+
+/// The TLS files of member `i`: the cluster CA and its own certificate.
+fn member_tls(c: &TestCluster, i: usize) -> tls::TlsFiles {
+    let dir = c.dirs[i].path().join("tls");
+    tls::TlsFiles {
+        ca: dir.join(tls::CA_CERT_FILE),
+        cert: dir.join(tls::SERVER_CERT_FILE),
+        key: dir.join(tls::SERVER_KEY_FILE),
+    }
+}
+
+/// A metadata write placing queue `id` on `primary`, without copies.
+fn place(id: &str, primary: u64) -> PeerRequest {
+    PeerRequest::Write(MetaCommand::Place {
+        id: id.into(),
+        primary,
+        secondaries: vec![],
+        redundancy: 0,
+        timeout_ms: 1_000,
+    })
 }

@@ -312,18 +312,23 @@ pub async fn publish_numbered(
     let mut done = from;
     while done < to {
         let n = ops_per_publish.min(to - done);
-        let ops = (done..done + n)
-            .map(|i| tether::protocol::PublishOp::Put {
-                region: "R".into(),
-                key: format!("k-{i}"),
-                value: i.to_string().into_bytes(),
-            })
-            .collect();
-        if c.publish(ops).await.is_err() {
+        if c.publish(numbered_puts(done..done + n)).await.is_err() {
             break;
         }
         done += n;
         progress.store(done, std::sync::atomic::Ordering::SeqCst);
     }
     done
+}
+
+/// Puts `k-{i}` of region R with the number `i` as text for its value, for each `i` of
+/// `numbers`: the events whose values tests count.
+pub fn numbered_puts(numbers: std::ops::Range<u32>) -> Vec<tether::protocol::PublishOp> {
+    numbers
+        .map(|i| tether::protocol::PublishOp::Put {
+            region: "R".into(),
+            key: format!("k-{i}"),
+            value: i.to_string().into_bytes(),
+        })
+        .collect()
 }
