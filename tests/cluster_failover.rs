@@ -1479,7 +1479,7 @@ async fn a_rolling_restart_under_load_loses_nothing() {
     let publisher = tokio::spawn({
         let (stop, builder) = (stop.clone(), builder.clone());
         async move {
-            let mut publisher = builder().publisher().await.expect("publisher connects");
+            let publisher = builder().publisher().await.expect("publisher connects");
             let mut next = 0u32;
             while !stop.load(Ordering::SeqCst) {
                 let ops = common::cluster::numbered_puts(next..next + PER_PUBLISH);

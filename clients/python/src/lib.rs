@@ -976,28 +976,37 @@ fn subscribe(
 // Publisher
 
 /// A plain (non-durable) client for publishing and reading values (see `tether.Publisher`).
+/// It moves to another of its servers when its own stops (the Rust `Publisher`).
 #[pyclass(module = "tether._native", name = "Publisher", frozen)]
 struct PyPublisher {
-    client: tokio::sync::RwLock<Option<Client>>,
+    publisher: tether_client::Publisher,
 }
 
 impl PyPublisher {
+    /// Runs `f` without the GIL.
+    fn run<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl AsyncFnOnce(&tether_client::Publisher) -> Result<T, ClientError> + Send,
+    ) -> PyResult<T> {
+        let r = py.detach(|| {
+            runtime().block_on(async {
+                f(&self.publisher).await.map_err(|e| match e {
+                    ClientError::Closed => ErrInfo::new(Kind::Closed, "the publisher is closed"),
+                    e => ErrInfo::from(e),
+                })
+            })
+        });
+        r.map_err(|e| e.to_py(py))
+    }
+
     /// Runs `f` on the connected client without the GIL.
     fn with<T: Send>(
         &self,
         py: Python<'_>,
         f: impl AsyncFnOnce(&Client) -> Result<T, ClientError> + Send,
     ) -> PyResult<T> {
-        let r = py.detach(|| {
-            runtime().block_on(async {
-                let guard = self.client.read().await;
-                match guard.as_ref() {
-                    Some(c) => f(c).await.map_err(ErrInfo::from),
-                    None => Err(ErrInfo::new(Kind::Closed, "the publisher is closed")),
-                }
-            })
-        });
-        r.map_err(|e| e.to_py(py))
+        self.run(py, async move |p| p.with_client(f).await)
     }
 }
 
@@ -1054,7 +1063,7 @@ impl PyPublisher {
                 }
             });
         }
-        self.with(py, async move |c| c.publish_with(list, ack).await)
+        self.run(py, async move |p| p.publish_with(list, ack).await)
     }
 
     /// The current value of a key; None when absent or invalidated.
@@ -1078,17 +1087,15 @@ impl PyPublisher {
         self.with(py, async |c| Ok(c.server_addr().to_string()))
     }
 
+    /// How many times the publisher moved to another server.
+    #[getter]
+    fn moves(&self) -> u64 {
+        self.publisher.moves()
+    }
+
     /// Closes the connection. Closing twice does nothing.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let r = py.detach(|| {
-            runtime().block_on(async {
-                match self.client.write().await.take() {
-                    Some(c) => c.close(false).await.map_err(ErrInfo::from),
-                    None => Ok(()),
-                }
-            })
-        });
-        r.map_err(|e| e.to_py(py))
+        self.run(py, async |p| p.close().await)
     }
 }
 
@@ -1124,10 +1131,8 @@ fn connect_publisher(
     };
     let r = py.detach(move || -> Result<_, ErrInfo> {
         let b = conn.builder()?;
-        let client = runtime().block_on(b.connect())?;
-        Ok(PyPublisher {
-            client: tokio::sync::RwLock::new(Some(client)),
-        })
+        let publisher = runtime().block_on(b.publisher())?;
+        Ok(PyPublisher { publisher })
     });
     r.map_err(|e| e.to_py(py))
 }

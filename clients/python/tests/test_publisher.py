@@ -59,3 +59,50 @@ def test_a_closed_publisher_refuses_work_and_close_durable_is_an_admin_call(serv
         admin.close_durable("x1")
     with server.subscriber(durable_id="x1") as sub:
         assert sub.queue_status == "new"
+
+
+def test_a_publisher_moves_to_the_next_server_when_its_own_stops(make_server):
+    """A rolling restart, seen from a publisher: while it publishes from a thread, its server
+    stops (SIGTERM); what that server did not apply it answers ``going-away``, and the
+    publisher sends it to the next server. No publish fails, and every one answered is stored
+    on one of the two servers."""
+    import threading
+    import time
+    from pathlib import Path
+
+    a, b = make_server().start(), make_server().start()
+    # Two single nodes, each with its own dev CA: the publisher trusts both.
+    pem = Path(a.ca).read_bytes() + Path(b.ca).read_bytes()
+    pub = tether.Publisher([a.addr, b.addr], ca_pem=pem)
+    assert pub.server == a.addr
+    stop, errors, answered = threading.Event(), [], []
+
+    def run() -> None:
+        n = 0
+        while not stop.is_set():
+            try:
+                pub.put("R", f"k{n}", b"v")
+            except tether.TetherError as e:
+                errors.append(e)
+                return
+            answered.append(f"k{n}")
+            n += 1
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    a.stop()
+    time.sleep(0.5)
+    stop.set()
+    t.join(30)
+    assert errors == []
+    assert pub.moves == 1
+    assert pub.server == b.addr
+    on_b = sum(1 for k in answered if pub.get("R", k) == b"v")
+    pub.close()
+    a.start()
+    with tether.Publisher([a.addr], ca_file=a.ca) as on_a:
+        missing = [k for k in answered if on_a.get("R", k) != b"v"]
+    assert on_b > 0, "publishes went on through the second server"
+    # Every publish answered is on b, or (published before the stop) on a.
+    assert len(missing) == on_b, (len(missing), on_b)

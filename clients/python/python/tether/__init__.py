@@ -453,7 +453,9 @@ class Subscriber:
 
 class Publisher:
     """A plain client that publishes and reads values. Methods block (the GIL released) until
-    the server answered; under asyncio run them with ``asyncio.to_thread``."""
+    the server answered; under asyncio run them with ``asyncio.to_thread``. When its server
+    stops (a rolling restart), the server answers what it did not apply with ``going-away``,
+    and the publisher sends it through the next of its ``servers``: no error, no duplicate."""
 
     def __init__(
         self,
@@ -548,6 +550,11 @@ class Publisher:
     def server(self) -> str:
         """The address of the server this publisher is connected to."""
         return self._native.server
+
+    @property
+    def moves(self) -> int:
+        """How many times the publisher moved to another server."""
+        return self._native.moves
 
     def close(self) -> None:
         """Closes the connection. Closing twice does nothing."""
