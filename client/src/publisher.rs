@@ -20,6 +20,8 @@ pub struct Publisher {
     /// The servers tried next: the one left last goes last.
     builder: Mutex<ClientBuilder>,
     policy: ReconnectPolicy,
+    /// The builder's acknowledgement mode, for [`Publisher::publish`].
+    ack: PublishAck,
     /// The connected client and its generation (one more at each move).
     current: tokio::sync::RwLock<Current>,
     moves: AtomicU64,
@@ -48,6 +50,7 @@ impl ClientBuilder {
         let mut builder = self;
         builder.attempt_timeout = policy.attempt_timeout;
         Ok(Publisher {
+            ack: builder.publish_ack,
             builder: Mutex::new(builder),
             policy,
             current: tokio::sync::RwLock::new(Current {
@@ -64,12 +67,7 @@ impl Publisher {
     /// Publishes `ops` with the builder's [`publish_ack`](ClientBuilder::publish_ack), as
     /// [`Client::publish`] does, moving to another server when its own stops.
     pub async fn publish(&self, ops: Vec<PublishOp>) -> Result<u64, ClientError> {
-        let ack = self
-            .builder
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .publish_ack;
-        self.publish_with(ops, ack).await
+        self.publish_with(ops, self.ack).await
     }
 
     /// [`Publisher::publish`] with an explicit acknowledgement mode.

@@ -878,7 +878,7 @@ impl<'a> Answering<'a> {
     fn push(&mut self, bytes: usize, answer: Answer<'a>) {
         self.bytes += bytes;
         self.node_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
-        self.node_requests.fetch_add(1, Ordering::SeqCst);
+        self.node_requests.fetch_add(1, Ordering::Relaxed);
         self.queue.push_back((bytes, answer));
     }
 
@@ -901,7 +901,7 @@ impl<'a> Answering<'a> {
                 if let Some((bytes, _)) = self.queue.pop_front() {
                     self.bytes -= bytes;
                     self.node_bytes.fetch_sub(bytes as u64, Ordering::Relaxed);
-                    self.node_requests.fetch_sub(1, Ordering::SeqCst);
+                    self.node_requests.fetch_sub(1, Ordering::Relaxed);
                 }
                 answer
             }
@@ -915,7 +915,7 @@ impl Drop for Answering<'_> {
         self.node_bytes
             .fetch_sub(self.bytes as u64, Ordering::Relaxed);
         self.node_requests
-            .fetch_sub(self.queue.len(), Ordering::SeqCst);
+            .fetch_sub(self.queue.len(), Ordering::Relaxed);
     }
 }
 
@@ -925,14 +925,14 @@ struct Unanswered<'a>(&'a AtomicUsize);
 
 impl<'a> Unanswered<'a> {
     fn count(node_requests: &'a AtomicUsize) -> Self {
-        node_requests.fetch_add(1, Ordering::SeqCst);
+        node_requests.fetch_add(1, Ordering::Relaxed);
         Unanswered(node_requests)
     }
 }
 
 impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -1410,7 +1410,7 @@ impl Node {
     async fn drain_requests(&self) {
         self.shared.draining.send_replace(true);
         let start = std::time::Instant::now();
-        let under_way = || self.shared.requests_unanswered.load(Ordering::SeqCst);
+        let under_way = || self.shared.requests_unanswered.load(Ordering::Relaxed);
         let had_sessions = !self.shared.sessions.lock_or_stop().is_empty();
         while under_way() > 0 && start.elapsed() < Duration::from_millis(SHUTDOWN_REQUESTS_DRAIN_MS)
         {
