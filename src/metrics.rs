@@ -48,6 +48,7 @@ pub const REPLICATION_SUPERSEDED: &str = "tether_replication_superseded_total";
 pub const REPLICATION_COPIES_REGRESSED: &str = "tether_replication_copies_regressed_total";
 pub const REPLICATION_STEPPED_ASIDE: &str = "tether_replication_stepped_aside_total";
 pub const REPLICATION_COPIES_UNREACHABLE: &str = "tether_replication_copies_unreachable_total";
+pub const QUEUES_DEPOSED_BY_RIVAL: &str = "tether_queues_deposed_by_rival_total";
 pub const FAILOVERS: &str = "tether_failovers_total";
 pub const CLIENT_FAILOVERS: &str = "tether_client_failovers_total";
 pub const REBALANCE_MOVES: &str = "tether_rebalance_moves_total";
@@ -149,6 +150,10 @@ fn describe() {
     describe_counter!(
         REPLICATION_COPIES_UNREACHABLE,
         "Secondaries their primary could not reach for two failure times while it reached a majority, taken out of the replica set (another member becomes a copy)"
+    );
+    describe_counter!(
+        QUEUES_DEPOSED_BY_RIVAL,
+        "Queues this node gave up when a newer primary shipped to it as its copy before the metadata here said so (this node cut from the metadata leader)"
     );
     describe_counter!(
         REPLICATION_STEPPED_ASIDE,

@@ -3,8 +3,7 @@
 //! through pipes while they run, stderr checked for the one `error:` line on failure.
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
@@ -14,6 +13,8 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 mod common;
+
+use common::http_get;
 
 /// Upper bound for anything a test waits on.
 const WAIT: Duration = Duration::from_secs(20);
@@ -470,25 +471,6 @@ fn eventually(what: &str, mut f: impl FnMut() -> bool) {
         assert!(start.elapsed() < WAIT, "timed out waiting for: {what}");
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    let mut s = TcpStream::connect(addr).expect("connect to metrics");
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 8192];
-    loop {
-        match s.read(&mut chunk) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-    String::from_utf8_lossy(&buf).into_owned()
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ use tether::client::{
 use tether::protocol::{PublishAck, PublishOp, QueueReport, QueueStatus};
 
 use common::cluster::ProcCluster;
+use tether::cluster::meta::raft_id;
 
 /// Operations per publish request.
 const OPS_PER_PUBLISH: u32 = 50;
@@ -157,6 +158,14 @@ async fn in_sync_secondary(p: &ProcCluster, primary: usize, id: &str, end: u64) 
 async fn routed_cluster(
     cut_of: impl Fn(usize, usize) -> Option<Arc<std::sync::atomic::AtomicBool>>,
 ) -> ProcCluster {
+    routed_cluster_with(false, cut_of).await
+}
+
+/// [`routed_cluster`], its nodes serving `/metrics` when `observed` (to learn the leader).
+async fn routed_cluster_with(
+    observed: bool,
+    cut_of: impl Fn(usize, usize) -> Option<Arc<std::sync::atomic::AtomicBool>>,
+) -> ProcCluster {
     let ports = common::cluster::free_ports(3);
     let mut routes = vec![vec![None; 3]; 3];
     for (i, row) in routes.iter_mut().enumerate() {
@@ -171,7 +180,10 @@ async fn routed_cluster(
             }
         }
     }
-    ProcCluster::start_routed(ports, routes)
+    match observed {
+        true => ProcCluster::start_routed_observed(ports, routes),
+        false => ProcCluster::start_routed(ports, routes),
+    }
 }
 
 /// A reconnecting subscription of durable client "d" (redundancy 1, interest in all keys of
@@ -782,6 +794,124 @@ async fn a_primary_cut_from_its_copy_only_delivers_again() {
     }
     events.commit();
     a.close(true).await.ok();
+}
+
+/// A primary cut from the metadata leader only (issue 25, point 7): it still reaches its copy on
+/// the third member. The leader declares it failed and promotes the copy; the old primary
+/// cannot apply that (it hears no leader) but learns it from the new primary, which ships to it
+/// as its new copy: it gives its queue up, takes the copy, and the new primary delivers again.
+/// The client, moved to the new primary, gets every event, a repeated one flagged. (Before, the
+/// old primary kept its stale queue, never held the copy, and the new primary neither
+/// delivered nor completed a registration for the whole cut.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_cut_from_the_leader_only_hands_over_to_its_copy() {
+    use std::sync::atomic::AtomicBool;
+    const BEFORE: u32 = 1_000;
+    const TOTAL: u32 = 2_000;
+    /// Well above the failure time, the lease and a client's reconnect: the queue must not
+    /// wait for the link to heal.
+    const RESUMED_WITHIN: Duration = Duration::from_secs(30);
+    let cuts: Vec<Arc<AtomicBool>> = (0..3).map(|_| Arc::new(AtomicBool::new(false))).collect();
+    let pair = |i: usize, j: usize| i + j - 1; // (0,1) -> 0, (0,2) -> 1, (1,2) -> 2
+    let p = routed_cluster_with(true, |i, j| Some(cuts[pair(i, j)].clone())).await;
+    let leader = p.leader().await;
+    let primary = (leader + 1) % 3;
+    let third = 3 - leader - primary;
+    // An id whose copy goes to the third member, and whose new primary there chooses the old
+    // one as its new copy: copies go to the members with the highest rendezvous hash of (id,
+    // member name) (`choose_secondaries`).
+    let hash = |id: &str, i: usize| raft_id(&format!("{id}\u{0}n{}", i + 1));
+    let id = (0..)
+        .map(|k| format!("d{k}"))
+        .find(|id| hash(id, third) > hash(id, leader) && hash(id, primary) > hash(id, leader))
+        .unwrap();
+    let policy = tether::client::ReconnectPolicy {
+        delay_initial: Duration::from_millis(100),
+        delay_max: Duration::from_millis(500),
+        ..Default::default()
+    };
+    let mut sub = p
+        .builder(&[primary, third, leader])
+        .durable(&id, 600)
+        .redundancy(1)
+        .failure_timeout(Duration::from_secs(3))
+        .ack_interval(Duration::from_millis(20))
+        .reconnect(policy)
+        .subscribe([("R".to_string(), Interest::all_keys())])
+        .await
+        .expect("the subscription starts");
+    assert_eq!(sub.client().unwrap().node_id(), format!("n{}", primary + 1));
+    let progress = Arc::new(AtomicU32::new(0));
+    assert_eq!(
+        publish(p.get(third).builder(), 0, BEFORE, progress.clone()).await,
+        BEFORE
+    );
+    let mut seen: HashSet<u32> = HashSet::new();
+    while seen.len() < BEFORE as usize {
+        match tokio::time::timeout(FAILOVER_WAIT, sub.next()).await {
+            Ok(Some(ClientEvent::Event(e))) => note_event(&mut seen, &e),
+            Ok(Some(ClientEvent::Live { .. })) => {}
+            other => panic!("before the cut: {other:?}"),
+        }
+    }
+    assert_eq!(
+        in_sync_secondary(&p, primary, &id, u64::from(BEFORE)).await,
+        third
+    );
+    eprintln!(
+        "leader n{}, primary n{}, copy on n{}",
+        leader + 1,
+        primary + 1,
+        third + 1
+    );
+    cuts[pair(leader, primary)].store(true, Ordering::SeqCst);
+    let cut_at = std::time::Instant::now();
+    // The rest is published once the leader has declared the old primary failed
+    // (`node-failure-ms`, 2.5 s) and the new primary's lease wait is over (1.5 s): only the new
+    // primary can deliver it.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let publisher = tokio::spawn(publish(
+        p.get(third).builder(),
+        BEFORE,
+        TOTAL,
+        progress.clone(),
+    ));
+    while seen.len() < TOTAL as usize {
+        let left = RESUMED_WITHIN.saturating_sub(cut_at.elapsed());
+        match tokio::time::timeout(left, sub.next()).await {
+            Ok(Some(ClientEvent::Event(e))) => note_event(&mut seen, &e),
+            Ok(Some(ClientEvent::Reconnected { .. })) => eprintln!(
+                "reconnected to {} {:?} after the cut",
+                sub.client().unwrap().node_id(),
+                cut_at.elapsed()
+            ),
+            Ok(Some(ClientEvent::Disconnected { error })) => {
+                eprintln!("disconnected {:?} after the cut: {error}", cut_at.elapsed())
+            }
+            Ok(Some(ClientEvent::Live { .. })) => {}
+            other => panic!(
+                "{} of {TOTAL} events {:?} after the cut: {other:?}",
+                seen.len(),
+                cut_at.elapsed()
+            ),
+        }
+    }
+    eprintln!("every event received {:?} after the cut", cut_at.elapsed());
+    assert_eq!(publisher.await.unwrap(), TOTAL);
+    // The new primary completes a registration (it waits for every copy to hold it).
+    let client = sub.client().unwrap();
+    assert_eq!(client.node_id(), format!("n{}", third + 1));
+    tokio::time::timeout(
+        RESUMED_WITHIN,
+        client.region("S").register(Interest::all_keys()),
+    )
+    .await
+    .expect("a registration completes on the new primary during the cut")
+    .unwrap();
+    for c in &cuts {
+        c.store(false, Ordering::SeqCst);
+    }
+    sub.close(true).await.ok();
 }
 
 /// Flapping links (issue 25, point 7): for 40 s, one link between two members at a time is

@@ -30,19 +30,83 @@ pub enum OwnQueueStep {
 }
 
 /// The step for a queue of the core at `queue_epoch` (the epoch it became primary at here),
-/// placed as `placement` in the metadata applied here up to `applied`.
+/// placed as `placement` in the metadata applied here up to `applied`. `rival_epoch` (0 if
+/// none) is the highest epoch another node was seen being this queue's primary at: it shipped
+/// to this node as its copy, or a copy answered this node's shipping with it
+/// ([`superseded_by_rival`]).
 pub fn own_queue_step(
     placement: Option<&Placement>,
     me: RaftId,
     queue_epoch: u64,
     applied: u64,
+    rival_epoch: u64,
 ) -> OwnQueueStep {
     match placement {
+        _ if superseded_by_rival(placement, queue_epoch, applied, rival_epoch) => {
+            OwnQueueStep::Deposed
+        }
         Some(p) if p.primary == me => OwnQueueStep::Primary,
         Some(p) if p.epoch > queue_epoch => OwnQueueStep::Deposed,
         Some(_) => OwnQueueStep::Wait,
         None if queue_epoch > 0 && applied >= queue_epoch => OwnQueueStep::Ended,
         None => OwnQueueStep::Unreplicated,
+    }
+}
+
+/// Whether another node, seen being primary of a queue at `rival_epoch`, supersedes this
+/// node's queue at `queue_epoch` before the metadata applied here (`placement`, applied up to
+/// `applied`) says so.
+///
+/// Epochs are indexes of committed metadata: a node ships as primary at the epoch of the
+/// placement that made it primary, and a copy only knows epochs it was shipped at. So a rival
+/// epoch above this queue's is a later placement naming another primary, even when this node
+/// cannot apply it (cut from the metadata leader, it still reaches the new primary, which
+/// chooses it as its copy). A placement applied here at or past the rival's epoch decides
+/// instead (this node may have been made primary again since).
+pub fn superseded_by_rival(
+    placement: Option<&Placement>,
+    queue_epoch: u64,
+    applied: u64,
+    rival_epoch: u64,
+) -> bool {
+    rival_epoch > queue_epoch && rival_epoch > placement.map_or(applied, |p| p.epoch)
+}
+
+/// What a node does with a durable hello for a queue its metadata places on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlacedHereStep {
+    /// Serve it here (promoting a copy held here first, if the placement makes it primary).
+    Serve,
+    /// A newer primary is known here before the metadata here says so (it shipped to this
+    /// node, or this node handed the queue over to it): the client goes there (`None`: not
+    /// known which node; it retries).
+    Elsewhere(Option<RaftId>),
+    /// Placed here before this hello, yet nothing here holds the queue: the metadata here may
+    /// lag behind a move (a handover commits once the *leader* applies it). A read barrier
+    /// first; a queue started here on a stale placement would append under that placement's
+    /// epoch, above the copy its new primary holds, and its shipping would replace that copy.
+    Confirm,
+}
+
+/// The step for a durable hello whose `placement` (applied here up to `applied`) makes this
+/// node primary: `rival` is the newer primary seen here ([`superseded_by_rival`]; node and
+/// epoch), `held` whether this node's core or copies hold the queue, `placed_now` whether this
+/// hello placed it (a new queue), `confirmed` whether a read barrier ran since the placement
+/// was read.
+pub fn placed_here_step(
+    placement: &Placement,
+    applied: u64,
+    rival: Option<(Option<RaftId>, u64)>,
+    held: bool,
+    placed_now: bool,
+    confirmed: bool,
+) -> PlacedHereStep {
+    match rival {
+        Some((node, epoch)) if superseded_by_rival(Some(placement), 0, applied, epoch) => {
+            PlacedHereStep::Elsewhere(node)
+        }
+        _ if held || placed_now || confirmed => PlacedHereStep::Serve,
+        _ => PlacedHereStep::Confirm,
     }
 }
 
@@ -326,7 +390,7 @@ mod tests {
     fn a_queue_of_the_core_is_shipped_deposed_or_dropped_by_its_placement() {
         use OwnQueueStep::*;
         // This node (1) holds the queue at epoch 10.
-        let step = |p: Option<&Placement>, applied| own_queue_step(p, 1, 10, applied);
+        let step = |p: Option<&Placement>, applied| own_queue_step(p, 1, 10, applied, 0);
         assert_eq!(step(Some(&placed(1, &[2], &[], 12)), 12), Primary);
         assert_eq!(step(Some(&placed(2, &[3], &[], 11)), 11), Deposed);
         assert_eq!(step(Some(&placed(2, &[3], &[], 10)), 11), Wait);
@@ -335,7 +399,61 @@ mod tests {
         assert_eq!(step(None, 10), Ended);
         assert_eq!(step(None, 9), Unreplicated);
         // Never placed by the cluster (epoch 0).
-        assert_eq!(own_queue_step(None, 1, 0, 50), Unreplicated);
+        assert_eq!(own_queue_step(None, 1, 0, 50, 0), Unreplicated);
+    }
+
+    #[test]
+    fn a_newer_primary_seen_here_deposes_a_queue_the_metadata_here_still_places_here() {
+        use OwnQueueStep::*;
+        // This node (1) holds the queue at epoch 10; node 2 was seen primary at epoch 20.
+        let step = |p: Option<&Placement>, applied| own_queue_step(p, 1, 10, applied, 20);
+        // Cut from the metadata leader: the placement here still makes this node primary.
+        assert_eq!(step(Some(&placed(1, &[2], &[], 12)), 15), Deposed);
+        assert_eq!(step(None, 15), Deposed);
+        // Applied past the rival's epoch, the metadata decides: this node primary again...
+        assert_eq!(step(Some(&placed(1, &[3], &[], 25)), 25), Primary);
+        // ...the rival's placement itself, or the queue ended since.
+        assert_eq!(step(Some(&placed(2, &[1], &[1], 20)), 22), Deposed);
+        assert_eq!(step(None, 30), Ended);
+        // A rival at an epoch not above this queue's is a stale primary: it changes nothing.
+        let stale = |p: Option<&Placement>| own_queue_step(p, 1, 10, 12, 8);
+        assert_eq!(stale(Some(&placed(1, &[2], &[], 12))), Primary);
+        assert_eq!(stale(None), Ended);
+    }
+
+    #[test]
+    fn a_hello_placed_here_is_served_only_on_what_this_node_holds_or_knows_to_be_current() {
+        use PlacedHereStep::*;
+        let here = placed(1, &[2], &[], 12);
+        // Held here (the queue, or a copy to promote), or placed by this very hello.
+        assert_eq!(placed_here_step(&here, 12, None, true, false, false), Serve);
+        assert_eq!(placed_here_step(&here, 12, None, false, true, false), Serve);
+        // Placed earlier and held nowhere here: confirm the placement first, then serve.
+        assert_eq!(
+            placed_here_step(&here, 12, None, false, false, false),
+            Confirm
+        );
+        assert_eq!(placed_here_step(&here, 30, None, false, false, true), Serve);
+        // A newer primary known here: its node, or a retry when only its epoch is known.
+        let rival = |node, epoch| Some((node, epoch));
+        assert_eq!(
+            placed_here_step(&here, 12, rival(Some(2), 20), true, false, false),
+            Elsewhere(Some(2))
+        );
+        assert_eq!(
+            placed_here_step(&here, 12, rival(None, 20), false, false, true),
+            Elsewhere(None)
+        );
+        // A rival the metadata here has reached (or a stale one) changes nothing.
+        let later = placed(1, &[2], &[], 25);
+        assert_eq!(
+            placed_here_step(&later, 25, rival(Some(2), 20), true, false, false),
+            Serve
+        );
+        assert_eq!(
+            placed_here_step(&here, 12, rival(Some(2), 9), true, false, false),
+            Serve
+        );
     }
 
     #[test]

@@ -159,9 +159,28 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     if let Some(reply) = shared.shipping.on_rival(&msg.durable_id, epoch) {
         return PeerResponse::Replicated(reply);
     }
-    if shared.core().durable_queue(&msg.durable_id).is_some() {
-        // Our own queue without copies: metadata will depose us if the sender is right.
-        return PeerResponse::Replicated(None);
+    let own_epoch = shared
+        .core()
+        .durable_queue(&msg.durable_id)
+        .map(|q| q.epoch);
+    if let Some(own_epoch) = own_epoch {
+        if epoch <= own_epoch {
+            // Our own queue without copies, and the sender a stale primary: its copies fence it.
+            return PeerResponse::Replicated(None);
+        }
+        // A newer primary ships to this node as its copy: the metadata made it primary after
+        // this node's queue was placed, though this node may not have applied that (cut from
+        // the metadata leader while it reaches the new primary). Give the queue up now and
+        // take the copy; until the metadata here catches up, the queue's clients are sent to
+        // the sender.
+        shared
+            .shipping
+            .note_rival(&msg.durable_id, Some(msg.from), epoch);
+        super::shipping::depose(shared, &msg.durable_id, (Some(msg.from), epoch)).await;
+        metrics::counter!(m::QUEUES_DEPOSED_BY_RIVAL).increment(1);
+        if shared.core().durable_queue(&msg.durable_id).is_some() {
+            return PeerResponse::Replicated(None); // Not deposed (storage): next message.
+        }
     }
     if let ReplicateHeader::Append(h) = &msg.header
         && h.last.checked_sub(h.first) != Some(msg.entries.len() as u64)

@@ -724,7 +724,9 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     for (id, epoch) in own {
         let placement = cluster.placement(&id);
         let applied = cluster.applied_index();
-        match reconcile::own_queue_step(placement.as_ref(), me, epoch, applied) {
+        let rival = shared.shipping.rival(&id);
+        let rival_epoch = rival.map_or(0, |r| r.epoch);
+        match reconcile::own_queue_step(placement.as_ref(), me, epoch, applied, rival_epoch) {
             OwnQueueStep::Primary => {
                 let p = placement.expect("a primary's queue is placed");
                 ensure_shipping(shared, &id, &p);
@@ -732,7 +734,11 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
                 repairs.push(async move { repair(&shared, &cluster, &id, &p).await });
             }
             OwnQueueStep::Deposed => {
-                depose(shared, &id, &placement.expect("a deposed queue is placed")).await
+                let by = match &placement {
+                    Some(p) if p.epoch >= rival_epoch => (Some(p.primary), p.epoch),
+                    _ => (rival.and_then(|r| r.node), rival_epoch),
+                };
+                super::shipping::depose(shared, &id, by).await
             }
             OwnQueueStep::Wait => {}
             OwnQueueStep::Ended if drop_unplaced(shared, cluster, &id).await => {}
@@ -749,6 +755,11 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     }
     run_bounded(repairs, REPAIRS_AT_ONCE).await;
     let applied = cluster.applied_index();
+    // A rival matters until the metadata here reaches its epoch, and while this node may still
+    // hold the queue (or be asked for it by a client).
+    shared.shipping.retain_rivals(|id, r| {
+        reconcile::superseded_by_rival(cluster.placement(id).as_ref(), 0, applied, r.epoch)
+    });
     let caught_up = *shared.meta_caught_up.borrow();
     for id in shared.copies.ids() {
         let Some(cell) = shared.copies.get(&id) else {
@@ -791,6 +802,7 @@ pub(crate) async fn drop_unplaced(shared: &Arc<Shared>, cluster: &Cluster, id: &
         cluster.id(),
         epoch,
         cluster.applied_index(),
+        0,
     );
     if step != OwnQueueStep::Ended {
         return false;
@@ -1033,25 +1045,6 @@ pub(crate) fn choose_secondaries(
         .filter(|(n, _)| !exclude.contains(n) && shared.liveness.is_live(**n))
         .map(|(&n, node)| (n, raft_id(&format!("{id}\u{0}{}", node.name))));
     crate::control::reconcile::rendezvous(candidates, count)
-}
-
-/// Another node holds `id` at a higher epoch: drop this node's queue and send its client on.
-pub(crate) async fn depose(shared: &Arc<Shared>, id: &str, p: &Placement) {
-    shared.shipping.stop(id);
-    let result = shared
-        .apply(|core| {
-            let (batch, session) = core.depose(id);
-            Ok((session, batch))
-        })
-        .await;
-    tracing::warn!(durable_id = %id, new_primary = p.primary, epoch = p.epoch, "queue deposed here");
-    if let Ok(Some(session)) = result {
-        shared.disconnect_session(
-            session,
-            ErrorCode::Unavailable,
-            "this queue moved to another node; reconnect",
-        );
-    }
 }
 
 /// Client-managed failover: a client lost `id`'s primary and asks this node, an in-sync

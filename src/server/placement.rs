@@ -15,6 +15,7 @@ use tether_transport::ErrorCode;
 use super::Shared;
 use crate::cluster::Cluster;
 use crate::cluster::meta::{MetaCommand, MetaResponse, REDUNDANCY_MAX};
+use crate::control::reconcile::PlacedHereStep;
 use crate::protocol::{DurableHello, WireError};
 
 /// Durable ids whose hellos are between placing and attaching on this node, with how many.
@@ -102,6 +103,8 @@ pub(crate) async fn place_durable(
         ));
     }
     super::failover::metadata_caught_up(shared).await?;
+    // Whether this hello placed the queue (a new queue, nothing to confirm).
+    let mut placed_now = false;
     let placement = match cluster.placement(&d.id) {
         Some(p) => p,
         None => {
@@ -137,7 +140,10 @@ pub(crate) async fn place_durable(
                 timeout_ms: d.timeout_secs.saturating_mul(1_000),
             };
             match cluster.write(cmd).await {
-                Ok(MetaResponse::Placed(p)) => p,
+                Ok(MetaResponse::Placed(p)) => {
+                    placed_now = true;
+                    p
+                }
                 Ok(other) => {
                     return Err(WireError::new(
                         ErrorCode::Internal,
@@ -172,6 +178,52 @@ pub(crate) async fn place_durable(
         && let Some(p) = super::failover::client_failover(cluster, &d.id, &placement).await?
     {
         placement = p;
+    }
+    if placement.primary == me {
+        let mut confirmed = false;
+        loop {
+            let held =
+                shared.core().durable_queue(&d.id).is_some() || shared.copies.get(&d.id).is_some();
+            let rival = shared.shipping.rival(&d.id).map(|r| (r.node, r.epoch));
+            let step = crate::control::reconcile::placed_here_step(
+                &placement,
+                cluster.applied_index(),
+                rival,
+                held,
+                placed_now,
+                confirmed,
+            );
+            match step {
+                PlacedHereStep::Serve => break,
+                PlacedHereStep::Elsewhere(node) => {
+                    return match node.and_then(|n| cluster.members().nodes.get(&n).cloned()) {
+                        Some(n) => Ok(Placed::Elsewhere {
+                            node_id: n.name,
+                            addr: n.addr,
+                        }),
+                        None => Err(WireError::new(
+                            ErrorCode::Unavailable,
+                            "this queue moved to another node; reconnect",
+                        )),
+                    };
+                }
+                PlacedHereStep::Confirm => {
+                    if let Err(e) = cluster.barrier().await {
+                        return Err(WireError::new(
+                            ErrorCode::Unavailable,
+                            format!("cluster metadata unavailable, retry: {e}"),
+                        ));
+                    }
+                    if cluster.placement(&d.id).as_ref() != Some(&placement) {
+                        return Err(WireError::new(
+                            ErrorCode::Unavailable,
+                            "the queue's placement changed meanwhile; retry",
+                        ));
+                    }
+                    confirmed = true;
+                }
+            }
+        }
     }
     if placement.primary == me {
         // Cut off from the majority without a lease: a copy there takes the queue over (the

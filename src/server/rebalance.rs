@@ -157,7 +157,11 @@ async fn hand_over(
         Ok(MetaResponse::Placed(moved)) if moved.primary == target => {
             metrics::counter!(m::REBALANCE_MOVES).increment(1);
             tracing::info!(durable_id = %id, to = target, epoch = moved.epoch, "handed the queue over");
-            super::failover::depose(shared, id, &moved).await;
+            // Committed once the leader applied it: the metadata here may not say so yet, and
+            // until it does, this node's clients of the queue are sent to the taker (not given
+            // a new queue on the placement this node still reads).
+            shared.shipping.note_rival(id, Some(target), moved.epoch);
+            super::shipping::depose(shared, id, (Some(moved.primary), moved.epoch)).await;
         }
         Ok(other) => {
             // Changed meanwhile (expired, failed over, closed): nothing moved.
@@ -190,7 +194,7 @@ async fn decide(weak: Weak<Shared>, cluster: Arc<Cluster>, id: String, epoch: u6
             match cluster.placement(&id) {
                 Some(p) if p.primary != cluster.id() => {
                     if p.epoch > epoch {
-                        super::failover::depose(&shared, &id, &p).await;
+                        super::shipping::depose(&shared, &id, (Some(p.primary), p.epoch)).await;
                     }
                 }
                 // Still here (the handover did not commit), or gone (the reconciler drops it).

@@ -179,6 +179,17 @@ impl ShipQueue {
 pub(crate) struct Shipping {
     by_id: Mutex<HashMap<String, Arc<ShipQueue>>>,
     by_qid: Mutex<HashMap<QueueId, Arc<ShipQueue>>>,
+    /// Newer primaries seen for queues of this node's core, by durable id (see
+    /// [`reconcile::superseded_by_rival`](crate::control::reconcile::superseded_by_rival)).
+    rivals: Mutex<HashMap<String, Rival>>,
+}
+
+/// Another node seen being primary of a queue this node holds: it shipped to this node as its
+/// copy (`node` known), or a copy answered this node's shipping with its epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Rival {
+    pub(crate) node: Option<RaftId>,
+    pub(crate) epoch: u64,
 }
 
 impl Shipping {
@@ -261,6 +272,27 @@ impl Shipping {
         )
         .await
         .is_ok_and(|r| r.is_ok())
+    }
+
+    /// Notes that `node` (if known) is primary of queue `id` at `epoch`; the highest epoch wins.
+    pub(crate) fn note_rival(&self, id: &str, node: Option<RaftId>, epoch: u64) {
+        let mut rivals = self.rivals.lock_or_stop();
+        let r = rivals
+            .entry(id.to_string())
+            .or_insert(Rival { node, epoch });
+        if epoch > r.epoch || (epoch == r.epoch && r.node.is_none()) {
+            *r = Rival { node, epoch };
+        }
+    }
+
+    /// The newer primary seen for queue `id`, if any.
+    pub(crate) fn rival(&self, id: &str) -> Option<Rival> {
+        self.rivals.lock_or_stop().get(id).copied()
+    }
+
+    /// Forgets the rivals `keep` says no longer matter (the metadata here decides again).
+    pub(crate) fn retain_rivals(&self, mut keep: impl FnMut(&str, &Rival) -> bool) {
+        self.rivals.lock_or_stop().retain(|id, r| keep(id, r));
     }
 
     /// Stops shipping a queue (deposed, dropped or expired here).
@@ -447,6 +479,8 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
         };
         if let Some(epoch) = fenced {
             tracing::warn!(durable_id = %sq.durable_id, epoch, "deposed: a newer primary exists");
+            // The reconciler gives the queue up even before the metadata here says so.
+            shared.shipping.note_rival(&sq.durable_id, None, epoch);
             let session = {
                 let mut core = shared.core();
                 core.set_deliver_cap(sq.qid, Some(0));
@@ -822,6 +856,26 @@ fn on_result(
         }
     }
     true
+}
+
+/// Another node holds `id` at a higher epoch (`by`: that node, if known, and the epoch): drop
+/// this node's queue and send its client on.
+pub(crate) async fn depose(shared: &Arc<Shared>, id: &str, by: (Option<RaftId>, u64)) {
+    shared.shipping.stop(id);
+    let result = shared
+        .apply(|core| {
+            let (batch, session) = core.depose(id);
+            Ok((session, batch))
+        })
+        .await;
+    tracing::warn!(durable_id = %id, new_primary = ?by.0, epoch = by.1, "queue deposed here");
+    if let Ok(Some(session)) = result {
+        shared.disconnect_session(
+            session,
+            ErrorCode::Unavailable,
+            "this queue moved to another node; reconnect",
+        );
+    }
 }
 
 #[cfg(test)]

@@ -184,6 +184,8 @@ pub struct ProcCluster {
     pub routes: Vec<Vec<Option<std::net::SocketAddr>>>,
     /// A TOML file every node starts with (`--config`), if any.
     pub config: Option<tempfile::NamedTempFile>,
+    /// Whether nodes serve `/metrics` (on a port of their choosing): [`ProcCluster::leader`].
+    pub metrics: bool,
 }
 
 impl ProcCluster {
@@ -195,7 +197,7 @@ impl ProcCluster {
     pub fn start_with_config(n: usize, toml: &str) -> ProcCluster {
         let mut f = tempfile::NamedTempFile::new().expect("config file");
         std::io::Write::write_all(&mut f, toml.as_bytes()).expect("write config");
-        Self::start_inner(free_ports(n), vec![vec![None; n]; n], Some(f))
+        Self::start_inner(free_ports(n), vec![vec![None; n]; n], Some(f), false)
     }
 
     /// Starts nodes on `ports`, node `i` reaching node `j` at `routes[i][j]` when set.
@@ -203,13 +205,22 @@ impl ProcCluster {
         ports: Vec<u16>,
         routes: Vec<Vec<Option<std::net::SocketAddr>>>,
     ) -> ProcCluster {
-        Self::start_inner(ports, routes, None)
+        Self::start_inner(ports, routes, None, false)
+    }
+
+    /// [`ProcCluster::start_routed`], each node serving `/metrics` (for [`ProcCluster::leader`]).
+    pub fn start_routed_observed(
+        ports: Vec<u16>,
+        routes: Vec<Vec<Option<std::net::SocketAddr>>>,
+    ) -> ProcCluster {
+        Self::start_inner(ports, routes, None, true)
     }
 
     fn start_inner(
         ports: Vec<u16>,
         routes: Vec<Vec<Option<std::net::SocketAddr>>>,
         config: Option<tempfile::NamedTempFile>,
+        metrics: bool,
     ) -> ProcCluster {
         let n = ports.len();
         let mut p = ProcCluster {
@@ -218,6 +229,7 @@ impl ProcCluster {
             procs: Vec::new(),
             routes,
             config,
+            metrics,
         };
         for i in 0..n {
             let s = p.spawn(i);
@@ -241,6 +253,9 @@ impl ProcCluster {
             .as_ref()
             .map(|f| f.path().to_str().expect("utf-8 temp path").to_string());
         let mut args: Vec<&str> = vec!["--listen", &listen, "--node-id", &name];
+        if self.metrics {
+            args.extend(["--metrics", "127.0.0.1:0"]);
+        }
         if let Some(c) = &config {
             args.push("--config");
             args.push(c);
@@ -254,6 +269,36 @@ impl ProcCluster {
 
     pub fn get(&self, i: usize) -> &super::ServerProc {
         self.procs[i].as_ref().expect("running")
+    }
+
+    /// The metadata leader (index), once every running node's `/metrics` agrees on one in two
+    /// readings a second apart (the gauge is refreshed every second). Needs a cluster started
+    /// with metrics ([`ProcCluster::start_routed_observed`]).
+    pub async fn leader(&self) -> usize {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let mut last = None;
+        loop {
+            let leaders: Vec<usize> = (0..self.procs.len())
+                .filter(|&i| {
+                    self.procs[i].as_ref().is_some_and(|p| {
+                        let addr = p.metrics.expect("nodes started with metrics").to_string();
+                        super::http_get(&addr, "/metrics")
+                            .lines()
+                            .any(|l| l.trim() == "tether_cluster_is_leader 1")
+                    })
+                })
+                .collect();
+            let now = (leaders.len() == 1).then(|| leaders[0]);
+            if now.is_some() && now == last {
+                return leaders[0];
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no agreed leader: {leaders:?}"
+            );
+            last = now;
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
     }
 
     /// SIGKILL node `i`.

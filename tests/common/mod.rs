@@ -210,6 +210,8 @@ pub struct ServerProc {
     pub child: std::process::Child,
     pub addr: std::net::SocketAddr,
     pub ca: std::path::PathBuf,
+    /// The HTTP address of `/metrics` and the admin API, when `extra` asked for one.
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 impl ServerProc {
@@ -218,7 +220,10 @@ impl ServerProc {
         use std::io::{BufRead, BufReader};
         use std::process::{Command, Stdio};
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tether"));
-        cmd.args(["server", "--metrics", "off"]);
+        cmd.arg("server");
+        if !extra.contains(&"--metrics") {
+            cmd.args(["--metrics", "off"]);
+        }
         if !extra.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }
@@ -241,6 +246,7 @@ impl ServerProc {
             child,
             addr: v["addr"].as_str().unwrap().parse().unwrap(),
             ca: std::path::PathBuf::from(v["ca"].as_str().unwrap()),
+            metrics: v["metrics"].as_str().and_then(|m| m.parse().ok()),
         }
     }
 
@@ -272,6 +278,28 @@ impl Drop for ServerProc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The body of a plain HTTP/1.1 GET of `path` at `addr` (the metrics and admin address),
+/// headers included; empty if the node does not answer.
+pub fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return String::new();
+    };
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    if write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .is_err()
+    {
+        return String::new();
+    }
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).into_owned()
 }
 
 /// A UDP relay in front of `server` for one client (the first address that sends to it); while
