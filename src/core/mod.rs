@@ -1008,13 +1008,15 @@ impl NodeCore {
 
     /// Cluster rebalancing: durable id `id`'s queue, away, is about to be handed over to another
     /// node; until [`end_handover`](Self::end_handover) (or its deposition) no client attaches
-    /// and no admin closes it. False if there is no such queue, its client is attached, or it
-    /// is moving already.
+    /// and no admin closes it. False if there is no such queue, its client is attached, it is
+    /// moving already, or its client's last ack is not stored yet: copies are shipped the
+    /// stored ack, and the taker must hold every ack the client made (it would send those
+    /// events again). A later round finds it stored.
     pub fn begin_handover(&mut self, id: &str) -> bool {
         let Some(q) = self.durable.get(id).and_then(|q| self.queues.get_mut(q)) else {
             return false;
         };
-        if q.moving || !matches!(q.state, QueueState::Away { .. }) {
+        if q.moving || !matches!(q.state, QueueState::Away { .. }) || q.acked_stored < q.acked {
             return false;
         }
         q.moving = true;
