@@ -186,6 +186,39 @@ async fn routed_cluster_with(
     }
 }
 
+/// One cut flag per pair of the three nodes, shared by the relays of both directions.
+#[derive(Clone)]
+struct PairCuts(Vec<Arc<std::sync::atomic::AtomicBool>>);
+
+impl PairCuts {
+    fn new() -> PairCuts {
+        PairCuts((0..3).map(|_| Arc::default()).collect())
+    }
+
+    /// The flag of the link between nodes `i` and `j` (i ≠ j): (0,1), (0,2), (1,2) in order.
+    fn flag(&self, i: usize, j: usize) -> &Arc<std::sync::atomic::AtomicBool> {
+        &self.0[i + j - 1]
+    }
+
+    fn set(&self, i: usize, j: usize, cut: bool) {
+        self.flag(i, j).store(cut, Ordering::SeqCst);
+    }
+
+    fn heal_all(&self) {
+        for f in &self.0 {
+            f.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Three nodes whose every link can be cut ([`PairCuts`]), serving `/metrics` when
+/// `observed`.
+async fn pair_routed_cluster(observed: bool) -> (ProcCluster, PairCuts) {
+    let cuts = PairCuts::new();
+    let p = routed_cluster_with(observed, |i, j| Some(cuts.flag(i, j).clone())).await;
+    (p, cuts)
+}
+
 /// A reconnecting subscription of durable client "d" (redundancy 1, interest in all keys of
 /// R) knowing every node, first placed on the first that answers (n1), noticing a lost
 /// connection after `failure_timeout` and waiting at most `delay_max` between attempts.
@@ -743,16 +776,12 @@ async fn a_client_of_a_cut_off_primary_moves_to_the_new_primary_within_5_s() {
 /// throughout, gets every event, and nothing is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_cut_from_its_copy_only_delivers_again() {
-    use std::sync::atomic::AtomicBool;
     const BEFORE: u32 = 1_000;
     const TOTAL: u32 = 2_000;
     /// Far longer than twice the failure time plus the lease: the queue must not wait for the
     /// link to heal.
     const RESUMED_WITHIN: Duration = Duration::from_secs(30);
-    // One flag per pair of nodes, shared by the relays of both directions.
-    let cuts: Vec<Arc<AtomicBool>> = (0..3).map(|_| Arc::new(AtomicBool::new(false))).collect();
-    let pair = |i: usize, j: usize| i + j - 1; // (0,1) -> 0, (0,2) -> 1, (1,2) -> 2
-    let p = routed_cluster(|i, j| Some(cuts[pair(i, j)].clone())).await;
+    let (p, cuts) = pair_routed_cluster(false).await;
     // The queue's primary is PRIMARY.
     const PRIMARY: usize = 1;
     let a = durable_on(&p, PRIMARY, "d").await;
@@ -769,7 +798,7 @@ async fn a_primary_cut_from_its_copy_only_delivers_again() {
     }
     let secondary = in_sync_secondary(&p, PRIMARY, "d", u64::from(BEFORE)).await;
     eprintln!("primary n{}, copy on n{}", PRIMARY + 1, secondary + 1);
-    cuts[pair(PRIMARY, secondary)].store(true, Ordering::SeqCst);
+    cuts.set(PRIMARY, secondary, true);
     let cut_at = std::time::Instant::now();
     let third = 3 - secondary - PRIMARY;
     assert_eq!(
@@ -789,9 +818,7 @@ async fn a_primary_cut_from_its_copy_only_delivers_again() {
         }
     }
     eprintln!("every event received {:?} after the cut", cut_at.elapsed());
-    for c in &cuts {
-        c.store(false, Ordering::SeqCst);
-    }
+    cuts.heal_all();
     events.commit();
     a.close(true).await.ok();
 }
@@ -805,15 +832,12 @@ async fn a_primary_cut_from_its_copy_only_delivers_again() {
 /// delivered nor completed a registration for the whole cut.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_cut_from_the_leader_only_hands_over_to_its_copy() {
-    use std::sync::atomic::AtomicBool;
     const BEFORE: u32 = 1_000;
     const TOTAL: u32 = 2_000;
     /// Well above the failure time, the lease and a client's reconnect: the queue must not
     /// wait for the link to heal.
     const RESUMED_WITHIN: Duration = Duration::from_secs(30);
-    let cuts: Vec<Arc<AtomicBool>> = (0..3).map(|_| Arc::new(AtomicBool::new(false))).collect();
-    let pair = |i: usize, j: usize| i + j - 1; // (0,1) -> 0, (0,2) -> 1, (1,2) -> 2
-    let p = routed_cluster_with(true, |i, j| Some(cuts[pair(i, j)].clone())).await;
+    let (p, cuts) = pair_routed_cluster(true).await;
     let leader = p.leader().await;
     let primary = (leader + 1) % 3;
     let third = 3 - leader - primary;
@@ -864,7 +888,7 @@ async fn a_primary_cut_from_the_leader_only_hands_over_to_its_copy() {
         primary + 1,
         third + 1
     );
-    cuts[pair(leader, primary)].store(true, Ordering::SeqCst);
+    cuts.set(leader, primary, true);
     let cut_at = std::time::Instant::now();
     // The rest is published once the leader has declared the old primary failed
     // (`node-failure-ms`, 2.5 s) and the new primary's lease wait is over (1.5 s): only the new
@@ -908,9 +932,7 @@ async fn a_primary_cut_from_the_leader_only_hands_over_to_its_copy() {
     .await
     .expect("a registration completes on the new primary during the cut")
     .unwrap();
-    for c in &cuts {
-        c.store(false, Ordering::SeqCst);
-    }
+    cuts.heal_all();
     sub.close(true).await.ok();
 }
 
@@ -922,7 +944,6 @@ async fn a_primary_cut_from_the_leader_only_hands_over_to_its_copy() {
 /// and the client gets every acknowledged event, a repeated one flagged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flapping_links_never_leave_a_client_without_a_session_for_long() {
-    use std::sync::atomic::AtomicBool;
     const FLAP_FOR: Duration = Duration::from_secs(40);
     /// The subscription's longest wait between reconnect attempts.
     const RECONNECT_DELAY_MAX: Duration = Duration::from_millis(500);
@@ -941,9 +962,8 @@ async fn flapping_links_never_leave_a_client_without_a_session_for_long() {
                 | 1
         });
     eprintln!("TETHER_FLAP_SEED={seed}");
-    let flags: Vec<Arc<AtomicBool>> = (0..3).map(|_| Arc::new(AtomicBool::new(false))).collect();
-    let pair = |i: usize, j: usize| i + j - 1; // (0,1) -> 0, (0,2) -> 1, (1,2) -> 2
-    let p = routed_cluster(|i, j| Some(flags[pair(i, j)].clone())).await;
+    let (p, cuts) = pair_routed_cluster(false).await;
+    let flags = cuts.0.clone();
     let mut sub = subscribe_d(&p, Duration::from_secs(3), RECONNECT_DELAY_MAX).await;
     // Publishes through n3 all along: 20 every 50 ms, about as long as the flapping.
     const PER_PUBLISH: u32 = 20;
