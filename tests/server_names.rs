@@ -315,3 +315,56 @@ async fn members_listed_by_host_name_are_dialed_and_redirected_to_by_that_name()
     d.close(false).await.unwrap();
     c.shutdown().await;
 }
+
+/// A server that speaks no version of the Tether protocol the client does (another ALPN: a
+/// newer server, or not Tether) refuses the handshake (TLS alert 120), and the client says
+/// so, naming the version it speaks, instead of a bare TLS error.
+#[tokio::test]
+async fn a_server_speaking_no_common_protocol_version_is_refused_with_a_clear_error() {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    use std::sync::Arc;
+    tls::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let files = tls::ensure_dev_certs(dir.path()).unwrap();
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&files.cert)
+        .unwrap()
+        .map(|c| c.unwrap())
+        .collect();
+    let key = PrivateKeyDer::from_pem_file(&files.key).unwrap();
+    let mut server_tls = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS13])
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .unwrap();
+    server_tls.alpn_protocols = vec![b"tether/99".to_vec()];
+    let quic = quinn::crypto::rustls::QuicServerConfig::try_from(server_tls).unwrap();
+    let server = tether_transport::endpoint::server_endpoint(
+        "127.0.0.1:0".parse().unwrap(),
+        quinn::ServerConfig::with_crypto(Arc::new(quic)),
+    )
+    .unwrap();
+    let addr = server.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Some(incoming) = server.accept().await {
+            let _ = incoming.await;
+        }
+    });
+    let err = ClientBuilder::new()
+        .server(addr)
+        .ca_file(&files.ca)
+        .connect()
+        .await
+        .err()
+        .expect("no protocol version in common");
+    let message = err.to_string();
+    assert!(matches!(err, ClientError::Connect(_)), "{err:?}");
+    assert!(
+        message.contains("the server speaks no version of the Tether protocol this client does")
+            && message.contains(&String::from_utf8_lossy(tether_transport::ALPN).into_owned()),
+        "{message}"
+    );
+}
