@@ -1714,3 +1714,58 @@ async fn bad_peer_messages_get_error_answers_and_hurt_nothing() {
     p.close(false).await.unwrap();
     c.shutdown().await;
 }
+
+/// A client whose hello does not say it knows `going-away` (an older client: `going_away`
+/// false) is answered `shutdown` for a request a stopping node read but did not apply, never
+/// the `going-away` code it would not know: it then reconnects as it always did. Raw clients
+/// publish in a loop while the node stops; each ends on its first error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_node_answers_an_older_client_shutdown_not_going_away() {
+    const PUBLISHERS: usize = 4;
+    let mut t = TestNode::start().await;
+    let mut tasks = Vec::new();
+    for c in 0..PUBLISHERS {
+        let mut raw = Raw::hello(&t, None).await;
+        tasks.push(tokio::spawn(async move {
+            for id in 1.. {
+                let op = put(OTHER, &format!("p{c}-{id}"), b"v");
+                raw.send(&ClientMsg::Request {
+                    id,
+                    body: publish(vec![op]),
+                })
+                .await;
+                loop {
+                    match raw.next().await {
+                        Some(ServerMsg::Response { id: rid, result }) if rid == id => {
+                            match result {
+                                Ok(_) => break,
+                                Err(e) => return Some(e.code),
+                            }
+                        }
+                        Some(ServerMsg::Ping { nonce }) => {
+                            raw.send(&ClientMsg::Pong { nonce }).await
+                        }
+                        Some(_) => {}
+                        None => return None, // Closed before answering: not counted.
+                    }
+                }
+            }
+            None
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    t.restart().await;
+    let mut codes = Vec::new();
+    for task in tasks {
+        codes.extend(task.await.unwrap());
+    }
+    eprintln!("errors answered while stopping: {codes:?}");
+    assert!(
+        codes.contains(&ErrorCode::Shutdown),
+        "an older client's publish during the stop was answered shutdown: {codes:?}"
+    );
+    assert!(
+        !codes.contains(&ErrorCode::GoingAway),
+        "an older client was answered going-away: {codes:?}"
+    );
+}
