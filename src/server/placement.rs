@@ -150,12 +150,7 @@ pub(crate) async fn place_durable(
                         format!("placing durable id: unexpected {other:?}"),
                     ));
                 }
-                Err(e) => {
-                    return Err(WireError::new(
-                        ErrorCode::Unavailable,
-                        format!("cluster metadata unavailable, retry: {e}"),
-                    ));
-                }
+                Err(e) => return Err(metadata_unavailable(e)),
             }
         }
     };
@@ -195,25 +190,15 @@ pub(crate) async fn place_durable(
             );
             match step {
                 PlacedHereStep::Serve => break,
-                PlacedHereStep::Elsewhere(node) => {
-                    return match node.and_then(|n| cluster.members().nodes.get(&n).cloned()) {
-                        Some(n) => Ok(Placed::Elsewhere {
-                            node_id: n.name,
-                            addr: n.addr,
-                        }),
-                        None => Err(WireError::new(
-                            ErrorCode::Unavailable,
-                            "this queue moved to another node; reconnect",
-                        )),
-                    };
+                PlacedHereStep::Elsewhere(Some(node)) => return redirect(cluster, node),
+                PlacedHereStep::Elsewhere(None) => {
+                    return Err(WireError::new(
+                        ErrorCode::Unavailable,
+                        "this queue moved to another node; reconnect",
+                    ));
                 }
                 PlacedHereStep::Confirm => {
-                    if let Err(e) = cluster.barrier().await {
-                        return Err(WireError::new(
-                            ErrorCode::Unavailable,
-                            format!("cluster metadata unavailable, retry: {e}"),
-                        ));
-                    }
+                    cluster.barrier().await.map_err(metadata_unavailable)?;
                     if cluster.placement(&d.id).as_ref() != Some(&placement) {
                         return Err(WireError::new(
                             ErrorCode::Unavailable,
@@ -248,7 +233,12 @@ pub(crate) async fn place_durable(
         super::failover::adopt_promoted_copy(shared, &d.id, &placement).await?;
         return Ok(Placed::Here(placement));
     }
-    match cluster.members().nodes.get(&placement.primary) {
+    redirect(cluster, placement.primary)
+}
+
+/// Sends the client to member `node`, which holds the queue.
+fn redirect(cluster: &Cluster, node: crate::cluster::meta::RaftId) -> Result<Placed, WireError> {
+    match cluster.members().nodes.get(&node) {
         Some(n) => Ok(Placed::Elsewhere {
             node_id: n.name.clone(),
             addr: n.addr.clone(),
@@ -258,6 +248,14 @@ pub(crate) async fn place_durable(
             "the node holding this durable queue is not a configured member",
         )),
     }
+}
+
+/// The metadata could not be written or read through consensus: the client retries.
+fn metadata_unavailable(e: crate::cluster::ClusterError) -> WireError {
+    WireError::new(
+        ErrorCode::Unavailable,
+        format!("cluster metadata unavailable, retry: {e}"),
+    )
 }
 
 /// Refuses `principal` a durable id whose copy held here belongs to another principal (the
