@@ -252,6 +252,28 @@ fn note_event(seen: &mut HashSet<u32>, e: &Event) {
     );
 }
 
+/// Notes an event received after a cut (`next`, read within the test's wait) in `seen`;
+/// returns what is neither an event nor a live marker, and panics if the stream ended or
+/// stalled with fewer than `total` events seen.
+fn note_after_cut(
+    next: Result<Option<ClientEvent>, tokio::time::error::Elapsed>,
+    seen: &mut HashSet<u32>,
+    total: u32,
+    cut_at: std::time::Instant,
+) -> Option<ClientEvent> {
+    match next {
+        Ok(Some(ClientEvent::Event(e))) => note_event(seen, &e),
+        Ok(Some(ClientEvent::Live { .. })) => {}
+        Ok(Some(other)) => return Some(other),
+        end => panic!(
+            "{} of {total} events {:?} after the cut: {end:?}",
+            seen.len(),
+            cut_at.elapsed()
+        ),
+    }
+    None
+}
+
 /// G1 (copies exist and follow the primary): a queue with redundancy 1 has a copy on another
 /// node holding every entry, its interest and its acked offset; both report it. G11: the
 /// client's acks remove the entries from the copy too (nothing pending there). G6/G9: a
@@ -807,14 +829,9 @@ async fn a_primary_cut_from_its_copy_only_delivers_again() {
     );
     while seen.len() < TOTAL as usize {
         let left = RESUMED_WITHIN.saturating_sub(cut_at.elapsed());
-        match tokio::time::timeout(left, events.next()).await {
-            Ok(Some(ClientEvent::Event(e))) => note_event(&mut seen, &e),
-            Ok(Some(ClientEvent::Live { .. })) => {}
-            other => panic!(
-                "{} of {TOTAL} events {:?} after the cut: {other:?}",
-                seen.len(),
-                cut_at.elapsed()
-            ),
+        let next = tokio::time::timeout(left, events.next()).await;
+        if let Some(other) = note_after_cut(next, &mut seen, TOTAL, cut_at) {
+            panic!("after the cut: {other:?}");
         }
     }
     eprintln!("every event received {:?} after the cut", cut_at.elapsed());
@@ -902,22 +919,18 @@ async fn a_primary_cut_from_the_leader_only_hands_over_to_its_copy() {
     ));
     while seen.len() < TOTAL as usize {
         let left = RESUMED_WITHIN.saturating_sub(cut_at.elapsed());
-        match tokio::time::timeout(left, sub.next()).await {
-            Ok(Some(ClientEvent::Event(e))) => note_event(&mut seen, &e),
-            Ok(Some(ClientEvent::Reconnected { .. })) => eprintln!(
+        let next = tokio::time::timeout(left, sub.next()).await;
+        match note_after_cut(next, &mut seen, TOTAL, cut_at) {
+            None => {}
+            Some(ClientEvent::Reconnected { .. }) => eprintln!(
                 "reconnected to {} {:?} after the cut",
                 sub.client().unwrap().node_id(),
                 cut_at.elapsed()
             ),
-            Ok(Some(ClientEvent::Disconnected { error })) => {
+            Some(ClientEvent::Disconnected { error }) => {
                 eprintln!("disconnected {:?} after the cut: {error}", cut_at.elapsed())
             }
-            Ok(Some(ClientEvent::Live { .. })) => {}
-            other => panic!(
-                "{} of {TOTAL} events {:?} after the cut: {other:?}",
-                seen.len(),
-                cut_at.elapsed()
-            ),
+            Some(other) => panic!("after the cut: {other:?}"),
         }
     }
     eprintln!("every event received {:?} after the cut", cut_at.elapsed());
