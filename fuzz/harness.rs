@@ -1010,11 +1010,8 @@ impl SessionSim {
             "n1",
             self.now,
             metas.clone(),
-            |k| store.state_get(k).unwrap(),
-            |q, from, to| {
-                tether::core::bytes::stored_entry_bytes(store, q, from, to)
-                    .map_err(|e| e.to_string())
-            },
+            |k| store.state_get(k),
+            |q, from, to| tether::core::bytes::stored_entry_bytes(store, q, from, to),
         )
         .unwrap_or_else(|e| panic!("session: recovery failed: {e}"));
         self.core = core;

@@ -9,7 +9,8 @@
 //!   reads (`get`), per region;
 //! - admin principals may do everything, including `tether queues` and `close-durable`;
 //! - a durable id belongs to the principal that created its queue: no other principal can
-//!   attach to it (enforced by the core, see `NodeCore::connect_as`).
+//!   attach to it (enforced by the core, see `NodeCore::connect_as`), and a copy's owner is
+//!   checked before a client's failover may promote it (`placement::check_copy_owner`).
 //!
 //! Each connection authenticates anew, so the credentials of the latest connection are the ones
 //! that count.
@@ -140,44 +141,53 @@ pub fn glob_match(pattern: &str, name: &str) -> bool {
     p[pi..].iter().all(|&c| c == '*')
 }
 
+/// An `[auth]` table refused ([`Authorizer::new`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AuthConfigError {
+    #[error("auth.tokens: a token needs a principal")]
+    TokenWithoutPrincipal,
+    #[error(
+        "auth.tokens: a principal name of {0} bytes (at most {max})",
+        max = crate::limits::PRINCIPAL_BYTES_MAX
+    )]
+    PrincipalTooLong(usize),
+    #[error("auth.tokens: the sha256 of {0:?} must be 64 hex digits (see tether hash-token)")]
+    BadHash(String),
+    #[error("auth.tokens: the token of {0:?} is listed twice")]
+    TokenListedTwice(String),
+    #[error("auth.acl: an entry needs a principal (or \"*\")")]
+    AclWithoutPrincipal,
+    #[error("auth.acl: empty pattern for {0:?}")]
+    AclEmptyPattern(String),
+}
+
 fn forbidden(msg: String) -> WireError {
     WireError::new(ErrorCode::Forbidden, msg)
 }
 
 impl Authorizer {
     /// Validates the configuration: token hashes, principal names, patterns.
-    pub fn new(config: &AuthConfig) -> Result<Self, String> {
+    pub fn new(config: &AuthConfig) -> Result<Self, AuthConfigError> {
         let mut tokens = HashMap::new();
         for t in &config.tokens {
             if t.principal.is_empty() {
-                return Err("auth.tokens: a token needs a principal".into());
+                return Err(AuthConfigError::TokenWithoutPrincipal);
             }
             if t.principal.len() > crate::limits::PRINCIPAL_BYTES_MAX {
-                return Err(format!(
-                    "auth.tokens: a principal name of {} bytes (at most {})",
-                    t.principal.len(),
-                    crate::limits::PRINCIPAL_BYTES_MAX
-                ));
+                return Err(AuthConfigError::PrincipalTooLong(t.principal.len()));
             }
-            let h = parse_hash(&t.sha256.to_ascii_lowercase()).ok_or_else(|| {
-                format!(
-                    "auth.tokens: the sha256 of {:?} must be 64 hex digits (see tether hash-token)",
-                    t.principal
-                )
-            })?;
+            let h = parse_hash(&t.sha256.to_ascii_lowercase())
+                .ok_or_else(|| AuthConfigError::BadHash(t.principal.clone()))?;
             if tokens.insert(h, t.principal.clone()).is_some() {
-                return Err(format!(
-                    "auth.tokens: the token of {:?} is listed twice",
-                    t.principal
-                ));
+                return Err(AuthConfigError::TokenListedTwice(t.principal.clone()));
             }
         }
         for a in &config.acl {
             if a.principal.is_empty() {
-                return Err("auth.acl: an entry needs a principal (or \"*\")".into());
+                return Err(AuthConfigError::AclWithoutPrincipal);
             }
             if a.publish.iter().chain(&a.subscribe).any(String::is_empty) {
-                return Err(format!("auth.acl: empty pattern for {:?}", a.principal));
+                return Err(AuthConfigError::AclEmptyPattern(a.principal.clone()));
             }
         }
         Ok(Authorizer {
@@ -335,7 +345,7 @@ mod tests {
         let Err(err) = Authorizer::new(&config) else {
             panic!("a long principal is refused");
         };
-        assert!(err.contains("principal name"), "{err}");
+        assert!(err.to_string().contains("principal name"), "{err}");
     }
 
     #[test]
@@ -432,7 +442,12 @@ mod tests {
             }],
             ..Default::default()
         };
-        assert!(Authorizer::new(&bad).unwrap_err().contains("64 hex digits"));
+        assert!(
+            Authorizer::new(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("64 hex digits")
+        );
         let dup = AuthConfig {
             tokens: vec![
                 TokenEntry {

@@ -6,6 +6,9 @@
 //! the Rust allocator is (glibc's figures, read at scrape time from `mallinfo2`). Resident
 //! memory well above the two live figures is memory freed but kept by an allocator, not data
 //! the node holds (`docs/operations.md`, "Memory").
+//!
+//! Also glibc's mmap threshold (`tune_native_heap`); the `tether` binary sets mimalloc's
+//! options (no transparent huge pages, freed memory purged at once) in `src/main.rs`.
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::cell::Cell;

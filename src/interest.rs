@@ -5,6 +5,14 @@
 //! [`Selector::Key`] per key, so registering the same thing twice is idempotent and
 //! unregistering one key of a list works. Regexes match the whole key, with the `regex` crate's
 //! size limits; a region's distinct regexes are matched together by one `RegexSet`.
+//!
+//! The set is rebuilt as regexes come and go (once an eighth of the set, or a minimum count,
+//! changed); the newest few are matched alone until then. Its compiled form is shared as a
+//! [`RegexMatcher`], so a publish matches its keys outside the core lock, with the last matcher
+//! it knows of the region ([`Prematch`]; the index checks it is still the region's and matches
+//! again itself if not). A new regex is compiled once, when its registration is validated. The
+//! index also counts the distinct regexes the queues of each principal hold
+//! (`REGEXES_PER_PRINCIPAL_MAX`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -19,6 +27,49 @@ use crate::limits::{
 use crate::protocol::{InterestInfo, InterestSpec};
 use tether_storage::QueueId;
 
+/// Why an interest (or a key) is refused. Each names the limit it passed.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum InterestError {
+    #[error("a key list interest needs at least one key")]
+    EmptyKeyList,
+    #[error("key of {bytes} bytes exceeds the limit of {max} bytes", max = KEY_BYTES_MAX)]
+    KeyTooLong { bytes: usize },
+    #[error(
+        "regex of {bytes} bytes exceeds the limit of {max} bytes",
+        max = REGEX_SOURCE_BYTES_MAX
+    )]
+    RegexTooLong { bytes: usize },
+    #[error("invalid regex {pattern:?}: {error}")]
+    InvalidRegex {
+        pattern: String,
+        error: regex::Error,
+    },
+    #[error(
+        "the queues of principal {principal:?} hold {held} distinct interest regexes, and {more} \
+         more would pass the most one principal may hold ({max}): unregister some, or register \
+         keys",
+        max = REGEXES_PER_PRINCIPAL_MAX
+    )]
+    TooManyRegexes {
+        principal: String,
+        held: usize,
+        more: usize,
+    },
+}
+
+impl From<InterestError> for crate::protocol::WireError {
+    /// A limit on the number of regexes is `limit-exceeded`; anything else is the request's
+    /// own fault, `invalid-argument`.
+    fn from(e: InterestError) -> Self {
+        use crate::protocol::ErrorCode;
+        let code = match e {
+            InterestError::TooManyRegexes { .. } => ErrorCode::LimitExceeded,
+            _ => ErrorCode::InvalidArgument,
+        };
+        Self::new(code, e.to_string())
+    }
+}
+
 /// One normalised interest selector within a region.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum Selector {
@@ -29,7 +80,7 @@ pub enum Selector {
 
 impl Selector {
     /// Expands a wire spec into selectors, validating keys and regex sizes.
-    pub fn from_spec(spec: &InterestSpec) -> Result<Vec<Selector>, String> {
+    pub fn from_spec(spec: &InterestSpec) -> Result<Vec<Selector>, InterestError> {
         Ok(Selector::from_spec_compiled(spec)?.0)
     }
 
@@ -37,13 +88,13 @@ impl Selector {
     /// need not be compiled again for the index ([`InterestIndex::insert_owned`]).
     pub fn from_spec_compiled(
         spec: &InterestSpec,
-    ) -> Result<(Vec<Selector>, Option<Regex>), String> {
+    ) -> Result<(Vec<Selector>, Option<Regex>), InterestError> {
         let mut compiled = None;
         let selectors = match spec {
             InterestSpec::Key(k) => vec![Selector::Key(k.clone())],
             InterestSpec::Keys(keys) => {
                 if keys.is_empty() {
-                    return Err("a key list interest needs at least one key".into());
+                    return Err(InterestError::EmptyKeyList);
                 }
                 keys.iter().cloned().map(Selector::Key).collect()
             }
@@ -88,29 +139,28 @@ impl Selector {
 }
 
 /// Validates a key against the key size limit.
-pub fn validate_key(key: &str) -> Result<(), String> {
+pub fn validate_key(key: &str) -> Result<(), InterestError> {
     if key.len() > KEY_BYTES_MAX {
-        return Err(format!(
-            "key of {} bytes exceeds the limit of {KEY_BYTES_MAX} bytes",
-            key.len()
-        ));
+        return Err(InterestError::KeyTooLong { bytes: key.len() });
     }
     Ok(())
 }
 
 /// Compiles an interest regex anchored to the whole key, within the size limits.
-pub fn compile_regex(source: &str) -> Result<Regex, String> {
+pub fn compile_regex(source: &str) -> Result<Regex, InterestError> {
     if source.len() > REGEX_SOURCE_BYTES_MAX {
-        return Err(format!(
-            "regex of {} bytes exceeds the limit of {REGEX_SOURCE_BYTES_MAX} bytes",
-            source.len()
-        ));
+        return Err(InterestError::RegexTooLong {
+            bytes: source.len(),
+        });
     }
     RegexBuilder::new(&anchored(source))
         .size_limit(REGEX_COMPILED_BYTES_MAX)
         .dfa_size_limit(REGEX_COMPILED_BYTES_MAX)
         .build()
-        .map_err(|e| format!("invalid regex {source:?}: {e}"))
+        .map_err(|error| InterestError::InvalidRegex {
+            pattern: source.to_string(),
+            error,
+        })
 }
 
 /// A regex source anchored to match the whole key.
@@ -541,7 +591,7 @@ impl InterestIndex {
         owner: &str,
         region: &str,
         fresh: impl Iterator<Item = &'a str>,
-    ) -> Result<(), String> {
+    ) -> Result<(), InterestError> {
         self.by_principal.check_room(owner, region, fresh)
     }
 
@@ -646,7 +696,7 @@ impl RegexesByPrincipal {
         principal: &str,
         region: &str,
         fresh: impl Iterator<Item = &'a str>,
-    ) -> Result<(), String> {
+    ) -> Result<(), InterestError> {
         let held = self.0.get(principal);
         let mut new: Vec<&str> = fresh
             .filter(|src| {
@@ -657,10 +707,11 @@ impl RegexesByPrincipal {
         new.dedup();
         let count = self.count(principal);
         if !new.is_empty() && count + new.len() > REGEXES_PER_PRINCIPAL_MAX {
-            return Err(format!(
-                "the queues of principal {principal:?} hold {count} distinct interest regexes, and {} more would pass the most one principal may hold ({REGEXES_PER_PRINCIPAL_MAX}): unregister some, or register keys",
-                new.len()
-            ));
+            return Err(InterestError::TooManyRegexes {
+                principal: principal.to_string(),
+                held: count,
+                more: new.len(),
+            });
         }
         Ok(())
     }
@@ -687,6 +738,7 @@ mod tests {
         assert!(
             Selector::from_spec(&InterestSpec::Regex("(".into()))
                 .unwrap_err()
+                .to_string()
                 .contains("invalid regex")
         );
         assert!(

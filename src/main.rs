@@ -1,6 +1,12 @@
 //! The `tether` command line: server, publishers, subscribers and admin.
 //! Its names, flags and JSON fields are a public contract (`docs/cli.md`); the commands live
 //! in `cli/`.
+//!
+//! This file sets up the process before handing over to `cli/`: a panic stops it
+//! (`tether::bug::stop_on_panic`), and the allocators: mimalloc, counted
+//! (`tether::heap::Counting`), without transparent huge pages (for the whole process:
+//! `PR_SET_THP_DISABLE`) and purging freed memory at once; glibc's mmap threshold
+//! (`docs/operations.md`, "Memory").
 
 mod cli;
 

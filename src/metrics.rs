@@ -1,6 +1,8 @@
 //! Prometheus metrics: names (all `tether_`) and the process-wide recorder. The `/metrics`
 //! endpoint is part of the HTTP admin surface (`server/admin.rs`), which appends the per-queue
-//! lag metrics rendered by [`crate::admin::render_lag_metrics`] at each scrape.
+//! lag metrics rendered by [`crate::admin::render_lag_metrics`] at each scrape. The recorder
+//! sets buckets per metric: seconds for the histograms of durations, operations for the
+//! write-batch histogram (`tether_storage_write_batch_ops`).
 
 use std::sync::OnceLock;
 

@@ -123,11 +123,8 @@ impl Sim {
             "n1",
             now,
             self.store.queues().unwrap(),
-            |k| self.store.state_get(k).unwrap(),
-            |q, from, to| {
-                tether::core::bytes::stored_entry_bytes(&self.store, q, from, to)
-                    .map_err(|e| e.to_string())
-            },
+            |k| self.store.state_get(k),
+            |q, from, to| tether::core::bytes::stored_entry_bytes(&self.store, q, from, to),
         )
         .unwrap();
         self.apply(b);

@@ -708,7 +708,8 @@ mod findings {
                 },
             ),
         ];
-        let (mut core, _) = NodeCore::recover("n1", 0, metas, |_| None, |_, _, _| Ok(0)).unwrap();
+        let (mut core, _) =
+            NodeCore::recover("n1", 0, metas, |_| Ok(None), |_, _, _| Ok(0)).unwrap();
         let (p, _) = core.publisher_session();
         core.publish(0, p, &[put("a"), put("b")], &mut |_, _| Ok(false))
             .expect_err("the second op finds queue 2 full");

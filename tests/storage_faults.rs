@@ -120,7 +120,7 @@ async fn a_failed_storage_write_stops_the_node_and_loses_nothing_committed() {
     let reason = tokio::time::timeout(WAIT, node.failed())
         .await
         .expect("node reports it");
-    assert!(reason.contains("fsync failed"), "{reason}");
+    assert!(reason.to_string().contains("fsync failed"), "{reason}");
 
     // Fail-stop: even once the disk answers again, the node takes no more writes.
     failing.store(false, Ordering::SeqCst);

@@ -3,7 +3,8 @@
 //! The application acks each event's offset when its work is done, in any order (events
 //! processed concurrently finish out of order). Acks to the server are cumulative, so an
 //! offset counts as processed only once every offset shown before it is acked too: the
-//! tracker holds an out-of-order ack until the gap below it closes.
+//! tracker holds an out-of-order ack until the gap below it closes. What is in progress (shown,
+//! not acked) is not shown again.
 
 use std::collections::VecDeque;
 

@@ -15,6 +15,9 @@
 //! dropped ([`DedupState`], shareable across reconnects in one process; across a restart of
 //! the process, through the application's [`ClientBuilder::checkpoint`]). A [`Subscription`]
 //! reconnects by itself.
+//!
+//! `client/tests/dependencies.rs` fails if this crate's dependency tree ever holds RocksDB or
+//! openraft.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;

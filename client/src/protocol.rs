@@ -141,16 +141,19 @@ pub enum ResultPolicy {
     None,
 }
 
+/// A result policy name that is none of `keys-values`, `keys` or `none`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown result policy {0:?} (expected keys-values, keys or none)")]
+pub struct UnknownResultPolicy(pub String);
+
 impl std::str::FromStr for ResultPolicy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownResultPolicy;
+    fn from_str(s: &str) -> Result<Self, UnknownResultPolicy> {
         match s {
             "keys-values" => Ok(ResultPolicy::KeysValues),
             "keys" => Ok(ResultPolicy::Keys),
             "none" => Ok(ResultPolicy::None),
-            other => Err(format!(
-                "unknown result policy {other:?} (expected keys-values, keys or none)"
-            )),
+            other => Err(UnknownResultPolicy(other.to_string())),
         }
     }
 }

@@ -1,4 +1,7 @@
 //! [`Publisher`]: publishing that survives the stopping of its server (a rolling restart).
+//!
+//! When its server stops, it moves to another server of its list: a request answered
+//! `going-away` was not applied, so it is sent again there.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};

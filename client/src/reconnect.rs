@@ -10,6 +10,8 @@
 //! shown again, and the live marker is shown once. The stream ends only when the application
 //! closes it, when reconnecting is refused for good (credentials, permissions, a bad
 //! argument), or when the policy's time limit passes.
+//!
+//! [`Backoff`]'s schedule is exponential, capped, with equal jitter.
 
 use std::collections::VecDeque;
 use std::hash::{BuildHasher, RandomState};

@@ -2,6 +2,14 @@
 //! listing query of the admin API ([`ListQuery`]: filter, sort, page with opaque tokens, merged
 //! over the members of a cluster), per-queue rates ([`QueueRates`]) and the bounded-cardinality
 //! lag metrics ([`render_lag_metrics`]). No I/O: the HTTP driver is `server/admin.rs`.
+//!
+//! A `QueueView` holds a queue's pending events and bytes, oldest pending age, away since,
+//! expires at, rates and drain estimate. Lag accounting costs the publish and delivery paths
+//! nothing beyond the counts the queue keeps anyway: rates are sampled by the tick (at most once
+//! per queue per 5 s); listings and `/metrics` walk the queues once per request (a page per
+//! node, pages merged cluster-wide), and `/metrics` carries at most `metrics-top-queues` series
+//! per per-queue metric (the top queues by pending, labelled), plus one histogram of all,
+//! whatever the number of queues. Property-tested.
 
 use std::cmp::Ordering;
 use std::fmt::Write as _;
@@ -247,8 +255,8 @@ impl PageToken {
         s
     }
 
-    pub fn decode(text: &str) -> Result<PageToken, String> {
-        let bad = || "bad paging token (use the `next` of the previous page)".to_string();
+    pub fn decode(text: &str) -> Result<PageToken, QueryError> {
+        let bad = || QueryError::BadToken;
         if text.len() > PAGE_TOKEN_BYTES_MAX {
             return Err(bad());
         }
@@ -263,6 +271,39 @@ impl PageToken {
             id: from_hex(id).ok_or_else(bad)?,
             node: from_hex(node).ok_or_else(bad)?,
         })
+    }
+}
+
+/// A listing query refused: each names the parameter and what it accepts.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum QueryError {
+    #[error("bad paging token (use the `next` of the previous page)")]
+    BadToken,
+    #[error("the paging token belongs to another sort or order: start again without `after`")]
+    TokenOfAnotherSort,
+    #[error("unknown {parameter} {value:?} (expected {expected})")]
+    UnknownValue {
+        parameter: &'static str,
+        value: String,
+        expected: &'static str,
+    },
+    #[error("limit {0:?} is not a number")]
+    LimitNotANumber(String),
+    #[error("limit must be at least 1")]
+    LimitZero,
+    #[error(
+        "unknown parameter {0:?} (expected limit, after, sort, order, state, role, region, prefix \
+         or scope)"
+    )]
+    UnknownParameter(String),
+}
+
+/// The refusal of `value` for `parameter`, which takes one of `expected`.
+fn unknown(parameter: &'static str, value: &str, expected: &'static str) -> QueryError {
+    QueryError::UnknownValue {
+        parameter,
+        value: value.to_string(),
+        expected,
     }
 }
 
@@ -282,43 +323,37 @@ fn order_name(o: SortOrder) -> &'static str {
     }
 }
 
-pub fn parse_sort(s: &str) -> Result<SortBy, String> {
+pub fn parse_sort(s: &str) -> Result<SortBy, QueryError> {
     match s {
         "pending" => Ok(SortBy::Pending),
         "bytes" => Ok(SortBy::Bytes),
         "age" => Ok(SortBy::Age),
         "id" => Ok(SortBy::Id),
-        other => Err(format!(
-            "unknown sort {other:?} (expected pending, bytes, age or id)"
-        )),
+        other => Err(unknown("sort", other, "pending, bytes, age or id")),
     }
 }
 
-pub fn parse_order(s: &str) -> Result<SortOrder, String> {
+pub fn parse_order(s: &str) -> Result<SortOrder, QueryError> {
     match s {
         "desc" => Ok(SortOrder::Desc),
         "asc" => Ok(SortOrder::Asc),
-        other => Err(format!("unknown order {other:?} (expected desc or asc)")),
+        other => Err(unknown("order", other, "desc or asc")),
     }
 }
 
-pub fn parse_role(s: &str) -> Result<RoleFilter, String> {
+pub fn parse_role(s: &str) -> Result<RoleFilter, QueryError> {
     match s {
         "primary" => Ok(RoleFilter::Primary),
         "secondary" => Ok(RoleFilter::Secondary),
         "all" => Ok(RoleFilter::All),
-        other => Err(format!(
-            "unknown role {other:?} (expected primary, secondary or all)"
-        )),
+        other => Err(unknown("role", other, "primary, secondary or all")),
     }
 }
 
-pub fn parse_state(s: &str) -> Result<String, String> {
+pub fn parse_state(s: &str) -> Result<String, QueryError> {
     match s {
         "ready" | "connected" | "away" => Ok(s.to_string()),
-        other => Err(format!(
-            "unknown state {other:?} (expected ready, connected or away)"
-        )),
+        other => Err(unknown("state", other, "ready, connected or away")),
     }
 }
 
@@ -354,7 +389,7 @@ impl ListQuery {
     pub fn from_params<'a>(
         params: impl IntoIterator<Item = (&'a str, &'a str)>,
         now_ms: u64,
-    ) -> Result<(ListQuery, bool), String> {
+    ) -> Result<(ListQuery, bool), QueryError> {
         let mut q = ListQuery {
             limit: QUEUES_PAGE_DEFAULT,
             now_ms,
@@ -366,9 +401,9 @@ impl ListQuery {
                 "limit" => {
                     let n: u64 = v
                         .parse()
-                        .map_err(|_| format!("limit {v:?} is not a number"))?;
+                        .map_err(|_| QueryError::LimitNotANumber(v.to_string()))?;
                     if n == 0 {
-                        return Err("limit must be at least 1".into());
+                        return Err(QueryError::LimitZero);
                     }
                     q.limit = n.min(QUEUES_PAGE_MAX as u64) as usize;
                 }
@@ -383,18 +418,10 @@ impl ListQuery {
                     cluster_wide = match v {
                         "cluster" => true,
                         "node" => false,
-                        other => {
-                            return Err(format!(
-                                "unknown scope {other:?} (expected cluster or node)"
-                            ));
-                        }
+                        other => return Err(unknown("scope", other, "cluster or node")),
                     }
                 }
-                other => {
-                    return Err(format!(
-                        "unknown parameter {other:?} (expected limit, after, sort, order, state, role, region, prefix or scope)"
-                    ));
-                }
+                other => return Err(QueryError::UnknownParameter(other.to_string())),
             }
         }
         q.check_token()?;
@@ -405,7 +432,7 @@ impl ListQuery {
     pub fn from_wire(
         w: &crate::protocol::QueuesQuery,
         now_ms: u64,
-    ) -> Result<(ListQuery, bool), String> {
+    ) -> Result<(ListQuery, bool), QueryError> {
         let limit = w.limit.map(|l| l.to_string());
         let pairs = [
             ("limit", limit.as_deref()),
@@ -479,12 +506,11 @@ impl ListQuery {
     }
 
     /// Checks that a page token belongs to this query's sort.
-    pub fn check_token(&self) -> Result<(), String> {
+    pub fn check_token(&self) -> Result<(), QueryError> {
         match &self.after {
-            Some(t) if t.sort != self.sort || t.order != self.order => Err(
-                "the paging token belongs to another sort or order: start again without `after`"
-                    .into(),
-            ),
+            Some(t) if t.sort != self.sort || t.order != self.order => {
+                Err(QueryError::TokenOfAnotherSort)
+            }
             _ => Ok(()),
         }
     }

@@ -1,6 +1,10 @@
 //! The commands of the `tether` binary: argument parsing (clap), the contract's output and
 //! exit statuses (`docs/cli.md`), and each command's work (`queues.rs`, `subscribe.rs`; the
 //! server, publishing and the rest here).
+//!
+//! Every command closes with `Client::close_promptly` (the close answered, the close packet
+//! sent, no draining wait), `subscribe` too: the server answers a close only once the session
+//! has ended, so a durable client may reconnect at once.
 
 mod queues;
 mod subscribe;
@@ -147,68 +151,99 @@ enum Command {
     },
 }
 
-fn client_name_arg(name: &str) -> Result<String, String> {
+/// A command-line value refused by its parser (clap prints it after the flag's name).
+#[derive(Debug, thiserror::Error)]
+enum ArgError {
+    #[error("invalid name {0:?}: use letters, digits, '-', '_', '.', '@'")]
+    ClientName(String),
+    #[error("invalid name {0:?}: a host name or an IP address")]
+    ServerName(String),
+    #[error("invalid server address {0:?} (expected HOST:PORT)")]
+    ServerAddress(String),
+    #[error("no server address given")]
+    NoServer,
+    #[error("must be at least 1")]
+    Zero,
+    #[error("{0}")]
+    NotANumber(#[from] std::num::ParseIntError),
+    #[error("a durable id has 1 to {max} bytes", max = DURABLE_ID_BYTES_MAX)]
+    DurableIdLength,
+}
+
+/// An environment variable (`TETHER_*`) that holds a value its flag refuses.
+#[derive(Debug, thiserror::Error)]
+enum EnvError {
+    #[error("environment variable {var} (for {flag}) is not UTF-8 text")]
+    NotText { var: String, flag: String },
+    #[error(
+        "invalid value{shown} in environment variable {var} (for {flag}): {reason}\n\nFor more \
+         information, try 'tether {command} --help'."
+    )]
+    Refused {
+        /// The value, quoted (empty when the flag hides its variable's values).
+        shown: String,
+        var: String,
+        flag: String,
+        reason: String,
+        command: String,
+    },
+}
+
+fn client_name_arg(name: &str) -> Result<String, ArgError> {
     if name.is_empty()
         || !name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_.@".contains(c))
     {
-        return Err(format!(
-            "invalid name {name:?}: use letters, digits, '-', '_', '.', '@'"
-        ));
+        return Err(ArgError::ClientName(name.to_string()));
     }
     Ok(name.to_string())
 }
 
-fn server_name_arg(n: &str) -> Result<String, String> {
+fn server_name_arg(n: &str) -> Result<String, ArgError> {
     let ok = !n.is_empty()
         && n.chars()
             .all(|c| c.is_ascii_alphanumeric() || "-.:".contains(c));
     if !ok {
-        return Err(format!("invalid name {n:?}: a host name or an IP address"));
+        return Err(ArgError::ServerName(n.to_string()));
     }
     Ok(n.to_string())
 }
 
-fn node_id_arg(id: &str) -> Result<String, String> {
+fn node_id_arg(id: &str) -> Result<String, tether::config::ConfigError> {
     validate_node_id(id).map(|()| id.to_string())
 }
 
 /// Checks the form of a `--server` list (each entry `HOST:PORT`); names are resolved later,
 /// when the command starts ([`parse_servers`]).
-fn server_list_arg(list: &str) -> Result<String, String> {
+fn server_list_arg(list: &str) -> Result<String, ArgError> {
     let mut any = false;
     for part in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let port_ok = part
             .rsplit_once(':')
             .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
         if !port_ok {
-            return Err(format!(
-                "invalid server address {part:?} (expected HOST:PORT)"
-            ));
+            return Err(ArgError::ServerAddress(part.to_string()));
         }
         any = true;
     }
     if !any {
-        return Err("no server address given".into());
+        return Err(ArgError::NoServer);
     }
     Ok(list.to_string())
 }
 
 /// A whole number of at least 1.
-fn positive_arg(s: &str) -> Result<u64, String> {
-    match s.parse::<u64>() {
-        Ok(0) => Err("must be at least 1".into()),
-        Ok(n) => Ok(n),
-        Err(e) => Err(e.to_string()),
+fn positive_arg(s: &str) -> Result<u64, ArgError> {
+    match s.parse::<u64>()? {
+        0 => Err(ArgError::Zero),
+        n => Ok(n),
     }
 }
 
-fn durable_id_arg(id: &str) -> Result<String, String> {
+fn durable_id_arg(id: &str) -> Result<String, ArgError> {
     if id.is_empty() || id.len() > DURABLE_ID_BYTES_MAX {
-        return Err(format!(
-            "a durable id has 1 to {DURABLE_ID_BYTES_MAX} bytes"
-        ));
+        return Err(ArgError::DurableIdLength);
     }
     Ok(id.to_string())
 }
@@ -519,7 +554,7 @@ pub fn main() -> ! {
             let settings = match tether::config::resolve(args, m) {
                 Ok(s) => s,
                 Err(e) => {
-                    eprintln!("error: {}", one_line(&e));
+                    eprintln!("error: {}", one_line(&e.to_string()));
                     std::process::exit(1);
                 }
             };
@@ -535,7 +570,7 @@ pub fn main() -> ! {
                         std::process::exit(0);
                     }
                     Err(e) => {
-                        eprintln!("error: {}", one_line(&e));
+                        eprintln!("error: {}", one_line(&e.to_string()));
                         std::process::exit(1);
                     }
                 }
@@ -612,7 +647,7 @@ fn init_logs(format: LogFormat, filter: &str) {
 /// Checks the environment variables (`TETHER_*`) of the invoked subcommand's flags that its
 /// command line does not give, as clap would parse them: a bad value is a usage error that
 /// names the variable (clap's own message would name the flag only).
-fn check_env(cmd: &clap::Command, argv: &[OsString]) -> Result<(), String> {
+fn check_env(cmd: &clap::Command, argv: &[OsString]) -> Result<(), EnvError> {
     let args: Vec<String> = argv
         .iter()
         .skip(1)
@@ -640,10 +675,10 @@ fn check_env(cmd: &clap::Command, argv: &[OsString]) -> Result<(), String> {
         if on_line {
             continue;
         }
-        let var = var.to_string_lossy();
-        let text = value
-            .to_str()
-            .ok_or_else(|| format!("environment variable {var} (for {flag}) is not UTF-8 text"))?;
+        let var = var.to_string_lossy().into_owned();
+        let Some(text) = value.to_str() else {
+            return Err(EnvError::NotText { var, flag });
+        };
         let values: Vec<&str> = match arg.get_value_delimiter() {
             Some(d) => text.split(d).collect(),
             None => vec![text],
@@ -662,11 +697,13 @@ fn check_env(cmd: &clap::Command, argv: &[OsString]) -> Result<(), String> {
                 } else {
                     format!(" {text:?}")
                 };
-                return Err(format!(
-                    "invalid value{shown} in environment variable {var} (for {flag}): {}\n\nFor more information, try 'tether {} --help'.",
-                    parse_error_reason(&e),
-                    sub.get_name()
-                ));
+                return Err(EnvError::Refused {
+                    shown,
+                    var,
+                    flag,
+                    reason: parse_error_reason(&e),
+                    command: sub.get_name().to_string(),
+                });
             }
         }
     }

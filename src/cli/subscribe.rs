@@ -1,5 +1,8 @@
 //! `tether subscribe`: one session or a reconnecting subscription, events printed as JSON
 //! lines through a buffered writer that formats without allocating per event.
+//!
+//! The lines go into one buffer, flushed whenever no event is ready, and an event is
+//! acknowledged only once its line is written.
 
 use super::*;
 

@@ -128,11 +128,27 @@ pub enum MetaCommand {
     Barrier,
 }
 
+/// A metadata command refused before it is proposed ([`MetaCommand::validate`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CommandRefused {
+    #[error("redundancy {0} is above the limit of {max}", max = REDUNDANCY_MAX)]
+    Redundancy(u8),
+    #[error("an owner of {0} bytes (at most {max})", max = crate::limits::PRINCIPAL_BYTES_MAX)]
+    OwnerBytes(usize),
+    #[error(
+        "a durable id of {0} bytes (1 to {max})",
+        max = crate::limits::DURABLE_ID_BYTES_MAX
+    )]
+    DurableIdBytes(usize),
+    #[error("{0} secondaries (at most {max})", max = REDUNDANCY_MAX)]
+    Secondaries(usize),
+}
+
 impl MetaCommand {
     /// Checks the command's sizes before it is proposed: a durable id of 1 to
     /// [`DURABLE_ID_BYTES_MAX`](crate::limits::DURABLE_ID_BYTES_MAX) bytes, at most
     /// [`REDUNDANCY_MAX`] secondaries. Every command in the log is then small.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), CommandRefused> {
         use crate::limits::DURABLE_ID_BYTES_MAX;
         let (id, secondaries) = match self {
             MetaCommand::Place {
@@ -142,9 +158,7 @@ impl MetaCommand {
                 ..
             } => {
                 if *redundancy > REDUNDANCY_MAX {
-                    return Err(format!(
-                        "redundancy {redundancy} is above the limit of {REDUNDANCY_MAX}"
-                    ));
+                    return Err(CommandRefused::Redundancy(*redundancy));
                 }
                 (id, secondaries.len())
             }
@@ -163,22 +177,13 @@ impl MetaCommand {
         } = self
             && owner.len() > crate::limits::PRINCIPAL_BYTES_MAX
         {
-            return Err(format!(
-                "an owner of {} bytes (at most {})",
-                owner.len(),
-                crate::limits::PRINCIPAL_BYTES_MAX
-            ));
+            return Err(CommandRefused::OwnerBytes(owner.len()));
         }
         if id.is_empty() || id.len() > DURABLE_ID_BYTES_MAX {
-            return Err(format!(
-                "a durable id of {} bytes (1 to {DURABLE_ID_BYTES_MAX})",
-                id.len()
-            ));
+            return Err(CommandRefused::DurableIdBytes(id.len()));
         }
         if secondaries > usize::from(REDUNDANCY_MAX) {
-            return Err(format!(
-                "{secondaries} secondaries (at most {REDUNDANCY_MAX})"
-            ));
+            return Err(CommandRefused::Secondaries(secondaries));
         }
         Ok(())
     }
@@ -397,6 +402,7 @@ mod tests {
             place(&long, 1, &[])
                 .validate()
                 .unwrap_err()
+                .to_string()
                 .contains("durable id")
         );
         assert!(place("", 1, &[]).validate().is_err());
@@ -404,6 +410,7 @@ mod tests {
             place("q", 1, &[2, 3, 4])
                 .validate()
                 .unwrap_err()
+                .to_string()
                 .contains("redundancy")
         );
         let set = MetaCommand::SetSecondaries {
@@ -411,7 +418,12 @@ mod tests {
             expected_epoch: 1,
             secondaries: vec![2, 3, 4],
         };
-        assert!(set.validate().unwrap_err().contains("secondaries"));
+        assert!(
+            set.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("secondaries")
+        );
         let release = MetaCommand::Release {
             id: long,
             expected_epoch: 1,

@@ -78,7 +78,11 @@ pub enum ClusterError {
     #[error("cluster configuration: {0}")]
     Config(String),
     #[error("cluster storage: {0}")]
-    Storage(String),
+    Storage(#[from] tether_storage::StorageError),
+    #[error("cluster storage: corrupt metadata snapshot: {0}")]
+    CorruptSnapshot(#[from] tether_transport::codec::CodecError),
+    #[error("metadata command refused: {0}")]
+    Refused(#[from] meta::CommandRefused),
     #[error("no metadata leader reachable within {0} ms")]
     NoLeader(u64),
     #[error("consensus stopped: {0}")]
@@ -184,11 +188,11 @@ impl Cluster {
         let dir = dir.to_path_buf();
         let db = tokio::task::spawn_blocking(move || RaftLogDb::open(&dir))
             .await
-            .map_err(|e| ClusterError::Storage(e.to_string()))?
-            .map_err(|e| ClusterError::Storage(e.to_string()))?;
+            // A panic while opening is a bug: it goes on as the panic it is.
+            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))?;
         let db = Arc::new(db);
         let log = LogStore::new(Arc::clone(&db));
-        let sm = StateMachine::open(Arc::clone(&db)).map_err(ClusterError::Storage)?;
+        let sm = StateMachine::open(Arc::clone(&db))?;
         let applied = sm.applied();
         let config = openraft::Config {
             cluster_name: "tether".into(),
@@ -305,8 +309,7 @@ impl Cluster {
 
     /// [`write`](Self::write), with the log index of the entry that carried the command.
     async fn write_logged(&self, cmd: MetaCommand) -> Result<(MetaResponse, u64), ClusterError> {
-        cmd.validate()
-            .map_err(|e| ClusterError::Config(format!("metadata command refused: {e}")))?;
+        cmd.validate()?;
         let deadline = Instant::now() + Duration::from_millis(network::FORWARD_TIMEOUT_MS);
         loop {
             let leader = match self.raft.client_write(cmd.clone()).await {

@@ -1,5 +1,21 @@
-//! Node-to-node RPC over QUIC: openraft's network (append entries, vote, install snapshot)
-//! and metadata writes forwarded to the leader.
+//! Node-to-node RPC over QUIC: openraft's network (append entries, vote, install snapshot),
+//! metadata writes forwarded to the leader, forwarded publishes and queue replication.
+//!
+//! A peer is the member its certificate names (URI SAN `urn:tether:node:<id>`, issued by the
+//! cluster CA), never any holder of a cluster-CA certificate: client certificates name no node
+//! and are refused as peers, node certificates are refused as clients. Every peer request is
+//! checked against that identity (`check_sender`: Raft candidate or leader, publish origin,
+//! replication sender; and `control::reconcile::shipped_by_non_primary` against the
+//! placement). A node dialing a peer checks that the certificate at the address names the node
+//! it called: its verifier checks the chain and the node name, never a host name, so node
+//! certificates need only the names their clients use; members may be listed by IP address or
+//! by host name, resolved when dialed. Metadata commands are size-checked before they are
+//! proposed (`MetaCommand::validate`).
+//!
+//! One handshake per peer at a time, shared by every RPC to it and never abandoned at an RPC's
+//! deadline (`PeerPool`); and a node answers a new connection's first Initial with a stateless
+//! Retry (`server/conn.rs`). So no half-open connection outlives `Node::shutdown` (quinn would
+//! keep the node's UDP port bound until its idle timeout).
 //!
 //! One QUIC connection per peer (ALPN [`tether_transport::PEER_ALPN`], mutual TLS under the
 //! cluster CA), opened lazily and reused; one bidirectional stream per RPC, so a snapshot
@@ -242,16 +258,16 @@ pub struct PeerIdentity {
 /// candidate or leader, a publish's origin, a replication message's primary) must be the
 /// connection's own. Metadata writes ([`PeerRequest::Write`]) may come from any member: every
 /// member proposes them. The error says what was claimed.
-pub fn check_sender(peer: &PeerIdentity, request: &PeerRequest) -> Result<(), String> {
-    let claimed = |what: &str, id: Option<RaftId>| {
+pub fn check_sender(peer: &PeerIdentity, request: &PeerRequest) -> Result<(), SenderRefused> {
+    let claimed = |what: &'static str, id: Option<RaftId>| {
         if id == Some(peer.id) {
             Ok(())
         } else {
-            Err(format!(
-                "node {} sent {what} in the name of {}",
-                peer.name,
-                id.map_or_else(|| "no node".to_string(), |id| format!("node {id:x}"))
-            ))
+            Err(SenderRefused::InNameOf {
+                peer: peer.name.clone(),
+                what,
+                claimed: id,
+            })
         }
     };
     match request {
@@ -263,13 +279,33 @@ pub fn check_sender(peer: &PeerIdentity, request: &PeerRequest) -> Result<(), St
             claimed("a snapshot of a leader", r.vote.leader_id().voted_for())
         }
         PeerRequest::Publish { origin, .. } if *origin == peer.name => Ok(()),
-        PeerRequest::Publish { origin, .. } => Err(format!(
-            "node {} sent publishes of origin {origin:?}",
-            peer.name
-        )),
+        PeerRequest::Publish { origin, .. } => Err(SenderRefused::PublishOrigin {
+            peer: peer.name.clone(),
+            origin: origin.clone(),
+        }),
         PeerRequest::Replicate(m) => claimed("queue replication", Some(m.from)),
         PeerRequest::Write(_) | PeerRequest::Ping | PeerRequest::ListQueues(_) => Ok(()),
     }
+}
+
+/// A peer request refused by [`check_sender`]: it claims to come from another node.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SenderRefused {
+    /// A Raft message or a replication message in the name of another node (or none).
+    #[error("node {peer} sent {what} in the name of {}", claimed_name(*.claimed))]
+    InNameOf {
+        peer: String,
+        what: &'static str,
+        claimed: Option<RaftId>,
+    },
+    /// Forwarded publishes of another origin.
+    #[error("node {peer} sent publishes of origin {origin:?}")]
+    PublishOrigin { peer: String, origin: String },
+}
+
+/// How a refusal names the node a request claimed to come from.
+fn claimed_name(id: Option<RaftId>) -> String {
+    id.map_or_else(|| "no node".to_string(), |id| format!("node {id:x}"))
 }
 
 /// Why an RPC failed before a response arrived.
@@ -318,7 +354,29 @@ struct PoolState {
 type Dialed = (quinn::Connection, Arc<[String]>);
 
 /// The outcome of a handshake, once known: the connection, or why there is none.
-type Handshake = Option<Result<Dialed, String>>;
+type Handshake = Option<Result<Dialed, HandshakeError>>;
+
+/// Why there is no connection to a peer address.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum HandshakeError {
+    #[error("this node is stopping")]
+    Stopping,
+    /// The connection could not even be started (an address of the wrong family...).
+    #[error("{0}")]
+    Connect(#[from] quinn::ConnectError),
+    /// The handshake failed (no answer, refused, a certificate not trusted...).
+    #[error("{0}")]
+    Connection(quinn::ConnectionError),
+    /// A member of another build that speaks no peer protocol version in common: it will not
+    /// heal by itself.
+    #[error(
+        "the node at {addr} speaks no peer protocol version this node does (this node speaks \
+         versions {oldest}–{newest}): upgrade a cluster one version at a time",
+        oldest = tether_transport::PEER_PROTOCOL_VERSION_OLDEST,
+        newest = tether_transport::PEER_PROTOCOL_VERSION
+    )]
+    NoCommonVersion { addr: SocketAddr },
+}
 
 /// A peer's entry in the pool.
 enum PeerConn {
@@ -345,9 +403,9 @@ impl PeerPool {
     /// The connection to `addr`: the established one, or the outcome of the handshake in
     /// flight (started now if there is none).
     async fn connection(&self, addr: SocketAddr) -> Result<Dialed, PeerError> {
-        let unreachable = |reason: String| PeerError::Unreachable {
+        let unreachable = |e: HandshakeError| PeerError::Unreachable {
             addr: addr.to_string(),
-            reason,
+            reason: e.to_string(),
         };
         let mut handshake = {
             let mut conns = self.state.conns.lock().expect("pool lock");
@@ -365,35 +423,36 @@ impl PeerPool {
         let outcome = handshake
             .wait_for(Option::is_some)
             .await
-            .map_err(|_| unreachable("this node is stopping".into()))?
+            .map_err(|_| unreachable(HandshakeError::Stopping))?
             .clone();
         outcome.expect("waited for an outcome").map_err(unreachable)
     }
 
     /// Starts a handshake with `addr` in a task of its own; the pool's entry for `addr` becomes
     /// the connection (or goes, on failure) before the outcome is announced.
-    fn start_handshake(&self, addr: SocketAddr) -> Result<watch::Receiver<Handshake>, String> {
+    fn start_handshake(
+        &self,
+        addr: SocketAddr,
+    ) -> Result<watch::Receiver<Handshake>, HandshakeError> {
         let endpoint = self
             .state
             .endpoint
             .lock()
             .expect("pool lock")
             .clone()
-            .ok_or_else(|| "this node is stopping".to_string())?;
-        let connecting = endpoint
-            .connect_with(
-                self.client_config.clone(),
-                addr,
-                tether_transport::SERVER_NAME,
-            )
-            .map_err(|e| e.to_string())?;
+            .ok_or(HandshakeError::Stopping)?;
+        let connecting = endpoint.connect_with(
+            self.client_config.clone(),
+            addr,
+            tether_transport::SERVER_NAME,
+        )?;
         drop(endpoint);
         let (tx, rx) = watch::channel(None);
         let state = Arc::downgrade(&self.state);
         tokio::spawn(async move {
             let outcome = connecting
                 .await
-                .map_err(|e| handshake_error(&state, addr, &e))
+                .map_err(|e| handshake_error(&state, addr, e))
                 .map(|conn| {
                     let names: Arc<[String]> = tls::connection_node_names(&conn).into();
                     (conn, names)
@@ -402,7 +461,7 @@ impl PeerPool {
                 (Some(state), outcome) => state.handshake_done(addr, outcome),
                 (None, Ok((conn, _))) => {
                     conn.close(0u32.into(), b"node stopping");
-                    Err("this node is stopping".into())
+                    Err(HandshakeError::Stopping)
                 }
                 (None, Err(e)) => Err(e),
             };
@@ -582,8 +641,8 @@ impl PoolState {
     fn handshake_done(
         &self,
         addr: SocketAddr,
-        outcome: Result<Dialed, String>,
-    ) -> Result<Dialed, String> {
+        outcome: Result<Dialed, HandshakeError>,
+    ) -> Result<Dialed, HandshakeError> {
         let stopping = self.endpoint.lock().expect("pool lock").is_none();
         let mut conns = self.conns.lock().expect("pool lock");
         match outcome {
@@ -591,7 +650,7 @@ impl PoolState {
                 // Closed while connecting: do not keep the connection (it holds the socket).
                 conn.close(0u32.into(), b"node stopping");
                 conns.remove(&addr);
-                Err("this node is stopping".into())
+                Err(HandshakeError::Stopping)
             }
             Ok(conn) => {
                 self.version_mismatch_logged
@@ -627,17 +686,12 @@ impl PoolState {
 fn handshake_error(
     state: &Weak<PoolState>,
     addr: SocketAddr,
-    e: &quinn::ConnectionError,
-) -> String {
-    if !tls::no_common_protocol(e) {
-        return e.to_string();
+    e: quinn::ConnectionError,
+) -> HandshakeError {
+    if !tls::no_common_protocol(&e) {
+        return HandshakeError::Connection(e);
     }
-    let why = format!(
-        "the node at {addr} speaks no peer protocol version this node does (this node speaks \
-         versions {}–{}): upgrade a cluster one version at a time",
-        tether_transport::PEER_PROTOCOL_VERSION_OLDEST,
-        tether_transport::PEER_PROTOCOL_VERSION
-    );
+    let why = HandshakeError::NoCommonVersion { addr };
     if let Some(state) = state.upgrade()
         && state
             .version_mismatch_logged
@@ -681,7 +735,7 @@ pub async fn serve_peer(
                             metrics::counter!(crate::metrics::PEER_REFUSED, "reason" => "sender_mismatch")
                                 .increment(1);
                             tracing::warn!(peer = %peer.name, %why, "peer request refused");
-                            PeerResponse::BadRequest(why)
+                            PeerResponse::BadRequest(why.to_string())
                         }
                     },
                 },
@@ -932,14 +986,14 @@ mod tests {
             check_sender(&n2, &PeerRequest::Write(MetaCommand::Barrier)),
             Ok(())
         );
-        let e = check_sender(&n2, &vote(n3)).unwrap_err();
+        let e = check_sender(&n2, &vote(n3)).unwrap_err().to_string();
         assert!(
             e.contains("vote request") && e.contains(&format!("{n3:x}")),
             "{e}"
         );
-        let e = check_sender(&n2, &publish("n3")).unwrap_err();
+        let e = check_sender(&n2, &publish("n3")).unwrap_err().to_string();
         assert!(e.contains("origin \"n3\""), "{e}");
-        let e = check_sender(&n2, &replicate(n3)).unwrap_err();
+        let e = check_sender(&n2, &replicate(n3)).unwrap_err().to_string();
         assert!(e.contains("replication"), "{e}");
     }
 }

@@ -210,12 +210,12 @@ pub struct StateMachine {
 
 impl StateMachine {
     /// The state machine as of the last stored snapshot (or empty).
-    pub fn open(db: Arc<RaftLogDb>) -> Result<Self, String> {
-        let applied = match db.meta_get(META_SNAPSHOT).map_err(|e| e.to_string())? {
+    pub fn open(db: Arc<RaftLogDb>) -> Result<Self, super::ClusterError> {
+        let applied = match db.meta_get(META_SNAPSHOT)? {
             None => Applied::default(),
             Some(b) => {
-                let snap: StoredSnapshot = codec::decode_body(&b).map_err(|e| e.to_string())?;
-                codec::decode_body(&snap.data).map_err(|e| e.to_string())?
+                let snap: StoredSnapshot = codec::decode_body(&b)?;
+                codec::decode_body(&snap.data)?
             }
         };
         Ok(StateMachine {

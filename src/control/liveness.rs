@@ -13,7 +13,14 @@
 //!   metadata leader, only if it holds a queue or a copy (declaring it changes placements), and
 //!   once until it answers a ping again;
 //! - a declaration the metadata did not accept is asked for again at the next tick;
-//! - time never goes back: an answer older than one already seen changes nothing.
+//! - time never goes back: an answer older than one already seen changes nothing;
+//! - any answer counts, not only pings (replication, forwarding: [`FailureDetector::answered`]).
+//!
+//! The detector also tells whether this node reaches a majority of the members
+//! ([`FailureDetector::majority_reachable`]: a primary without lease or majority steps aside)
+//! and which members it has not reached for [`SECONDARY_UNREACHABLE_FAILURE_PERIODS`] failure
+//! times ([`FailureDetector::unreachable`]: a primary that reaches a majority takes those
+//! secondaries out of its replica sets).
 
 use std::collections::{BTreeMap, BTreeSet};
 

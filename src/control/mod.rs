@@ -5,7 +5,9 @@
 //! passed in as milliseconds of the caller's clock; outputs are decisions the server executes
 //! (declare a member failed, promote, depose, ship, repair, hand over, drop a copy). Nothing
 //! here reads a clock, touches storage or the network, spawns or awaits: the drivers in
-//! `server/` do, and tests drive these deterministically. `tests/tidy.rs` checks the rule.
+//! `server/` do, and tests drive these deterministically. State is held in ordered maps only
+//! (deterministic order), and logging is left to the drivers. `tests/tidy.rs` checks the rule
+//! (no tokio, storage, transport, clocks, locks, hash maps or logging here).
 //!
 //! - [`liveness`]: which members answer, and which the metadata leader declares failed;
 //! - [`reconcile`]: per queue and per copy, what the node does next (ship and repair, depose,

@@ -5,6 +5,30 @@
 //! it acts, under the lock of what it changes (a copy's lock, the core), so a decision is never
 //! carried out on inputs older than the action. The driver then executes it: promote, depose,
 //! ship, write metadata, drop.
+//!
+//! - Per queue of the core (`own_queue_step`): ship and repair, depose, drop as ended, wait.
+//!   Epochs are indexes of committed metadata, so a node's queue is deposed by a primary of a
+//!   higher epoch shipping to it or fencing it even before its metadata says so
+//!   (`superseded_by_rival`): a node cut from the metadata leader still hands its queue to the
+//!   new primary and becomes its copy.
+//! - Per durable hello placed here (`placed_here_step`): serve; send the client to a newer
+//!   primary known here (`Shipping::rival` in `server/shipping.rs`); or, for a placement made
+//!   before the hello on a node that holds nothing of the queue, confirm it with a read barrier
+//!   first, so a new queue is never started on a stale placement, whose epoch could exceed the
+//!   copy of the queue's real primary.
+//! - Per copy (`copy_step`): promote, keep, or drop. A secondary drops a copy only when its
+//!   applied metadata is at least as new as the placement its primary shipped under
+//!   (`placement_epoch` on every replication message) and, after a restart, its read barrier is
+//!   applied (`copy_not_held`): a node whose metadata lags never drops a copy its primary
+//!   counts.
+//! - Repair (`repair_step`, one metadata change a round): take out copies that lost data, then
+//!   copies this node cannot reach while it reaches a majority, then report synced copies, then
+//!   add missing copies, chosen among the live members by rendezvous hashing of (durable id,
+//!   member) (`rendezvous`).
+//! - `step_aside`: a primary without lease and majority sends its client to a copy.
+//! - `shipped_by_non_primary`: a replication message from a member the placement applied here
+//!   does not name as the queue's primary is refused (with `network::check_sender`'s identity
+//!   check, `cluster/network.rs`).
 
 use crate::cluster::meta::{Placement, RaftId};
 

@@ -1,5 +1,10 @@
 //! The delivery cursor of one ready session: which offsets to read next, which flags they
 //! carry, and when the live marker is due. Plain data, no I/O.
+//!
+//! Nothing is delivered before ready (non-durable clients are ready from the start). At ready
+//! the cursor records `replay_end = end`: entries up to it are flagged `replayed`, a read never
+//! crosses `replay_end`, and the live marker for a region goes out once per session, after the
+//! last replayed entry and before the first live one.
 
 use std::collections::BTreeSet;
 

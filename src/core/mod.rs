@@ -8,9 +8,14 @@
 //!
 //! Offsets: a queue's entries have offsets `1..`; `acked` is the highest acknowledged offset,
 //! `end` the highest assigned one, `visible_end` the highest committed one (delivery reads only
-//! committed entries), so `pending = end - acked` in O(1). `acked_stored` is the highest
-//! acknowledged offset committed to the store: the most a copy is told (a copy never holds an
-//! ack its primary could lose in a crash).
+//! committed entries), so `acked <= visible_end <= end` and `pending = end - acked` in O(1).
+//! `acked_stored` is the highest acknowledged offset committed to the store: the most a copy is
+//! told (a copy never holds an ack its primary could lose in a crash). Offsets are assigned,
+//! and their batches submitted to the writer, under the core lock, so commit order is offset
+//! order (`server/writer.rs`). An ack moves `acked` and deletes the entries up to it in one
+//! atomic batch (one DeleteRange); an ack beyond what the session was sent is a protocol
+//! violation. Storage never stores `end`: recovery derives it with one reverse seek per queue,
+//! so a restart reads the queue metadata and one seek per queue, never the logs.
 //!
 //! The delivered mark: `delivered` is the highest offset put on the wire (the bound of the
 //! next session's `possible_duplicate` flags); `delivered_stored` the mark in storage, reserved
@@ -18,20 +23,48 @@
 //! past it is sent. So a power cut, which loses unsynced writes, never leaves a stored mark
 //! below an entry a client may have seen; a restart clamps the mark to the queue's end, so
 //! only entries that existed at the cut can be flagged. A session that ends brings the stored
-//! mark back to `delivered`.
+//! mark back to `delivered`, so an entry queued while its client was away is not flagged either.
+//! After any crash, a process kill or a power cut, every redelivered entry at or below the
+//! stored mark is flagged `possible_duplicate` (`tests/power_cut.rs`).
+//!
+//! What the client saw: a client resuming its queue in the same process sends the newest entry
+//! it received (`DurableHello::seen`). Before the welcome the node raises the session's
+//! `possible_duplicate` bound to it (`NodeCore::client_seen`), or, if the queue ends below it or
+//! holds another event id at its offset, flags every entry and answers `diverged`, so the
+//! client stops filtering by offset (the read is `check_client_seen` in `server/conn.rs`).
+//!
+//! Ids: publisher session numbers are persisted before use, and skip
+//! `SESSION_IDS_SKIPPED_AT_RESTART` at each restart, so event ids `(node, session, seq)` never
+//! repeat, even after a power cut under `--sync none`.
+//!
+//! The durable life cycle:
+//! - one attached session per durable id (`NodeCore::connect_as`, which also enforces the id's
+//!   owner); the driver probes an attached session before a second connection takes it over
+//!   (`server/conn.rs`);
+//! - a crash, a lost connection, a server shutdown and `close(keepalive)` keep a durable queue
+//!   and its durable interest; non-durable interest ends with the session (the entries it
+//!   queued stay);
+//! - `close(drop)` and expiry drop the queue; only expiry makes the next connection see
+//!   `expired`, once (the set of expired ids is persisted and bounded);
+//! - the timeout presented at the latest connection is the one that counts; an away queue's
+//!   `away_since` is persisted, so a restart extends no timeout (a queue attached at the crash
+//!   counts as away from the restart). Every time the core keeps is a reading of the node's
+//!   clock passed in by the driver (`server/clock.rs`).
 
 pub mod bytes;
 pub mod cursor;
+pub mod error;
 pub mod pace;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use tether_storage::{Batch, Entry, Offset, QueueId, QueueMeta};
+use tether_storage::{Batch, Entry, Offset, QueueId, QueueMeta, StorageError};
 use tether_transport::codec::{decode_body, encode_body, encode_body_packed};
 
 pub use cursor::{Cursor, FlagBounds, Step};
+pub use error::{AdoptError, Record, RecoveryError};
 
 use self::bytes::{QueueBytes, event_bytes_max};
 use crate::config::{Limits, QueueFullPolicy};
@@ -329,7 +362,7 @@ impl Queue {
 
     /// The queue log's shape for replication: offsets `[acked, end)` (replication offset `o` is
     /// the queue's entry `o + 1`) and the epoch of every entry.
-    pub fn log_state(&self) -> Result<LogState, String> {
+    pub fn log_state(&self) -> Result<LogState, RecoveryError> {
         let mut runs = self.prior_runs.clone();
         if self.end > self.promoted_at {
             runs.push(EpochStart {
@@ -337,11 +370,9 @@ impl Queue {
                 first: self.promoted_at,
             });
         }
-        LogState::new(self.acked, self.end, runs).map_err(|e| {
-            format!(
-                "queue {} has an invalid replication log shape: {e}",
-                self.id
-            )
+        LogState::new(self.acked, self.end, runs).map_err(|error| RecoveryError::InvalidLog {
+            queue: self.id,
+            error,
         })
     }
 
@@ -669,6 +700,14 @@ pub fn op_target(op: &PublishOp) -> (&str, &str) {
     }
 }
 
+/// The stored info of queue `id`.
+fn decode_queue_info(id: QueueId, meta: &QueueMeta) -> Result<QueueInfo, RecoveryError> {
+    decode_body(&meta.info).map_err(|error| RecoveryError::Decode {
+        record: Record::QueueInfo(id),
+        error,
+    })
+}
+
 fn invalid(msg: impl Into<String>) -> WireError {
     WireError::new(ErrorCode::InvalidArgument, msg)
 }
@@ -773,17 +812,17 @@ impl NodeCore {
         node_id: impl Into<String>,
         now_ms: u64,
         queues: Vec<(QueueId, QueueMeta)>,
-        state: impl Fn(&str) -> Option<Vec<u8>>,
-        mut entry_bytes: impl FnMut(QueueId, Offset, Offset) -> Result<u64, String>,
-    ) -> Result<(Self, Batch), String> {
+        state: impl Fn(&str) -> Result<Option<Vec<u8>>, StorageError>,
+        mut entry_bytes: impl FnMut(QueueId, Offset, Offset) -> Result<u64, StorageError>,
+    ) -> Result<(Self, Batch), RecoveryError> {
         let mut core = NodeCore::new(node_id);
-        let read_u64 = |key: &str| -> Result<Option<u64>, String> {
-            match state(key) {
+        let read_u64 = |key: &'static str| -> Result<Option<u64>, RecoveryError> {
+            match state(key)? {
                 None => Ok(None),
                 Some(b) => Ok(Some(u64::from_be_bytes(
                     b.as_slice()
                         .try_into()
-                        .map_err(|_| format!("corrupt state {key}"))?,
+                        .map_err(|_| RecoveryError::StateRecord { key })?,
                 ))),
             }
         };
@@ -792,9 +831,12 @@ impl NodeCore {
         // (`--sync none`) is never allocated again, so event ids stay unique.
         core.next_session_id = read_u64(STATE_NEXT_SESSION_ID)?
             .map_or(1, |n| n.saturating_add(SESSION_IDS_SKIPPED_AT_RESTART));
-        if let Some(bytes) = state(STATE_EXPIRED_IDS) {
+        if let Some(bytes) = state(STATE_EXPIRED_IDS)? {
             let ids: Vec<ExpiredId> =
-                decode_body(&bytes).map_err(|e| format!("corrupt expired ids: {e}"))?;
+                decode_body(&bytes).map_err(|error| RecoveryError::Decode {
+                    record: Record::ExpiredIds,
+                    error,
+                })?;
             for record in ids {
                 match record {
                     ExpiredId::Id(id) => core.remember_expired(id, None),
@@ -804,8 +846,7 @@ impl NodeCore {
         }
         let mut batch = Batch::new();
         for (id, meta) in queues {
-            let info: QueueInfo =
-                decode_body(&meta.info).map_err(|e| format!("corrupt info of queue {id}: {e}"))?;
+            let info = decode_queue_info(id, &meta)?;
             if info.durable_id.is_none() {
                 batch.drop_queue(id);
                 continue;
@@ -814,7 +855,7 @@ impl NodeCore {
                 QueueBytes::recover(meta.acked, meta.end, &meta.byte_marks, &mut |from, to| {
                     entry_bytes(id, from, to)
                 })
-                .map_err(|e| format!("byte count of queue {id}: {e}"))?;
+                .map_err(|error| RecoveryError::ByteCount { queue: id, error })?;
             core.restore_queue(id, &meta, info, bytes, now_ms, &mut batch);
         }
         Ok((core, batch))
@@ -822,12 +863,11 @@ impl NodeCore {
 
     /// Splits stored queues into this node's queues and the copies it holds for other
     /// primaries (cluster secondaries), decoding the copies' info.
-    pub fn split_copies(queues: Vec<(QueueId, QueueMeta)>) -> Result<SplitQueues, String> {
+    pub fn split_copies(queues: Vec<(QueueId, QueueMeta)>) -> Result<SplitQueues, RecoveryError> {
         let mut own = Vec::new();
         let mut copies = Vec::new();
         for (id, meta) in queues {
-            let info: QueueInfo =
-                decode_body(&meta.info).map_err(|e| format!("corrupt info of queue {id}: {e}"))?;
+            let info = decode_queue_info(id, &meta)?;
             if info.copy.is_some() {
                 copies.push((id, meta, info));
             } else {
@@ -908,18 +948,16 @@ impl NodeCore {
         bytes: QueueBytes,
         epoch: u64,
         now_ms: u64,
-    ) -> Result<Batch, String> {
+    ) -> Result<Batch, AdoptError> {
         let Some(copy) = info.copy.take() else {
-            return Err(format!("queue {id} is not a copy"));
+            return Err(AdoptError::NotACopy { queue: id });
         };
         let durable_id = info
             .durable_id
             .clone()
-            .ok_or_else(|| format!("copy {id} has no durable id"))?;
+            .ok_or(AdoptError::NoDurableId { queue: id })?;
         if self.durable.contains_key(&durable_id) {
-            return Err(format!(
-                "durable id {durable_id:?} already has a queue here"
-            ));
+            return Err(AdoptError::DurableIdTaken { durable_id });
         }
         info.prior_runs = copy.log.epochs().to_vec();
         info.promoted_at = copy.log.end();
@@ -1350,7 +1388,7 @@ impl NodeCore {
         receive_values: bool,
     ) -> Result<(Vec<Selector>, Batch), WireError> {
         validate_region(region)?;
-        let (selectors, mut compiled) = Selector::from_spec_compiled(spec).map_err(invalid)?;
+        let (selectors, mut compiled) = Selector::from_spec_compiled(spec)?;
         let (is_durable, qid) = match self.sessions.get(&session) {
             Some(s) => (s.durable, s.queue),
             None => return Err(WireError::new(ErrorCode::NotFound, "no such session")),
@@ -1422,7 +1460,7 @@ impl NodeCore {
             });
             self.index
                 .regex_room(owner, region, fresh_regexes)
-                .map_err(|e| WireError::new(ErrorCode::LimitExceeded, e))?;
+                .map_err(WireError::from)?;
         }
         let mut durable_changed = false;
         let reg = Registration {
@@ -1453,7 +1491,7 @@ impl NodeCore {
         spec: &InterestSpec,
     ) -> Result<(bool, Batch), WireError> {
         validate_region(region)?;
-        let selectors = Selector::from_spec(spec).map_err(invalid)?;
+        let selectors = Selector::from_spec(spec).map_err(WireError::from)?;
         if self
             .sessions
             .get(&session)
@@ -1567,7 +1605,7 @@ impl NodeCore {
             }
             let (region, key) = op_target(op);
             validate_region(region)?;
-            validate_key(key).map_err(invalid)?;
+            validate_key(key).map_err(WireError::from)?;
         }
         if !self.sessions.contains_key(&session) {
             return Err(WireError::new(ErrorCode::NotFound, "no such session").into());
@@ -2321,7 +2359,7 @@ mod tests {
             ..QueueMeta::default()
         };
         let (core, _) =
-            NodeCore::recover("n1", 10, vec![(5, meta)], |_| None, |_, _, _| Ok(0)).unwrap();
+            NodeCore::recover("n1", 10, vec![(5, meta)], |_| Ok(None), |_, _, _| Ok(0)).unwrap();
         let q = core.queue(5).expect("restored");
         assert!(q.holds("a", 1, 1, 9), "covered by the stored watermark");
         assert!(!q.holds("a", 1, 1, 10));
@@ -2344,7 +2382,7 @@ mod tests {
             ..QueueMeta::default()
         };
         let (core, _) =
-            NodeCore::recover("n1", 10, vec![(5, meta)], |_| None, |_, _, _| Ok(0)).unwrap();
+            NodeCore::recover("n1", 10, vec![(5, meta)], |_| Ok(None), |_, _, _| Ok(0)).unwrap();
         let q = core.queue(5).unwrap();
         assert!(q.seen.is_none() && q.held_through.is_none());
     }

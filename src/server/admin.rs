@@ -5,6 +5,12 @@
 //!
 //! `/healthz`, `/readyz` and `/metrics` are open (load balancers and Prometheus); the API needs
 //! an admin principal's bearer token where the node authenticates clients.
+//!
+//! `/readyz` checks storage, the metadata caught up and a leader known; `/metrics` is the
+//! recorder's text plus the lag series rendered at each scrape. The node's views of its queues
+//! are its primaries (with each copy's lag) and its copies; a cluster-wide listing sends the
+//! same query to every member in parallel (`PeerRequest::ListQueues`) and merges the pages.
+//! `NodeStats` keeps the event totals behind the page's rate chart.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -352,7 +358,7 @@ async fn api_queues(
         params.iter().map(|(k, v)| (k.as_str(), v.as_str())),
         shared.clock.now_ms(),
     )
-    .map_err(bad_request)?;
+    .map_err(|e| bad_request(e.to_string()))?;
     let (page, unreachable) = shared.list_queues(&q, cluster_wide).await;
     let body = json!({
         "queues": page.queues,

@@ -2,7 +2,8 @@
 //!
 //! A node started with [`ServerConfig::auth_file`](crate::config::ServerConfig::auth_file)
 //! looks at that file every [`AUTH_RELOAD_INTERVAL_MS`]. When it changed, the node reads its
-//! `[auth]` table again and, if it is valid, puts the new [`Authorizer`] in force at once:
+//! `[auth]` table again and, if it is valid, puts the new [`Authorizer`] in force at once (it
+//! replaces `Shared::authorizer`):
 //! - later connections authenticate against it;
 //! - every request of an open connection is checked against its admins and ACLs;
 //! - open connections that authenticated with a token it no longer has (or now gives to another
@@ -22,7 +23,7 @@ use std::time::{Duration, SystemTime};
 
 use super::Shared;
 use crate::auth::{AuthConfig, Authorizer};
-use crate::config::FileConfig;
+use crate::config::{ConfigError, FileConfig};
 use crate::protocol::ErrorCode;
 
 /// How often a node looks at its configuration file for a changed `[auth]` table, in
@@ -30,14 +31,23 @@ use crate::protocol::ErrorCode;
 pub const AUTH_RELOAD_INTERVAL_MS: u64 = 1_000;
 
 /// Reads the `[auth]` table of `path` and builds its authorizer.
-fn load(path: &Path) -> Result<(AuthConfig, Authorizer), String> {
+fn load(path: &Path) -> Result<(AuthConfig, Authorizer), ReloadRefused> {
     let file = FileConfig::load(path)?;
-    let auth = file.auth.ok_or_else(|| {
-        "it has no [auth] table (a node started with one keeps authenticating; restart it to open it)"
-            .to_string()
-    })?;
-    let authorizer = Authorizer::new(&auth)?;
+    let auth = file.auth.ok_or(ReloadRefused::NoAuthTable)?;
+    let authorizer = Authorizer::new(&auth).map_err(ConfigError::from)?;
     Ok((auth, authorizer))
+}
+
+/// Why a changed configuration file's `[auth]` table is not taken (the one in force stays).
+#[derive(Debug, thiserror::Error)]
+enum ReloadRefused {
+    #[error("{0}")]
+    Config(#[from] ConfigError),
+    #[error(
+        "it has no [auth] table (a node started with one keeps authenticating; restart it to \
+         open it)"
+    )]
+    NoAuthTable,
 }
 
 /// Watches `path` (see the module documentation). `started` is the `[auth]` table the node

@@ -3,7 +3,9 @@
 //! clock after that. A step of the system clock while the node runs (an NTP correction, an
 //! operator's `date -s`) moves no deadline; a restart reads the wall clock again. Members
 //! never compare their clocks: a copy turns the away time it receives into its own clock
-//! (`copies.rs`), measured against the primary's clock when it sent the message.
+//! (`copies.rs`), measured against the primary's clock reading in the same message
+//! (`sent_ms`). Every timestamp the core keeps comes from this clock. A test may shift it
+//! (`ServerConfig::clock_offset_ms`).
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 

@@ -1,4 +1,53 @@
 //! One task per client connection (control stream) and one per session (delivery stream).
+//!
+//! The connection task: the handshake and hello, the control stream's requests, liveness probes,
+//! acks and pings.
+//! - Before authentication a connection makes the node hold little: the hello's frame is
+//!   limited to `HELLO_BYTES_MAX`, a frame header never reserves what it announces, and a
+//!   durable hello is validated before anything (consensus included) is done for it.
+//! - One attached session per durable id: a second connection first probes the attached one
+//!   with a ping (`LIVENESS_PROBE_TIMEOUT_MS`); if it answers, the new one is refused with
+//!   `duplicate-durable-id` and the first is untouched; if not, the old connection is closed as
+//!   a crash and the new one resumes the queue.
+//! - A client's publishes are submitted (offsets assigned) in request order as they are read,
+//!   and answered in request order once committed (and copied, under `ack: replicated`), up to
+//!   `PUBLISHES_IN_FLIGHT_MAX` and `PUBLISH_BYTES_IN_FLIGHT_PER_CONNECTION_MAX` at once; any
+//!   other request waits for the publishes before it. Node-wide, publishes waiting for the
+//!   writer hold at most `WRITER_QUEUE_BYTES_MAX` of operations and of what they add to their
+//!   queues (`Shared::write_kib`, KiB permits, in `server/mod.rs`; counted once per matching
+//!   queue, known once matched: taken under the core lock if free, else the publish waits for
+//!   all of it and is planned again); one publish adds at most
+//!   `PUBLISH_FANOUT_BYTES_MAX`. A publish taken before the connection ends still finishes
+//!   (committed, counted, the clients of queues it dropped told) before the session is torn
+//!   down.
+//! - `close(keepalive)` is answered only once the session's acks are committed here and held by
+//!   every copy of the queue: what a cleanly closed client acknowledged is never delivered to it
+//!   again. A close is answered after the session has ended (delivery stopped, queue detached,
+//!   the durable id free): a client holding the answer may reconnect at once or exit.
+//! - A stopping node answers every client request it read before it started to stop; every one
+//!   it reads after (but `close`) is answered `going-away` (`shutdown` to an older client) and
+//!   not applied, so a client may send it to another node (`Node::shutdown`, `control_loop`).
+//! - Client input that is wrong gets a typed error response, or an error frame and a close with
+//!   the same numeric code: never a panic, never another client's data.
+//!
+//! The delivery task, per session:
+//! - A session has at most `INFLIGHT_EVENTS_PER_SESSION_MAX` entries on the wire beyond its
+//!   acked offset. A slow client is held back by that window and by QUIC flow control, never by
+//!   server memory: a connection holds at most the node's send window
+//!   (`connection-send-window-bytes`) of written data, one delivery frame, and what its receive
+//!   window lets the client send; an idle session holds no frame buffer.
+//! - Live first: a replay's frames (and a live session's backlog of `LIVE_INLINE_ENTRIES_MAX`
+//!   entries or more) are read and encoded on the low-priority delivery pool
+//!   (`DELIVERY_READ_THREADS` threads at nice `LOW_PRIORITY_NICE`, at most
+//!   `DELIVERY_READS_IN_FLIGHT_MAX` frames at once; `low_priority.rs`), never on an async
+//!   worker, so they neither queue ahead of another session's live events on the runtime nor
+//!   take the CPU from them. A live session's few new entries are framed on its async worker (a
+//!   read of at most `LIVE_INLINE_FRAME_BODY_BYTES_MAX`, from the memtable they were just
+//!   written to). On either path the session's task awaits the synced delivered mark when a
+//!   frame passes the reserved one (`core`'s delivered mark). The client library hands a
+//!   frame's events over in batches of `DECODE_BATCH_EVENTS` and yields between them.
+//! - A replay is paced only when its client asks (`replay-rate`, `core::pace`); live entries
+//!   are never paced.
 
 use crate::bug::LockExt;
 use std::collections::VecDeque;
@@ -1072,7 +1121,7 @@ async fn request(
         RequestBody::ListQueuesPage(query) => {
             let (q, cluster_wide) =
                 crate::admin::ListQuery::from_wire(&query, shared.clock.now_ms())
-                    .map_err(|e| WireError::new(ErrorCode::InvalidArgument, e))?;
+                    .map_err(|e| WireError::new(ErrorCode::InvalidArgument, e.to_string()))?;
             let (page, unreachable) = shared.list_queues(&q, cluster_wide).await;
             let next = page.next(&q).map(|t| t.encode());
             Ok(ResponseBody::QueuesPage(QueuesPage {
@@ -1126,7 +1175,7 @@ struct Pending {
 }
 
 /// The writer's answer for a delivered mark's group commit.
-type MarkWrite = oneshot::Receiver<Result<(), String>>;
+type MarkWrite = oneshot::Receiver<Result<(), super::writer::WriteError>>;
 
 /// Counts of the entries in one delivery frame, for the metrics.
 struct FrameCounts {

@@ -8,8 +8,16 @@
 //! primary ships, and no client reads it, until cluster metadata promotes this node
 //! (`failover.rs`), when it becomes a queue of the core as it stands.
 //!
-//! Every message from a primary is handled under the copy's lock, and every write is committed
-//! (with the node's sync mode) before the reply leaves: an ack always means durable.
+//! Every message from a primary is handled under the copy's lock, and every write (entries,
+//! truncations, snapshots, trims, the primary's queue info) is committed (with the node's sync
+//! mode) before the reply leaves: an ack always means durable.
+//!
+//! A copy keeps the primary's offsets (replication offset `o` is stored entry `o + 1`), so
+//! `acked`, `end` and a client's processed offsets mean the same on every copy. A copy is
+//! dropped only on metadata at least as new as the placement it was shipped under
+//! (`control::reconcile::copy_not_held`), and a replication message from a member the
+//! metadata does not name as the queue's primary is refused
+//! (`control::reconcile::shipped_by_non_primary`).
 
 use crate::bug::LockExt;
 use std::collections::HashMap;
@@ -22,11 +30,12 @@ use tether_transport::codec::{decode_body, encode_body};
 use super::Shared;
 use crate::cluster::network::{PeerResponse, ReplicateHeader, ReplicateMsg, ShippedEntry};
 use crate::config::Limits;
-use crate::core::QueueInfo;
 use crate::core::bytes::{QueueBytes, mark_interval_bytes};
+use crate::core::{QueueInfo, RecoveryError};
 use crate::metrics as m;
-use crate::protocol::EventRecord;
+use crate::protocol::{EventRecord, WireError};
 use crate::replication::{Decision, Replica, Reply, Write, WriteOp};
+use tether_storage::StorageError;
 
 /// One queue copy.
 pub(crate) struct Copy {
@@ -68,8 +77,8 @@ impl Copies {
     /// replicated watermark.
     pub(crate) fn recover(
         stored: Vec<(QueueId, QueueMeta, QueueInfo)>,
-        mut entry_bytes: impl FnMut(QueueId, u64, u64) -> Result<u64, String>,
-    ) -> Result<(Self, Vec<(String, crate::control::watermark::Through)>), String> {
+        mut entry_bytes: impl FnMut(QueueId, u64, u64) -> Result<u64, StorageError>,
+    ) -> Result<(Self, Vec<(String, crate::control::watermark::Through)>), RecoveryError> {
         let mut map = HashMap::new();
         let mut through = Vec::new();
         for (qid, meta, mut info) in stored {
@@ -77,13 +86,14 @@ impl Copies {
                 QueueBytes::recover(meta.acked, meta.end, &meta.byte_marks, &mut |from, to| {
                     entry_bytes(qid, from, to)
                 })
-                .map_err(|e| format!("byte count of copy queue {qid}: {e}"))?;
+                .map_err(|error| RecoveryError::ByteCount { queue: qid, error })?;
             let state = info.copy.take().expect("split_copies returns copies");
-            let replica = Replica::recover(state).map_err(|e| format!("copy queue {qid}: {e}"))?;
+            let replica = Replica::recover(state)
+                .map_err(|error| RecoveryError::InvalidCopy { queue: qid, error })?;
             let id = info
                 .durable_id
                 .clone()
-                .ok_or_else(|| format!("copy queue {qid} has no durable id"))?;
+                .ok_or(RecoveryError::CopyWithoutDurableId { queue: qid })?;
             through.push((id.clone(), std::mem::take(&mut info.copy_through)));
             let seen = std::mem::take(&mut info.copy_seen);
             let copy = Copy {
@@ -337,7 +347,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
         };
         if let Err(e) = add_write(out, &shared.limits, copy.qid, w, &msg.entries, first) {
             // Cannot happen with a well-formed message (the count was checked): refuse it.
-            return PeerResponse::BadRequest(e);
+            return PeerResponse::BadRequest(e.to_string());
         }
     }
     // Noted before the write and stored with it: the events this copy held stay known after a
@@ -387,16 +397,13 @@ async fn copy_for(
     id: &str,
     info: &QueueInfo,
     placed_at: u64,
-) -> Result<CopyCell, String> {
+) -> Result<CopyCell, WireError> {
     if let Some(c) = shared.copies.get(id) {
         return Ok(c);
     }
     // Starting a copy allocates an id through the core; serialised by the map so two messages
     // racing for a new copy start one.
-    let qid = shared
-        .apply(|core| Ok(core.alloc_copy_id()))
-        .await
-        .map_err(|e| e.message)?;
+    let qid = shared.apply(|core| Ok(core.alloc_copy_id())).await?;
     let mut map = shared.copies.lock();
     let cell = map.entry(id.to_string()).or_insert_with(|| {
         Arc::new(tokio::sync::Mutex::new(Copy {
@@ -414,6 +421,11 @@ async fn copy_for(
     shared.copies.count.store(map.len(), Ordering::Release);
     Ok(cell)
 }
+
+/// A replica write names an offset its message does not carry: a malformed message, refused.
+#[derive(Debug, thiserror::Error)]
+#[error("offset {0} is not in the message")]
+struct OffsetNotShipped(u64);
 
 /// Where [`add_write`] puts what it does.
 struct Out<'a> {
@@ -433,7 +445,7 @@ fn add_write(
     w: &Write,
     entries: &[ShippedEntry],
     first: u64,
-) -> Result<(), String> {
+) -> Result<(), OffsetNotShipped> {
     let Out {
         batch,
         bytes,
@@ -445,13 +457,13 @@ fn add_write(
             .checked_sub(first)
             .and_then(|i| usize::try_from(i).ok())
             .filter(|&i| i < entries.len())
-            .ok_or_else(|| format!("offset {offset} is not in the message"))?;
+            .ok_or(OffsetNotShipped(offset))?;
         let e = &entries[i];
         batch.append(qid, offset + 1, Entry::new(e.flags, e.body.as_slice()));
         if let Some((at, total)) = bytes.append(offset + 1, e.body.len() as u64, interval) {
             batch.put_byte_mark(qid, at, total);
         }
-        Ok::<usize, String>(i)
+        Ok::<usize, OffsetNotShipped>(i)
     };
     match &w.op {
         WriteOp::Append {

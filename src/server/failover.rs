@@ -16,6 +16,32 @@
 //!
 //! Promotion is safe because delivery on the old primary was capped at what every secondary
 //! held, and the lease (`shipping.rs`) keeps the two primaries from delivering at once.
+//!
+//! - Only a secondary that is not `syncing` (it holds everything the queue may have exposed)
+//!   is promoted, by the leader's failure detector or at a client's request. Any RPC answer
+//!   counts as a sign of life for the detector, not only pings.
+//! - A node serves a queue it was promoted for only after its copy became a queue of the core
+//!   (`adopt_promoted_copy` before the session attaches), so a client never finds a new, empty
+//!   queue in place of its copy.
+//!
+//! Kept publishes (`RecentForwards`): a node keeps each publish it applied (forwarded or its
+//! own), durably (the recent-publish log, a reserved queue written in the batch that applies
+//! the publish), until every member applied it (the origin's floor, sent with its forwarded
+//! publishes: a copy placed here later starts from a primary that holds it) and every copy it
+//! holds has a watermark past the publish's origin offset: the copy acknowledged its log up to
+//! an end that its primary read after counting the publish as applied (`control/watermark.rs`).
+//! No time limit: a bound in operations (`RECENT_FORWARD_OPS_MAX`), counted when hit.
+//! - A promotion appends the kept publishes matching the queue that it does not hold (past the
+//!   copy's watermark; per publisher, by highest event sequence held), and the promoted queue
+//!   skips forwarded events it already holds: a publish in flight when the primary died is
+//!   neither lost nor appended twice, however long the promotion takes.
+//! - Matching the kept publishes against the queue's interest runs on a blocking thread off the
+//!   core lock (they can be hundreds of thousands); what was kept since is matched under the
+//!   lock, where the queue joins the index, so nothing falls between.
+//! - In memory a node holds an index of the kept publishes (origin, offsets: tens of bytes
+//!   each) and the operations of the newest (`RECENT_FORWARD_HELD_BYTES_MAX`, and those not
+//!   committed yet); a promotion reads the older ones back from the log in bounded chunks
+//!   (`load_kept`).
 
 use crate::bug::LockExt;
 use std::collections::{HashMap, HashSet};
@@ -32,10 +58,11 @@ use crate::cluster::network::{PeerRequest, PeerResponse};
 use crate::control::liveness::{FailureDetector, PING_INTERVAL_MS, PING_TIMEOUT_MS};
 use crate::control::reconcile::{self, CopyStep, OwnQueueStep, RepairStep};
 use crate::control::watermark::{self, Through};
-use crate::core::RecentForward;
+use crate::core::{RecentForward, Record, RecoveryError};
 use crate::metrics as m;
 use crate::protocol::{EventId, EventRecord, WireError};
 use crate::replication::{Shipper, ShipperConfig};
+use tether_transport::codec::CodecError;
 
 /// Interval of the reconciler, in milliseconds.
 pub const RECONCILE_MS: u64 = 100;
@@ -151,7 +178,7 @@ pub(crate) fn load_kept(
     store: &dyn Store,
     kept: &[KeptPublish],
     visit: &mut dyn FnMut(&[Arc<RecentForward>]),
-) -> Result<(), String> {
+) -> Result<(), RecoveryError> {
     let mut i = 0;
     while i < kept.len() {
         let mut chunk = Vec::new();
@@ -174,29 +201,27 @@ pub(crate) fn load_kept(
             let mut chunk = Vec::new();
             let mut last = None;
             let mut bad = None;
-            store
-                .read_entries(
-                    RECENT_LOG_QUEUE,
-                    from,
-                    to,
-                    KEPT_READ_CHUNK_BYTES,
-                    &mut |at, _, body| {
-                        last = Some(at);
-                        // The log holds others between them (publishes the copy holds by its
-                        // watermark), and may lack some (forgotten): only those asked for.
-                        while wanted.get(w).is_some_and(|&x| x < at) {
-                            w += 1;
+            store.read_entries(
+                RECENT_LOG_QUEUE,
+                from,
+                to,
+                KEPT_READ_CHUNK_BYTES,
+                &mut |at, _, body| {
+                    last = Some(at);
+                    // The log holds others between them (publishes the copy holds by its
+                    // watermark), and may lack some (forgotten): only those asked for.
+                    while wanted.get(w).is_some_and(|&x| x < at) {
+                        w += 1;
+                    }
+                    if wanted.get(w) == Some(&at) {
+                        match tether_transport::codec::decode_body::<RecentForward>(body) {
+                            Ok(f) => chunk.push(Arc::new(f)),
+                            Err(error) => bad = Some(recent_publish_error(at, error)),
                         }
-                        if wanted.get(w) == Some(&at) {
-                            match tether_transport::codec::decode_body::<RecentForward>(body) {
-                                Ok(f) => chunk.push(Arc::new(f)),
-                                Err(e) => bad = Some(format!("recent publish {at}: {e}")),
-                            }
-                            w += 1;
-                        }
-                    },
-                )
-                .map_err(|e| e.to_string())?;
+                        w += 1;
+                    }
+                },
+            )?;
             if let Some(e) = bad {
                 return Err(e);
             }
@@ -216,18 +241,23 @@ pub(crate) fn load_kept(
     Ok(())
 }
 
+/// A recent-publish log entry at `at` that did not decode.
+fn recent_publish_error(at: u64, error: CodecError) -> RecoveryError {
+    RecoveryError::Decode {
+        record: Record::RecentPublish(at),
+        error,
+    }
+}
+
 impl RecentForwards {
     /// Loads the recent-publish log (creating its metadata on first start).
-    pub(crate) fn recover(store: &dyn Store) -> Result<Self, String> {
+    pub(crate) fn recover(store: &dyn Store) -> Result<Self, RecoveryError> {
         let mut r = RecentForwards::default();
-        match store
-            .queue_meta(RECENT_LOG_QUEUE)
-            .map_err(|e| e.to_string())?
-        {
+        match store.queue_meta(RECENT_LOG_QUEUE)? {
             None => {
                 let mut b = Batch::new();
                 b.put_queue_info(RECENT_LOG_QUEUE, 0, RECENT_LOG_INFO.to_vec());
-                store.write(&b, true).map_err(|e| e.to_string())?;
+                store.write(&b, true)?;
             }
             Some(meta) => {
                 r.log_end = meta.end;
@@ -256,10 +286,9 @@ impl RecentForwards {
                                     committed: true,
                                 });
                             }
-                            Err(e) => bad = Some(format!("recent publish {offset}: {e}")),
+                            Err(error) => bad = Some(recent_publish_error(offset, error)),
                         },
-                    )
-                    .map_err(|e| e.to_string())?;
+                    )?;
                 if let Some(e) = bad {
                     return Err(e);
                 }

@@ -14,10 +14,22 @@
 //! * One forwarding task per peer ships the log in order (runs of up to
 //!   [`FORWARD_BATCH_ENTRIES_MAX`] entries, up to [`FORWARD_RPCS_IN_FLIGHT_MAX`] peer RPCs in
 //!   flight, each run after the one before) and records, durably, how
-//!   far the peer has applied (`fwd-sent/<peer>`). Entries every peer has applied are trimmed.
+//!   far the peer has applied (`fwd-sent/<peer>`), moved only after the peer answered that it
+//!   applied the entries. Entries every peer has applied are trimmed (below the lowest peer
+//!   cursor). A run sent while another is in flight says which offset it follows (`follows`):
+//!   the peer applies it only after that one, else answers with what it applied, and the
+//!   origin sends again from there. With its runs the task also tells each peer the *floor*,
+//!   how far every peer has applied this node's log (what a promotion's kept publishes wait
+//!   for, `failover.rs`).
 //! * The receiver applies entries in order, each once: it stores the highest origin offset
 //!   applied (`fwd-applied/<origin>`) in the batch that applies it, and skips anything at or
-//!   below it (a retry after a lost response).
+//!   below it (a retry after a lost response). A run's publishes are submitted together and
+//!   committed in one group commit.
+//! * `--ack replicated`: a publish succeeds only if every live member answered that the copies
+//!   of the queues it reached there hold it (`Published`). A member whose wait ran out answers
+//!   `PublishedUnconfirmed`, and the publisher gets `unavailable` saying where the publish
+//!   stands. Per peer, the origin keeps the runs it applied without its copies confirming them
+//!   (`UnconfirmedRuns`), which `--ack replicated` never counts as replicated.
 //!
 //! Ordering: the entries of one origin are applied in the origin's commit order, so the
 //! events of one publisher stay in order on every node. Publishes of different origins
@@ -39,7 +51,7 @@ use crate::cluster::meta::{RaftId, raft_id};
 use crate::cluster::network::{ForwardedPublish, PeerRequest, PeerResponse, PublishSink};
 use crate::config::Limits;
 use crate::core::bytes::{QueueBytes, mark_interval_bytes, stored_entry_bytes};
-use crate::core::{EventOrigin, SessionId};
+use crate::core::{EventOrigin, RecoveryError, SessionId};
 use crate::limits::FORWARD_GAP_WAIT_MS;
 use crate::metrics as m;
 use crate::protocol::EventId;
@@ -205,23 +217,24 @@ impl Forwarding {
         peers: &[(String, String)],
         limits: &Limits,
         replicated_wait: Duration,
-    ) -> Result<Self, String> {
-        let meta = store
-            .queue_meta(PUBLISH_LOG_QUEUE)
-            .map_err(|e| e.to_string())?;
+    ) -> Result<Self, RecoveryError> {
+        let meta = store.queue_meta(PUBLISH_LOG_QUEUE)?;
         let (acked, end, marks) = match meta {
             Some(m) => (m.acked, m.end, m.byte_marks),
             None => {
                 let mut b = Batch::new();
                 b.put_queue_info(PUBLISH_LOG_QUEUE, 0, PUBLISH_LOG_INFO.to_vec());
-                store.write(&b, true).map_err(|e| e.to_string())?;
+                store.write(&b, true)?;
                 (0, 0, Vec::new())
             }
         };
         let bytes = QueueBytes::recover(acked, end, &marks, &mut |from, to| {
             stored_entry_bytes(store, PUBLISH_LOG_QUEUE, from, to)
         })
-        .map_err(|e| format!("publish log byte count: {e}"))?;
+        .map_err(|error| RecoveryError::ByteCount {
+            queue: PUBLISH_LOG_QUEUE,
+            error,
+        })?;
         let peers: Vec<(String, RaftId)> = peers
             .iter()
             .filter(|(name, _)| name != me)

@@ -4,7 +4,12 @@
 //! held long stalls every task queued behind it (client sessions, replication, the metadata
 //! group's RPCs) on a node with few workers. A [`Timed`] guard measures how long it was held
 //! and, past [`LOCK_HELD_SLOW_MS`], counts it in `tether_lock_held_slow_total` and logs the
-//! caller's source location, so the hold that stalled a node can be named.
+//! caller's source location, so the hold that stalled a node can be named. A wait that long is
+//! counted the same way (`tether_lock_wait_slow_total`).
+//!
+//! The rule this enforces: no long work under the core lock. A long hold stalls every task of
+//! the node; on two cores, long enough for the node to be declared failed. Every hold of the
+//! core and of the recent-publish log (`failover.rs`) is timed.
 
 use crate::bug::LockExt;
 use std::ops::{Deref, DerefMut};

@@ -42,7 +42,7 @@ use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
 pub use auth_reload::AUTH_RELOAD_INTERVAL_MS;
 pub use rebalance::REBALANCE_INTERVAL_MS;
 pub use revocation::CRL_RELOAD_INTERVAL_MS;
-pub use writer::{GROUP_COMMIT_REQUESTS_MAX, Writer, WriterThread};
+pub use writer::{GROUP_COMMIT_REQUESTS_MAX, WriteError, Writer, WriterThread};
 
 use crate::cluster::{Cluster, Members};
 use crate::config::{Limits, QueueFullPolicy, ServerConfig, validate_node_id};
@@ -65,7 +65,32 @@ pub enum NodeError {
         source: std::io::Error,
     },
     #[error("{0}")]
-    Config(String),
+    Config(#[from] crate::config::ConfigError),
+    #[error("{}: {error}", path.display())]
+    NodeIdFile {
+        path: PathBuf,
+        error: crate::config::ConfigError,
+    },
+    #[error(
+        "the certificate {} names cluster node(s) {names:?}, not {node:?}: a cluster node's \
+         certificate carries exactly one URI subject alternative name {uri} (see \
+         docs/operations.md, security)",
+        cert.display()
+    )]
+    NodeCertificate {
+        cert: PathBuf,
+        names: Vec<String>,
+        node: String,
+        uri: String,
+    },
+    #[error(
+        "a clustered node needs an explicit node id (--node-id), the name its peers know it by"
+    )]
+    ClusterWithoutNodeId,
+    #[error("auth.client-crl revokes client certificates: it needs auth.client-ca")]
+    CrlWithoutClientCa,
+    #[error("auth.client-crl: {0}")]
+    ClientCrl(tether_transport::tls::TlsError),
     #[error("storage: {0}")]
     Storage(#[from] tether_storage::StorageError),
     #[error(transparent)]
@@ -78,7 +103,7 @@ pub enum NodeError {
         source: std::io::Error,
     },
     #[error("recovery: {0}")]
-    Recovery(String),
+    Recovery(#[from] crate::core::RecoveryError),
     #[error("{0}")]
     Request(#[from] WireError),
 }
@@ -144,7 +169,7 @@ pub(crate) struct Shared {
     /// None: an open node (no `[auth]`). Replaced when the `[auth]` table is reloaded
     /// (`auth_reload.rs`); read through [`Shared::authorizer`].
     auth: Option<std::sync::RwLock<Arc<crate::auth::Authorizer>>>,
-    fatal: watch::Sender<Option<String>>,
+    fatal: watch::Sender<Option<Arc<tether_storage::StorageError>>>,
     node_id: String,
     /// The metadata group, on a clustered node (set once, before accepting connections).
     pub(crate) cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
@@ -576,7 +601,7 @@ impl Shared {
         // every ack this session made before it.
         match self.writer.submit(Batch::new(), None).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(WireError::new(ErrorCode::Internal, e)),
+            Ok(Err(e)) => return Err(WireError::new(ErrorCode::Internal, e.to_string())),
             Err(_) => {
                 return Err(WireError::new(ErrorCode::Shutdown, "the node is stopping"));
             }
@@ -723,8 +748,7 @@ impl Shared {
     /// Current value of a key (None when absent or invalidated).
     pub(crate) fn get(&self, region: &str, key: &str) -> Result<Option<Vec<u8>>, WireError> {
         crate::core::validate_region(region)?;
-        crate::interest::validate_key(key)
-            .map_err(|e| WireError::new(ErrorCode::InvalidArgument, e))?;
+        crate::interest::validate_key(key)?;
         let v = self.store.region_get(region, key).map_err(internal)?;
         Ok(v.and_then(|v| decode_region_value(&v).map(<[u8]>::to_vec)))
     }
@@ -776,7 +800,7 @@ fn internal(e: impl std::fmt::Display) -> WireError {
     WireError::new(ErrorCode::Internal, e.to_string())
 }
 
-async fn wait_commit(rx: oneshot::Receiver<Result<(), String>>) -> Result<(), WireError> {
+async fn wait_commit(rx: oneshot::Receiver<Result<(), WriteError>>) -> Result<(), WireError> {
     match rx.await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(WireError::new(
@@ -791,7 +815,7 @@ async fn wait_commit(rx: oneshot::Receiver<Result<(), String>>) -> Result<(), Wi
 /// [`Shared::finish_publish`]. Its place among the writer's queued requests and bytes
 /// ([`QueuedBytes`]) is given back by the writer itself once it is committed.
 pub(crate) struct Submitted {
-    rx: oneshot::Receiver<Result<(), String>>,
+    rx: oneshot::Receiver<Result<(), WriteError>>,
     enqueued: u64,
     /// Sessions whose queue the publish dropped for being full (drop-queue policy).
     dropped: Vec<SessionId>,
@@ -884,11 +908,12 @@ fn check_node_certificate(cert: &Path, node: &str) -> Result<(), NodeError> {
     if names == [node] {
         return Ok(());
     }
-    Err(NodeError::Config(format!(
-        "the certificate {} names cluster node(s) {names:?}, not {node:?}: a cluster node's certificate carries exactly one URI subject alternative name {} (see docs/operations.md, security)",
-        cert.display(),
-        tls::node_uri(node)
-    )))
+    Err(NodeError::NodeCertificate {
+        cert: cert.to_path_buf(),
+        names,
+        node: node.to_string(),
+        uri: tls::node_uri(node),
+    })
 }
 
 fn node_id_for(data_dir: &Path, configured: Option<&str>) -> Result<String, NodeError> {
@@ -898,15 +923,17 @@ fn node_id_for(data_dir: &Path, configured: Option<&str>) -> Result<String, Node
         source,
     };
     if let Some(id) = configured {
-        validate_node_id(id).map_err(NodeError::Config)?;
+        validate_node_id(id)?;
         std::fs::write(&file, id).map_err(io)?;
         return Ok(id.to_string());
     }
     match std::fs::read_to_string(&file) {
         Ok(s) => {
             let id = s.trim().to_string();
-            validate_node_id(&id)
-                .map_err(|e| NodeError::Config(format!("{}: {e}", file.display())))?;
+            validate_node_id(&id).map_err(|error| NodeError::NodeIdFile {
+                path: file.clone(),
+                error,
+            })?;
             Ok(id)
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -939,7 +966,8 @@ impl Node {
         let store: Arc<dyn Store> = Arc::new(
             tokio::task::spawn_blocking(move || RocksStore::open(&db_dir))
                 .await
-                .map_err(|e| NodeError::Recovery(e.to_string()))??,
+                // A panic while opening is a bug: it goes on as the panic it is.
+                .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))?,
         );
         Self::start_with_store(config, store).await
     }
@@ -953,16 +981,15 @@ impl Node {
         store: Arc<dyn Store>,
     ) -> Result<Node, NodeError> {
         tls::install_crypto_provider();
-        config.limits.validate().map_err(NodeError::Config)?;
+        config.limits.validate()?;
         let clock = clock::Clock::start(config.clock_offset_ms);
         if let Some(w) = crate::config::open_node_warning(config.listen, config.auth.is_some()) {
             tracing::warn!("{w}");
         }
-        crate::config::validate_node_failure_ms(config.node_failure_ms)
-            .map_err(NodeError::Config)?;
+        crate::config::validate_node_failure_ms(config.node_failure_ms)?;
         let auth = match &config.auth {
             Some(a) => Some(std::sync::RwLock::new(Arc::new(
-                crate::auth::Authorizer::new(a).map_err(NodeError::Config)?,
+                crate::auth::Authorizer::new(a).map_err(crate::config::ConfigError::from)?,
             ))),
             None => None,
         };
@@ -979,10 +1006,7 @@ impl Node {
         let node_id = node_id_for(&data_dir, config.node_id.as_deref())?;
         let clustered = !config.peers.is_empty();
         if clustered && config.node_id.is_none() {
-            return Err(NodeError::Config(
-                "a clustered node needs an explicit node id (--node-id), the name its peers know it by"
-                    .into(),
-            ));
+            return Err(NodeError::ClusterWithoutNodeId);
         }
         // A cluster node's certificate names it: that is how its peers know who it is.
         let cluster_node = config.node_id.as_deref().filter(|_| clustered);
@@ -1007,9 +1031,7 @@ impl Node {
         let client_ca = config.auth.as_ref().and_then(|a| a.client_ca.clone());
         let client_crl = config.auth.as_ref().and_then(|a| a.client_crl.clone());
         if client_crl.is_some() && client_ca.is_none() && !clustered {
-            return Err(NodeError::Config(
-                "auth.client-crl revokes client certificates: it needs auth.client-ca".into(),
-            ));
+            return Err(NodeError::CrlWithoutClientCa);
         }
         let tls_setup = revocation::TlsSetup {
             files: tls_files.clone(),
@@ -1030,15 +1052,13 @@ impl Node {
         let mut queues = store.queues()?;
         queues
             .retain(|(q, _)| *q != forward::PUBLISH_LOG_QUEUE && *q != failover::RECENT_LOG_QUEUE);
-        let (queues, copies) = NodeCore::split_copies(queues).map_err(NodeError::Recovery)?;
-        let entry_bytes = |q, from, to| {
-            crate::core::bytes::stored_entry_bytes(&*store, q, from, to).map_err(|e| e.to_string())
-        };
-        let (copies, copies_through) =
-            copies::Copies::recover(copies, entry_bytes).map_err(NodeError::Recovery)?;
+        let (queues, copies) = NodeCore::split_copies(queues)?;
+        let entry_bytes =
+            |q, from, to| crate::core::bytes::stored_entry_bytes(&*store, q, from, to);
+        let (copies, copies_through) = copies::Copies::recover(copies, entry_bytes)?;
         // Only a clustered node holds copies (and so keeps recent publishes).
         let mut recent = if clustered {
-            failover::RecentForwards::recover(&*store).map_err(NodeError::Recovery)?
+            failover::RecentForwards::recover(&*store)?
         } else {
             failover::RecentForwards::default()
         };
@@ -1051,10 +1071,9 @@ impl Node {
             node_id.clone(),
             clock.now_ms(),
             queues,
-            |k| st.state_get(k).ok().flatten(),
+            |k| st.state_get(k),
             entry_bytes,
-        )
-        .map_err(NodeError::Recovery)?;
+        )?;
         let mut core = core.with_limits(config.limits.clone());
         if clustered {
             // Until the reconciler has looked at the metadata, deliver only what is acked
@@ -1069,16 +1088,13 @@ impl Node {
             "recovered storage"
         );
         let forwarding = if clustered {
-            Some(
-                forward::Forwarding::open(
-                    &*store,
-                    &node_id,
-                    &config.peers,
-                    &config.limits,
-                    Duration::from_millis(config.replicated_ack_timeout_ms),
-                )
-                .map_err(NodeError::Recovery)?,
-            )
+            Some(forward::Forwarding::open(
+                &*store,
+                &node_id,
+                &config.peers,
+                &config.limits,
+                Duration::from_millis(config.replicated_ack_timeout_ms),
+            )?)
         } else {
             None
         };
@@ -1322,8 +1338,8 @@ impl Node {
         self.shared.primary_reports()
     }
 
-    /// Resolves with the reason if storage fails (the node then refuses all work).
-    pub async fn failed(&self) -> String {
+    /// Resolves with the storage failure if storage fails (the node then refuses all work).
+    pub async fn failed(&self) -> Arc<tether_storage::StorageError> {
         let mut rx = self.shared.fatal.subscribe();
         loop {
             if let Some(e) = rx.borrow().clone() {

@@ -5,6 +5,20 @@
 //!
 //! A new queue gets up to `redundancy` secondaries among the members that answer pings,
 //! chosen by rendezvous hashing of (durable id, member) so placements spread evenly.
+//!
+//! - A clustered node serves durable hellos only after a read barrier (a no-op metadata command
+//!   committed after it started) is applied locally; a cluster-placed queue (epoch above 0)
+//!   that the caught-up metadata no longer places is dropped (it ended elsewhere while this
+//!   node was down: `control::reconcile::own_queue_step`, `Ended`).
+//! - A node serves a durable hello only if the metadata places that id on it (placing it there
+//!   if it is nowhere); otherwise it redirects. A placement made before the hello, on a node
+//!   that holds nothing of the queue, is confirmed by a read barrier first, and a newer primary
+//!   known here before the metadata (`Shipping::rival`) gets the client
+//!   (`control::reconcile::placed_here_step`).
+//! - A primary without lease or majority refuses the hello (`unavailable`) as its shipping
+//!   sends such a queue's client away (`control::reconcile::step_aside`).
+//! - A client naming a lost primary has a copy promoted only if it is the queue's owner
+//!   (`check_copy_owner`).
 
 use crate::bug::LockExt;
 use std::collections::HashMap;

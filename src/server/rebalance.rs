@@ -30,6 +30,9 @@
 //! time being, which bounds the snapshots a rebalance puts on it.
 //!
 //! A queue whose client stays connected, or without copies (redundancy 0), is not moved.
+//! A handover whose metadata write is unanswered keeps the queue closed to clients (the core's
+//! `Queue::moving`) until a read barrier (`Cluster::barrier`, applied locally) settles whether
+//! it committed. `control::rebalance::plan` never moves a queue from a member under its share.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;

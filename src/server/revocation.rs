@@ -3,6 +3,10 @@
 //! changes, the new lists apply to every later handshake (the endpoint's configuration is
 //! replaced) and every open connection whose certificate they revoke is closed with
 //! `unauthenticated`. A damaged new file is refused and the lists in force stay.
+//!
+//! `FileWatch`, the modification-time poll, serves both reload tasks (this one and
+//! `auth_reload.rs`). The lists themselves (loading, matching a certificate, the signing of
+//! `tether revoke-client-cert`) are in `transport/src/crl.rs`.
 
 use crate::bug::LockExt;
 use std::path::{Path, PathBuf};
@@ -44,8 +48,7 @@ impl TlsSetup {
             Duration::from_millis(self.idle_timeout_ms),
             self.receive_window_bytes,
             self.send_window_bytes,
-        )
-        .map_err(|e| NodeError::Config(e.to_string()))?;
+        )?;
         config.transport_config(Arc::new(transport));
         Ok(config)
     }
@@ -54,7 +57,7 @@ impl TlsSetup {
 /// The lists in `path` at start: an unreadable or damaged file stops the node with its reason.
 pub(super) fn load_at_start(path: &Path) -> Result<(Crls, Option<SystemTime>), NodeError> {
     let modified = modified(path);
-    let crls = Crls::load(path).map_err(|e| NodeError::Config(format!("auth.client-crl: {e}")))?;
+    let crls = Crls::load(path).map_err(NodeError::ClientCrl)?;
     Ok((crls, modified))
 }
 

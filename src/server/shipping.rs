@@ -9,6 +9,32 @@
 //! [`LEASE_MS`] before it delivers, so a deposed primary cut off from its peers stops delivering
 //! before the new one starts: at most one primary delivers.
 //!
+//! - Each ordered sender holds what the shipper polled as headers and reads the entries they
+//!   name from storage just before the call; a message polled before its pipeline restarted is
+//!   dropped unsent (`Shipper::pipeline`), as the shipper sends again what is still needed.
+//! - A primary that holds no lease and reaches no majority sends the queue's client away, to a
+//!   copy on the majority's side (`control::reconcile::step_aside`; a hello is refused the same
+//!   way in `placement.rs`).
+//! - A secondary answering below what it acknowledged in the epoch is no longer counted
+//!   (`Shipper::regressed_peers`) and the primary takes it out of the replica set, so it rejoins
+//!   as syncing.
+//! - Shipping follows placements in epoch order: a placement read before an await (a
+//!   connection's) never undoes a newer one (`Shipping::set_secondaries`, and `ensure_shipping`
+//!   in `failover.rs`), so a secondary the metadata counts in sync is never dropped and re-added
+//!   from nothing by the primary alone, and delivery never runs uncapped on a stale empty
+//!   replica set.
+//! - A change of durable interest is acknowledged to the client only once every copy committed
+//!   it (the shipper's `on_metadata_change` forces a message; acks carry the info version).
+//!   Every change of a queue's info bumps the core's `info_generation` (in `persist_info`),
+//!   which the ship loop turns into a new info version: a copy gets the info until it
+//!   acknowledged the latest version, never an older info under a newer version.
+//! - A newer primary known here before the metadata (it shipped to this node at a higher epoch,
+//!   a copy fenced this node with one, or this node handed the queue to it) is noted as the
+//!   queue's rival (`Shipping::rival`): this node's queue is deposed and its clients sent there
+//!   (`control::reconcile::superseded_by_rival`, `placed_here_step`).
+//! - The ship loop notes each queue's watermark points (`control::watermark`) and sends them
+//!   with the messages.
+//!
 //! [`deliver_cap`]: crate::core::Queue::deliver_cap
 
 use crate::bug::LockExt;

@@ -3,14 +3,15 @@
 //!
 //! Requests are submitted while the caller holds the core lock, so the commit order is the
 //! order in which the core assigned offsets. A failed write is fatal: the writer poisons
-//! itself, fails every later request and reports the failure; the node stops rather than
-//! continue on storage it cannot trust.
+//! itself, fails every later request and reports the failure (every later refusal names the
+//! failure's cause); the node stops rather than continue on storage it cannot trust (the
+//! `tether` binary exits non-zero: fail-stop).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, mpsc};
 use std::time::Instant;
 
-use tether_storage::{Batch, Store};
+use tether_storage::{Batch, StorageError, Store};
 use tokio::sync::oneshot;
 
 use crate::config::SyncMode;
@@ -25,7 +26,7 @@ pub type OnCommit = Box<dyn FnOnce() + Send>;
 struct Request {
     batch: Batch,
     on_commit: Option<OnCommit>,
-    done: Option<oneshot::Sender<Result<(), String>>>,
+    done: Option<oneshot::Sender<Result<(), WriteError>>>,
     submitted: Instant,
 }
 
@@ -34,16 +35,30 @@ struct Request {
 pub struct Writer {
     tx: mpsc::Sender<Request>,
     poisoned: Arc<AtomicBool>,
-    /// The failure that poisoned the writer: every later refusal names it.
-    cause: Arc<OnceLock<String>>,
+    /// The failure that poisoned the writer: every later refusal names it. Set before
+    /// `poisoned`, so whoever sees the flag finds the cause.
+    cause: Arc<OnceLock<Arc<StorageError>>>,
 }
 
-/// The refusal of a write after the writer was poisoned by `cause`.
-fn refused_after(cause: Option<&String>) -> String {
-    match cause {
-        Some(c) => format!("storage failed earlier ({c}); the node is stopping"),
-        None => "storage failed earlier; the node is stopping".into(),
-    }
+/// Why a write was not made durable.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum WriteError {
+    /// This write failed in storage: the writer is poisoned and the node stops.
+    #[error("{0}")]
+    Failed(Arc<StorageError>),
+    /// Storage failed on an earlier write; nothing is written any more.
+    #[error("storage failed earlier ({0}); the node is stopping")]
+    FailedEarlier(Arc<StorageError>),
+    /// The writer thread has ended (the node is gone).
+    #[error("storage writer stopped")]
+    Stopped,
+}
+
+/// The refusal of a write after the writer was poisoned by `cause` (set before the flag).
+fn refused_after(cause: Option<&Arc<StorageError>>) -> WriteError {
+    cause.map_or(WriteError::Stopped, |c| {
+        WriteError::FailedEarlier(c.clone())
+    })
 }
 
 impl Writer {
@@ -52,7 +67,7 @@ impl Writer {
     pub fn start(
         store: Arc<dyn Store>,
         sync: SyncMode,
-        on_fatal: Box<dyn FnOnce(String) + Send>,
+        on_fatal: Box<dyn FnOnce(Arc<StorageError>) + Send>,
     ) -> (Self, std::thread::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel::<Request>();
         let poisoned = Arc::new(AtomicBool::new(false));
@@ -78,7 +93,7 @@ impl Writer {
         &self,
         batch: Batch,
         on_commit: Option<OnCommit>,
-    ) -> oneshot::Receiver<Result<(), String>> {
+    ) -> oneshot::Receiver<Result<(), WriteError>> {
         let (done, rx) = oneshot::channel();
         if self.poisoned.load(Ordering::Acquire) {
             let _ = done.send(Err(refused_after(self.cause.get())));
@@ -91,7 +106,7 @@ impl Writer {
             submitted: Instant::now(),
         }) && let Some(d) = req.done
         {
-            let _ = d.send(Err("storage writer stopped".into()));
+            let _ = d.send(Err(WriteError::Stopped));
         }
         rx
     }
@@ -105,8 +120,8 @@ fn run(
     store: Arc<dyn Store>,
     sync: SyncMode,
     rx: mpsc::Receiver<Request>,
-    (poisoned, cause): (Arc<AtomicBool>, Arc<OnceLock<String>>),
-    on_fatal: Box<dyn FnOnce(String) + Send>,
+    (poisoned, cause): (Arc<AtomicBool>, Arc<OnceLock<Arc<StorageError>>>),
+    on_fatal: Box<dyn FnOnce(Arc<StorageError>) + Send>,
 ) {
     let mut on_fatal = Some(on_fatal);
     let mut group: Vec<Request> = Vec::new();
@@ -141,12 +156,14 @@ fn run(
             if fsync && !merged.is_empty() {
                 metrics::histogram!(m::FSYNC_LATENCY).record(t.elapsed().as_secs_f64());
             }
-            r.map_err(|e| e.to_string())
+            r.map_err(|e| WriteError::Failed(Arc::new(e)))
         };
-        if let Err(e) = &result
-            && !poisoned.swap(true, Ordering::AcqRel)
+        if let Err(WriteError::Failed(e)) = &result
+            && !poisoned.load(Ordering::Acquire)
         {
+            // Only this thread writes: the cause first, then the flag.
             let _ = cause.set(e.clone());
+            poisoned.store(true, Ordering::Release);
             tracing::error!(error = %e, "storage write failed; stopping the node");
             if let Some(f) = on_fatal.take() {
                 f(e.clone());

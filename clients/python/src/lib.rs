@@ -836,7 +836,9 @@ fn parse_interest(
     };
     let policy: ResultPolicy = policy
         .parse()
-        .map_err(|e: String| ErrInfo::new(Kind::Value, format!("policy: {e}")))?;
+        .map_err(|e: tether_client::protocol::UnknownResultPolicy| {
+            ErrInfo::new(Kind::Value, format!("policy: {e}"))
+        })?;
     let mut interest = Interest::key("")
         .policy(policy)
         .receive_values(receive_values);
