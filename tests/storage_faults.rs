@@ -443,3 +443,75 @@ async fn a_failed_region_read_refuses_the_publish() {
     assert_eq!(p.region("R").get("k").await.unwrap(), Some(b"v3".to_vec()));
     node.shutdown().await;
 }
+
+/// RocksDB whose node-state records cannot be read (a disk answering EIO to those reads).
+struct UnreadableState(RocksStore);
+
+impl Store for UnreadableState {
+    fn write(&self, batch: &Batch, sync: bool) -> Result<(), StorageError> {
+        self.0.write(batch, sync)
+    }
+    fn queue_meta(
+        &self,
+        queue: tether_storage::QueueId,
+    ) -> Result<Option<tether_storage::QueueMeta>, StorageError> {
+        self.0.queue_meta(queue)
+    }
+    fn queues(
+        &self,
+    ) -> Result<Vec<(tether_storage::QueueId, tether_storage::QueueMeta)>, StorageError> {
+        self.0.queues()
+    }
+    fn read_entries(
+        &self,
+        queue: tether_storage::QueueId,
+        from: tether_storage::Offset,
+        to: tether_storage::Offset,
+        max_bytes: usize,
+        visit: &mut dyn FnMut(tether_storage::Offset, u8, &[u8]),
+    ) -> Result<usize, StorageError> {
+        self.0.read_entries(queue, from, to, max_bytes, visit)
+    }
+    fn region_get(&self, region: &str, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
+        self.0.region_get(region, key)
+    }
+    fn region_scan(
+        &self,
+        region: &str,
+        after: Option<&str>,
+        visit: &mut dyn FnMut(&str, &[u8]) -> std::ops::ControlFlow<()>,
+    ) -> Result<(), StorageError> {
+        self.0.region_scan(region, after, visit)
+    }
+    fn state_get(&self, _key: &str) -> Result<Option<Vec<u8>>, StorageError> {
+        Err(StorageError::Corrupt("injected: read failed (EIO)".into()))
+    }
+    fn flush(&self) -> Result<(), StorageError> {
+        self.0.flush()
+    }
+}
+
+/// A node that cannot read its state records (the next session id among them) does not start:
+/// taking them as absent would number sessions from 1 again, and event ids would repeat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_cannot_read_its_state_records_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = ServerConfig::ephemeral(dir.path());
+    {
+        let node = Node::start(config.clone()).await.unwrap();
+        let p = builder(&node).connect().await.unwrap();
+        p.region("R").put("k", b"v".to_vec()).await.unwrap();
+        p.close(false).await.unwrap();
+        node.shutdown().await;
+    }
+    let store = UnreadableState(RocksStore::open(&dir.path().join("db")).unwrap());
+    let refused = Node::start_with_store(config, Arc::new(store)).await;
+    let err = match refused {
+        Ok(node) => {
+            node.shutdown().await;
+            panic!("a node started on state records it could not read");
+        }
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("read failed (EIO)"), "{err}");
+}
