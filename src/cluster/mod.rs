@@ -354,23 +354,8 @@ impl Cluster {
             .is_ok()
     }
 
-    /// Waits until some leader is known (or `timeout` passes).
-    pub async fn wait_leader(&self, timeout: Duration) -> Option<RaftId> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(l) = self.leader() {
-                return Some(l);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    /// Serves the RPCs of one verified peer connection (spawned per connection);
-    /// forwarded publishes go to `sink`.
-    /// Serves the RPCs of member `peer` (identified by its certificate) on `conn`.
+    /// Serves the RPCs of member `peer` (identified by its certificate) on `conn`, spawned per
+    /// connection; forwarded publishes go to `sink`.
     pub fn serve(
         &self,
         conn: quinn::Connection,

@@ -186,8 +186,8 @@ fn not_ready_reasons(shared: &Shared) -> Vec<String> {
     if let Some(e) = shared.fatal.borrow().clone() {
         reasons.push(format!("storage failed: {e}"));
     }
-    if let Some(cluster) = shared.cluster.get() {
-        if !*shared.meta_caught_up.borrow() {
+    if let Some(cluster) = shared.member.cluster.get() {
+        if !*shared.member.meta_caught_up.borrow() {
             reasons.push(
                 "cluster metadata not caught up: this node does not yet hold everything committed before it started".into(),
             );
@@ -272,7 +272,7 @@ async fn api_node(State(a): State<AdminState>, headers: HeaderMap) -> Result<Res
         "version": env!("CARGO_PKG_VERSION"),
         "addr": a.addr.to_string(),
         "uptime_secs": a.started.elapsed().as_secs(),
-        "clustered": shared.cluster.get().is_some(),
+        "clustered": shared.member.cluster.get().is_some(),
         "ready": reasons.is_empty(),
         "reasons": reasons,
         "connections": shared.connections.load(Ordering::Relaxed),
@@ -303,7 +303,7 @@ async fn api_cluster(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let shared = authorized(&a, &headers)?;
-    let Some(cluster) = shared.cluster.get() else {
+    let Some(cluster) = shared.member.cluster.get() else {
         let body = json!({
             "clustered": false,
             "node_id": shared.node_id,
@@ -330,7 +330,7 @@ async fn api_cluster(
             json!({
                 "node_id": node.name,
                 "addr": node.addr,
-                "alive": id == me || shared.liveness.is_live(id),
+                "alive": id == me || shared.member.liveness.is_live(id),
                 "leader": leader == Some(id),
                 "self": id == me,
             })
@@ -342,7 +342,7 @@ async fn api_cluster(
         "leader": leader.map(|l| cluster.members().name(l)),
         "term": cluster.term(),
         "applied_index": cluster.applied_index(),
-        "caught_up": *shared.meta_caught_up.borrow(),
+        "caught_up": *shared.member.meta_caught_up.borrow(),
         "members": members,
     });
     Ok(axum::Json(body).into_response())
@@ -403,7 +403,10 @@ impl Shared {
     /// Each secondary copy of this node's primary queue `durable_id` and how far behind it is
     /// (empty off a cluster or without copies).
     pub(crate) fn copy_lags(&self, durable_id: &str) -> Vec<CopyLag> {
-        let (Some(cluster), Some(sq)) = (self.cluster.get(), self.shipping.get(durable_id)) else {
+        let (Some(cluster), Some(sq)) = (
+            self.member.cluster.get(),
+            self.member.shipping.get(durable_id),
+        ) else {
             return Vec::new();
         };
         sq.lags()
@@ -423,7 +426,7 @@ impl Shared {
         } else {
             self.core().queue_views(&self.node_id, now)
         };
-        let Some(cluster) = self.cluster.get() else {
+        let Some(cluster) = self.member.cluster.get() else {
             return views;
         };
         for v in &mut views {
@@ -434,8 +437,8 @@ impl Shared {
         if role == RoleFilter::Primary {
             return views;
         }
-        for id in self.copies.ids() {
-            let Some(cell) = self.copies.get(&id) else {
+        for id in self.member.copies.ids() {
+            let Some(cell) = self.member.copies.get(&id) else {
                 continue;
             };
             let copy = cell.lock().await;
@@ -497,7 +500,7 @@ impl Shared {
         cluster_wide: bool,
     ) -> (Page, Vec<String>) {
         let local = self.local_page(q).await;
-        let Some(cluster) = self.cluster.get().filter(|_| cluster_wide) else {
+        let Some(cluster) = self.member.cluster.get().filter(|_| cluster_wide) else {
             return (local, Vec::new());
         };
         let me = cluster.id();

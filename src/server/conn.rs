@@ -82,7 +82,7 @@ const TAKEOVER_ATTEMPTS_MAX: usize = 3;
 pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) {
     // A clustered node keeps room for its peers beyond the client limit: which connections
     // are peers is only known after the handshake (ALPN), where extra clients are refused.
-    let headroom = if shared.forwarding.is_some() {
+    let headroom = if shared.member.forwarding.is_some() {
         crate::cluster::CLUSTER_NODES_MAX
     } else {
         0
@@ -153,7 +153,7 @@ fn codec_error(e: &CodecError) -> WireError {
 /// A node-to-node connection: served by the metadata group if this node is clustered and
 /// the peer's certificate, from the cluster CA, names a member; closed with an error otherwise.
 fn serve_peer(shared: &Arc<Shared>, conn: quinn::Connection) -> Result<(), ()> {
-    let Some(cluster) = shared.cluster.get() else {
+    let Some(cluster) = shared.member.cluster.get() else {
         conn.close(
             ErrorCode::Forbidden.varint(),
             b"this node is not part of a cluster",
@@ -162,7 +162,7 @@ fn serve_peer(shared: &Arc<Shared>, conn: quinn::Connection) -> Result<(), ()> {
     };
     // A peer is the member its certificate names, never just any holder of a certificate
     // from the cluster CA (client certificates may come from it too).
-    let member = tls::peer_node_name(&conn, &shared.cluster_ca)
+    let member = tls::peer_node_name(&conn, &shared.member.cluster_ca)
         .map_err(|e| (e.label(), e.to_string()))
         .and_then(|name| {
             cluster.members().id_of(&name).ok_or_else(|| {
@@ -192,9 +192,68 @@ fn serve_peer(shared: &Arc<Shared>, conn: quinn::Connection) -> Result<(), ()> {
 
 async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> Result<(), ()> {
     let deadline = Duration::from_millis(shared.limits.handshake_timeout_ms);
+    let conn = accept(incoming, deadline).await.ok_or(())?;
+    if tls::negotiated_alpn(&conn)
+        .as_deref()
+        .and_then(tether_transport::peer_protocol_version)
+        .is_some()
+    {
+        return serve_peer(shared, conn);
+    }
+    // This connection is counted: more than the limit means it is one too many.
+    if shared.connections.load(Ordering::Relaxed) > shared.limits.connections_max {
+        conn.close(
+            ErrorCode::LimitExceeded.varint(),
+            b"too many connections to this node",
+        );
+        return Err(());
+    }
+    let (mut send, mut reader, hello) = read_hello(&conn, deadline).await.ok_or(())?;
+    let admitted = match admit(shared, &conn, hello) {
+        Ok(a) => a,
+        Err(e) => {
+            refuse(&conn, &mut send, e).await;
+            return Err(());
+        }
+    };
+    let attached = match attach(shared, &conn, &mut send, &admitted).await {
+        Ok(a) => a,
+        Err(NoSession::Redirected) => return Err(()),
+        Err(NoSession::Refused(e)) => {
+            refuse(&conn, &mut send, e).await;
+            return Err(());
+        }
+    };
+    let session = attached.connected.session;
+    let (wake, probes, finished) = register_session(shared, &conn, session, &admitted);
+    let ended = serve_session(
+        shared,
+        &conn,
+        (&mut send, &mut reader),
+        &admitted,
+        &attached,
+        (wake, probes),
+    )
+    .await;
+    end_session(shared, session, admitted.durable.as_ref(), ended.keepalive).await;
+    let _ = finished.send(true);
+    if let Some(answer) = ended.close_answer
+        && codec::write_frame(&mut send, &answer).await.is_ok()
+    {
+        let _ = send.finish();
+        // The client closes the connection once it has read the answer; closing first could
+        // discard the answer in flight.
+        let _ = tokio::time::timeout(Duration::from_millis(CLOSE_LINGER_MS), conn.closed()).await;
+    }
+    Ok(())
+}
+
+/// The QUIC handshake of an incoming connection, within `deadline`. A client or member that
+/// offers no protocol version this node speaks is counted and logged.
+async fn accept(incoming: quinn::Incoming, deadline: Duration) -> Option<quinn::Connection> {
     let remote = incoming.remote_address();
-    let conn = match tokio::time::timeout(deadline, incoming).await {
-        Ok(Ok(c)) => c,
+    match tokio::time::timeout(deadline, incoming).await {
+        Ok(Ok(c)) => Some(c),
         Ok(Err(e)) if tls::no_common_protocol(&e) => {
             // A client or a member of another build, too old or too new for this one.
             metrics::counter!(m::PROTOCOL_VERSION_REFUSED).increment(1);
@@ -212,56 +271,68 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
                 .collect::<Vec<_>>()
                 .join(", ")
             );
-            return Err(());
+            None
         }
-        _ => return Err(()),
-    };
-    if tls::negotiated_alpn(&conn)
-        .as_deref()
-        .and_then(tether_transport::peer_protocol_version)
-        .is_some()
-    {
-        return serve_peer(shared, conn);
+        _ => None,
     }
-    // This connection is counted: more than the limit means it is one too many.
-    if shared.connections.load(Ordering::Relaxed) > shared.limits.connections_max {
-        conn.close(
-            ErrorCode::LimitExceeded.varint(),
-            b"too many connections to this node",
-        );
-        return Err(());
-    }
+}
+
+/// The client's control stream and its first frame, within `deadline`; a client that sends
+/// none in time, or a frame that does not decode, is refused.
+async fn read_hello(
+    conn: &quinn::Connection,
+    deadline: Duration,
+) -> Option<(quinn::SendStream, FrameReader, ClientMsg)> {
     let (mut send, recv) = match tokio::time::timeout(deadline, conn.accept_bi()).await {
         Ok(Ok(s)) => s,
-        Ok(Err(_)) => return Err(()),
+        Ok(Err(_)) => return None,
         Err(_) => {
             conn.close(
                 ErrorCode::HandshakeTimeout.varint(),
                 b"no control stream opened in time",
             );
-            return Err(());
+            return None;
         }
     };
     // The hello is read before authentication: a small limit (nothing else is decoded).
     let mut reader = FrameReader::with_max(recv, HELLO_BYTES_MAX);
     let hello = match tokio::time::timeout(deadline, reader.next::<ClientMsg>()).await {
         Err(_) => {
-            refuse(
-                &conn,
-                &mut send,
-                WireError::new(ErrorCode::HandshakeTimeout, "no hello received in time"),
-            )
-            .await;
-            return Err(());
+            let e = WireError::new(ErrorCode::HandshakeTimeout, "no hello received in time");
+            refuse(conn, &mut send, e).await;
+            return None;
         }
         Ok(Err(e)) => {
-            refuse(&conn, &mut send, codec_error(&e)).await;
-            return Err(());
+            refuse(conn, &mut send, codec_error(&e)).await;
+            return None;
         }
-        Ok(Ok(None)) => return Err(()),
+        Ok(Ok(None)) => return None,
         Ok(Ok(Some(m))) => m,
     };
     reader.set_max(codec::FRAME_BYTES_MAX);
+    Some((send, reader, hello))
+}
+
+/// A hello this node accepts to serve: who sent it and what it asks for.
+struct Admitted {
+    durable: Option<DurableHello>,
+    /// None on an open node (no `[auth]`).
+    principal: Option<Principal>,
+    /// The token the connection authenticated with (its digest) and its principal: a
+    /// reloaded `[auth]` table without it closes the connection.
+    token_held: Option<(crate::auth::TokenDigest, String)>,
+    /// The client understands `going-away` (else it is told `shutdown`).
+    going_away: bool,
+}
+
+/// Checks a client's first frame before anything is done for it (consensus included): a
+/// hello, while the node is not stopping, of this protocol version, from a client (not a
+/// cluster node's certificate) that authenticates, with a valid durable part.
+fn admit(
+    shared: &Shared,
+    conn: &quinn::Connection,
+    hello: ClientMsg,
+) -> Result<Admitted, WireError> {
     let ClientMsg::Hello {
         version,
         durable,
@@ -270,114 +341,108 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         ..
     } = hello
     else {
-        refuse(
-            &conn,
-            &mut send,
-            WireError::new(
-                ErrorCode::ProtocolViolation,
-                "the first frame must be a hello",
-            ),
-        )
-        .await;
-        return Err(());
+        return Err(WireError::new(
+            ErrorCode::ProtocolViolation,
+            "the first frame must be a hello",
+        ));
     };
     if *shared.draining.borrow() {
         // Stopping: the client tries its next server.
-        refuse(
-            &conn,
-            &mut send,
-            WireError::new(ErrorCode::Shutdown, "the node is stopping"),
-        )
-        .await;
-        return Err(());
+        return Err(WireError::new(ErrorCode::Shutdown, "the node is stopping"));
     }
     if version != PROTOCOL_VERSION {
         let msg = format!(
             "unsupported protocol version {version}; this server speaks {PROTOCOL_VERSION}"
         );
-        refuse(
-            &conn,
-            &mut send,
-            WireError::new(ErrorCode::UnsupportedVersion, msg),
-        )
-        .await;
-        return Err(());
+        return Err(WireError::new(ErrorCode::UnsupportedVersion, msg));
     }
     // A cluster node's certificate identifies a peer, never a client (whatever its CN says).
-    if !tls::connection_node_names(&conn).is_empty() {
+    if !tls::connection_node_names(conn).is_empty() {
         metrics::counter!(m::PEER_REFUSED, "reason" => "node_cert_as_client").increment(1);
-        refuse(
-            &conn,
-            &mut send,
-            WireError::new(
-                ErrorCode::Unauthenticated,
-                "a cluster node's certificate cannot authenticate a client",
-            ),
-        )
-        .await;
-        return Err(());
+        return Err(WireError::new(
+            ErrorCode::Unauthenticated,
+            "a cluster node's certificate cannot authenticate a client",
+        ));
     }
     // Every connection authenticates anew: the latest credentials are the ones that count.
     let principal = match shared.authorizer() {
         None => None,
-        Some(a) => {
-            match a.authenticate(token.as_deref(), tls::peer_common_name(&conn).as_deref()) {
-                Ok(p) => Some(p),
-                Err(e) => {
-                    refuse(&conn, &mut send, e).await;
-                    return Err(());
-                }
-            }
-        }
+        Some(a) => Some(a.authenticate(token.as_deref(), tls::peer_common_name(conn).as_deref())?),
     };
     // Kept with the session so that a reloaded `[auth]` table without it closes the connection.
     let token_held = match (&principal, token.as_deref()) {
         (Some(p), Some(t)) => Some((crate::auth::token_digest(t), p.name.clone())),
         _ => None,
     };
-    let owner = principal.as_ref().map(|p| p.name.as_str());
     // Checked before anything is done for the hello: a bad one never reaches consensus.
-    if let Some(Err(e)) = durable.as_ref().map(crate::core::validate_durable_hello) {
-        refuse(&conn, &mut send, e).await;
-        return Err(());
+    if let Some(d) = durable.as_ref() {
+        crate::core::validate_durable_hello(d)?;
     }
+    Ok(Admitted {
+        durable,
+        principal,
+        token_held,
+        going_away,
+    })
+}
+
+/// Why an admitted hello got no session.
+enum NoSession {
+    /// Sent to the queue's primary (the redirect is written and the connection closed).
+    Redirected,
+    Refused(WireError),
+}
+
+/// A session attached to its queue.
+struct Attached {
+    connected: crate::core::Connected,
+    /// The queue's placement, on a clustered node.
+    placed: Option<crate::cluster::meta::Placement>,
+    /// The client's newest seen entry did not match the queue (see [`check_client_seen`]).
+    diverged: bool,
+}
+
+/// Places a durable queue (on a clustered node: here, or the client is redirected to its
+/// primary), attaches the session, checks what the client says it saw, and caps the queue's
+/// delivery at what its copies hold before the welcome.
+async fn attach(
+    shared: &Arc<Shared>,
+    conn: &quinn::Connection,
+    send: &mut quinn::SendStream,
+    admitted: &Admitted,
+) -> Result<Attached, NoSession> {
+    let durable = admitted.durable.as_ref();
+    let owner = admitted.principal.as_ref().map(|p| p.name.as_str());
     let mut placed = None;
     // Counted from placing to attaching: a refused hello releases a placement nobody uses.
     let mut placing = None;
-    if let (Some(d), Some(cluster)) = (durable.as_ref(), shared.cluster.get()) {
-        placing = Some(shared.placing.enter(&d.id));
+    if let (Some(d), Some(cluster)) = (durable, shared.member.cluster.get()) {
+        placing = Some(shared.member.placing.enter(&d.id));
         match super::placement::place_durable(shared, cluster, d, owner).await {
             Ok(super::placement::Placed::Here(p)) => placed = Some(p),
             Ok(super::placement::Placed::Elsewhere { node_id, addr }) => {
-                let _ = codec::write_frame(&mut send, &ServerMsg::Redirect { node_id, addr }).await;
+                let _ = codec::write_frame(send, &ServerMsg::Redirect { node_id, addr }).await;
                 let _ = send.finish();
                 // The client closes once it has read the redirect; do not wait forever.
                 let _ = tokio::time::timeout(Duration::from_millis(200), send.stopped()).await;
                 conn.close(ErrorCode::Ok.varint(), b"redirected");
-                return Err(());
+                return Err(NoSession::Redirected);
             }
-            Err(e) => {
-                refuse(&conn, &mut send, e).await;
-                return Err(());
-            }
+            Err(e) => return Err(NoSession::Refused(e)),
         }
     }
-    let connected = match connect(shared, durable.as_ref(), owner, placed.as_ref()).await {
+    let connected = match connect(shared, durable, owner, placed.as_ref()).await {
         Ok(c) => c,
         Err(e) => {
             if let (Some(guard), Some(_)) = (&placing, &placed) {
                 super::placement::release_unused(shared, guard);
             }
-            refuse(&conn, &mut send, e).await;
-            return Err(());
+            return Err(NoSession::Refused(e));
         }
     };
     drop(placing);
     let session = connected.session;
-    let diverged = match durable
-        .as_ref()
-        .and_then(|d| d.seen.as_ref().map(|s| (d, s)))
-    {
+    let diverged = match durable.and_then(|d| d.seen.as_ref().map(|s| (d, s))) {
         Some((d, seen)) if connected.status == QueueStatus::Resumed => {
             match check_client_seen(shared, session, &d.id, seen).await {
                 Ok(diverged) => diverged,
@@ -390,17 +455,35 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
                         })
                         .await
                         .ok();
-                    refuse(&conn, &mut send, e).await;
-                    return Err(());
+                    return Err(NoSession::Refused(e));
                 }
             }
         }
         _ => false,
     };
-    if let (Some(p), Some(d)) = (&placed, &durable) {
+    if let (Some(p), Some(d)) = (&placed, durable) {
         // Before the welcome: a queue with copies must not deliver what they may lack.
         super::failover::ensure_shipping(shared, &d.id, p);
     }
+    Ok(Attached {
+        connected,
+        placed,
+        diverged,
+    })
+}
+
+/// Makes `session` known to the node (its wake-up, liveness probes, connection and token).
+/// Returns its wake-up, its probe receiver and the sender that tells it has finished.
+fn register_session(
+    shared: &Shared,
+    conn: &quinn::Connection,
+    session: SessionId,
+    admitted: &Admitted,
+) -> (
+    Arc<Notify>,
+    mpsc::Receiver<oneshot::Sender<()>>,
+    watch::Sender<bool>,
+) {
     let (probe_tx, probe_rx) = mpsc::channel(PROBES_QUEUED_MAX);
     let (finished_tx, finished_rx) = watch::channel(false);
     let wake = Arc::new(Notify::new());
@@ -411,21 +494,36 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
             probe: probe_tx,
             conn: Some(conn.clone()),
             finished: finished_rx,
-            token: token_held.clone(),
+            token: admitted.token_held.clone(),
         },
     );
     // A reload that ran between the authentication and the line above did not see this
     // session: check the token against the table in force now.
-    if let (Some((digest, name)), Some(a)) = (&token_held, shared.authorizer())
+    if let (Some((digest, name)), Some(a)) = (&admitted.token_held, shared.authorizer())
         && a.token_principal(digest) != Some(name.as_str())
     {
         conn.close(ErrorCode::Unauthenticated.varint(), b"token withdrawn");
     }
-    let queue_servers = match (&placed, shared.cluster.get()) {
+    (wake, probe_rx, finished_tx)
+}
+
+/// Welcomes the client, then runs its delivery task beside the control loop until the
+/// session ends.
+async fn serve_session(
+    shared: &Arc<Shared>,
+    conn: &quinn::Connection,
+    (send, reader): (&mut quinn::SendStream, &mut FrameReader),
+    admitted: &Admitted,
+    attached: &Attached,
+    (wake, probes): (Arc<Notify>, mpsc::Receiver<oneshot::Sender<()>>),
+) -> Ended {
+    let connected = &attached.connected;
+    let session = connected.session;
+    let queue_servers = match (&attached.placed, shared.member.cluster.get()) {
         (Some(p), Some(cluster)) => queue_servers(cluster, p),
         _ => Vec::new(),
     };
-    match &durable {
+    match &admitted.durable {
         Some(d) => tracing::info!(
             durable_id = %d.id,
             session,
@@ -442,36 +540,33 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         queue: connected.status,
         pending: connected.pending,
         queue_servers,
-        diverged,
+        diverged: attached.diverged,
     };
-    let ended = match codec::write_frame(&mut send, &welcome).await {
-        Err(_) => Ended::LOST,
-        Ok(()) => match conn.open_uni().await {
-            Err(_) => Ended::LOST,
-            Ok(delivery) => {
-                let delivery_task = tokio::spawn(deliver(shared.clone(), session, delivery, wake));
-                let caller = Caller {
-                    principal: principal.as_ref(),
-                    knows_going_away: going_away,
-                };
-                let ended = control_loop(
-                    shared,
-                    &conn,
-                    session,
-                    caller,
-                    &mut reader,
-                    &mut send,
-                    probe_rx,
-                )
-                .await;
-                delivery_task.abort();
-                let _ = delivery_task.await;
-                ended
-            }
-        },
+    if codec::write_frame(send, &welcome).await.is_err() {
+        return Ended::LOST;
+    }
+    let Ok(delivery) = conn.open_uni().await else {
+        return Ended::LOST;
     };
-    let keepalive = ended.keepalive;
-    // Teardown: the delivery task has stopped, so no more delivered-mark writes for this queue.
+    let delivery_task = tokio::spawn(deliver(shared.clone(), session, delivery, wake));
+    let caller = Caller {
+        principal: admitted.principal.as_ref(),
+        knows_going_away: admitted.going_away,
+    };
+    let ended = control_loop(shared, conn, session, caller, reader, send, probes).await;
+    delivery_task.abort();
+    let _ = delivery_task.await;
+    ended
+}
+
+/// Tears a session down once its delivery task has stopped (so no more delivered-mark writes
+/// for its queue): detaches it (its durable queue kept or dropped) and forgets it.
+async fn end_session(
+    shared: &Arc<Shared>,
+    session: SessionId,
+    durable: Option<&DurableHello>,
+    keepalive: bool,
+) {
     let dropped = shared
         .apply(|core| {
             let d = core.disconnect(shared.clock.now_ms(), session, keepalive);
@@ -479,7 +574,7 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         })
         .await
         .unwrap_or(false);
-    match durable.as_ref() {
+    match durable {
         Some(d) if dropped => {
             tracing::info!(durable_id = %d.id, session, "durable client left; its queue is dropped");
             super::placement::forget(shared, &d.id, super::placement::Ended::Released);
@@ -493,16 +588,6 @@ async fn handle_connection(shared: &Arc<Shared>, incoming: quinn::Incoming) -> R
         None => tracing::debug!(session, "client disconnected"),
     }
     shared.sessions.lock_or_stop().remove(&session);
-    let _ = finished_tx.send(true);
-    if let Some(answer) = ended.close_answer
-        && codec::write_frame(&mut send, &answer).await.is_ok()
-    {
-        let _ = send.finish();
-        // The client closes the connection once it has read the answer; closing first could
-        // discard the answer in flight.
-        let _ = tokio::time::timeout(Duration::from_millis(CLOSE_LINGER_MS), conn.closed()).await;
-    }
-    Ok(())
 }
 
 /// The nodes holding a placed queue, primary first, for the welcome (the client fails over to

@@ -141,7 +141,7 @@ impl Copies {
 
 /// Handles one replication message from a primary (see the module docs).
 pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerResponse {
-    if let Some(cluster) = shared.cluster.get() {
+    if let Some(cluster) = shared.member.cluster.get() {
         let placement = cluster.placement(&msg.durable_id);
         if crate::control::reconcile::shipped_by_non_primary(
             placement.as_ref(),
@@ -166,7 +166,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     };
     // This node is primary of the queue: a stale primary learns it is fenced, a newer one
     // fences us (the reconciler then follows the metadata).
-    if let Some(reply) = shared.shipping.on_rival(&msg.durable_id, epoch) {
+    if let Some(reply) = shared.member.shipping.on_rival(&msg.durable_id, epoch) {
         return PeerResponse::Replicated(reply);
     }
     let own_epoch = shared
@@ -184,6 +184,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
         // take the copy; until the metadata here catches up, the queue's clients are sent to
         // the sender.
         shared
+            .member
             .shipping
             .note_rival(&msg.durable_id, Some(msg.from), epoch);
         super::shipping::depose(shared, &msg.durable_id, (Some(msg.from), epoch)).await;
@@ -241,7 +242,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
             }
         },
         // A copy started anew (a node that lost its data) cannot start without it.
-        None => match shared.copies.get(&msg.durable_id) {
+        None => match shared.member.copies.get(&msg.durable_id) {
             Some(c) => c,
             None => return PeerResponse::QueueInfoNeeded,
         },
@@ -398,13 +399,13 @@ async fn copy_for(
     info: &QueueInfo,
     placed_at: u64,
 ) -> Result<CopyCell, WireError> {
-    if let Some(c) = shared.copies.get(id) {
+    if let Some(c) = shared.member.copies.get(id) {
         return Ok(c);
     }
     // Starting a copy allocates an id through the core; serialised by the map so two messages
     // racing for a new copy start one.
     let qid = shared.apply(|core| Ok(core.alloc_copy_id())).await?;
-    let mut map = shared.copies.lock();
+    let mut map = shared.member.copies.lock();
     let cell = map.entry(id.to_string()).or_insert_with(|| {
         Arc::new(tokio::sync::Mutex::new(Copy {
             qid,
@@ -418,7 +419,11 @@ async fn copy_for(
         }))
     });
     let cell = cell.clone();
-    shared.copies.count.store(map.len(), Ordering::Release);
+    shared
+        .member
+        .copies
+        .count
+        .store(map.len(), Ordering::Release);
     Ok(cell)
 }
 

@@ -512,11 +512,11 @@ pub(crate) async fn recent_trim_loop(weak: Weak<Shared>) {
         let Some(shared) = weak.upgrade() else {
             return;
         };
-        let held = shared.copies.ids();
+        let held = shared.member.copies.ids();
         let mut forgotten = Vec::new();
         let trimmed = {
             let mut recent = shared.recent_forwards();
-            if let Some(f) = &shared.forwarding {
+            if let Some(f) = &shared.member.forwarding {
                 recent.origin_floor(&shared.node_id, f.all_applied());
             }
             recent.trim(&held, &mut forgotten)
@@ -591,7 +591,7 @@ pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
         let Some(shared) = weak.upgrade() else {
             return;
         };
-        let l = &shared.liveness;
+        let l = &shared.member.liveness;
         let start = l.ms(Instant::now());
         l.detector().start(others.iter().copied(), start);
     }
@@ -616,7 +616,7 @@ pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
         let Some(shared) = weak.upgrade() else {
             return;
         };
-        let l = &shared.liveness;
+        let l = &shared.member.liveness;
         let now = l.ms(Instant::now());
         // A copy (a few members), so the metadata is read outside the detector's lock.
         let detector = {
@@ -670,7 +670,7 @@ pub(crate) async fn catch_up(weak: Weak<Shared>, cluster: Arc<Cluster>) {
         match cluster.barrier().await {
             Ok(()) => {
                 if let Some(shared) = weak.upgrade() {
-                    shared.meta_caught_up.send_replace(true);
+                    shared.member.meta_caught_up.send_replace(true);
                     tracing::info!(applied = cluster.applied_index(), "metadata caught up");
                 }
                 return;
@@ -686,7 +686,7 @@ pub(crate) async fn catch_up(weak: Weak<Shared>, cluster: Arc<Cluster>) {
 
 /// Waits until this node's metadata caught up after its start (see [`catch_up`]).
 pub(crate) async fn metadata_caught_up(shared: &Shared) -> Result<(), WireError> {
-    let mut rx = shared.meta_caught_up.subscribe();
+    let mut rx = shared.member.meta_caught_up.subscribe();
     let wait = Duration::from_millis(CATCH_UP_WAIT_MS);
     match tokio::time::timeout(wait, rx.wait_for(|&c| c)).await {
         Ok(Ok(_)) => Ok(()),
@@ -737,9 +737,9 @@ where
 async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     let me = cluster.id();
     // Promotions first: their clients wait for them.
-    let promotions = shared.copies.ids().into_iter().filter_map(|id| {
+    let promotions = shared.member.copies.ids().into_iter().filter_map(|id| {
         let p = cluster.placement(&id).filter(|p| p.primary == me)?;
-        let (shared, cell) = (shared.clone(), shared.copies.get(&id)?);
+        let (shared, cell) = (shared.clone(), shared.member.copies.get(&id)?);
         Some(async move {
             let mut copy = cell.lock().await;
             if !copy.gone && reconcile::promotes(&p, me, copy.replica.epoch()) {
@@ -753,7 +753,7 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     for (id, epoch) in own {
         let placement = cluster.placement(&id);
         let applied = cluster.applied_index();
-        let rival = shared.shipping.rival(&id);
+        let rival = shared.member.shipping.rival(&id);
         let rival_epoch = rival.map_or(0, |r| r.epoch);
         match reconcile::own_queue_step(placement.as_ref(), me, epoch, applied, rival_epoch) {
             OwnQueueStep::Primary => {
@@ -786,12 +786,12 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     let applied = cluster.applied_index();
     // A rival matters until the metadata here reaches its epoch, and while this node may still
     // hold the queue (or be asked for it by a client).
-    shared.shipping.retain_rivals(|id, r| {
+    shared.member.shipping.retain_rivals(|id, r| {
         reconcile::superseded_by_rival(cluster.placement(id).as_ref(), 0, applied, r.epoch)
     });
-    let caught_up = *shared.meta_caught_up.borrow();
-    for id in shared.copies.ids() {
-        let Some(cell) = shared.copies.get(&id) else {
+    let caught_up = *shared.member.meta_caught_up.borrow();
+    for id in shared.member.copies.ids() {
+        let Some(cell) = shared.member.copies.get(&id) else {
             continue;
         };
         let mut copy = cell.lock().await;
@@ -810,7 +810,7 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
         batch.drop_queue(copy.qid);
         if shared.apply(|_| Ok(((), batch))).await.is_ok() {
             copy.gone = true;
-            shared.copies.remove(&id);
+            shared.member.copies.remove(&id);
             shared.recent_forwards().copy_gone(&id);
             tracing::info!(durable_id = %id, "dropped a copy this node no longer holds");
         }
@@ -836,7 +836,7 @@ pub(crate) async fn drop_unplaced(shared: &Arc<Shared>, cluster: &Cluster, id: &
     if step != OwnQueueStep::Ended {
         return false;
     }
-    shared.shipping.stop(id);
+    shared.member.shipping.stop(id);
     let (expired, owner) = cluster.read(|s| {
         (
             s.expired.iter().any(|e| e == id),
@@ -876,7 +876,7 @@ pub(crate) async fn drop_unplaced(shared: &Arc<Shared>, cluster: &Cluster, id: &
 pub(crate) fn ensure_shipping(shared: &Arc<Shared>, id: &str, p: &Placement) {
     // `p` may have been read before an await (a connection's placement): a newer one wins, and
     // one that no longer makes this node primary leaves the queue to the reconciler (depose).
-    let fresh = shared.cluster.get().and_then(|c| {
+    let fresh = shared.member.cluster.get().and_then(|c| {
         c.placement(id)
             .filter(|f| f.epoch > p.epoch)
             .map(|f| (f, c.id()))
@@ -893,7 +893,11 @@ pub(crate) fn ensure_shipping(shared: &Arc<Shared>, id: &str, p: &Placement) {
         }
         None => p,
     };
-    if shared.shipping.set_secondaries(id, &p.secondaries, p.epoch) {
+    if shared
+        .member
+        .shipping
+        .set_secondaries(id, &p.secondaries, p.epoch)
+    {
         return;
     }
     let (qid, shipper) = {
@@ -928,6 +932,7 @@ pub(crate) fn ensure_shipping(shared: &Arc<Shared>, id: &str, p: &Placement) {
         )
     };
     shared
+        .member
         .shipping
         .start(shared, (id, qid), shipper, p, Instant::now());
 }
@@ -988,19 +993,19 @@ async fn take_out(
 /// Restores a queue's redundancy: a syncing secondary that caught up is reported (it may be
 /// promoted from then on), and a missing secondary is replaced by a live member.
 async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Placement) {
-    let shipped = shared.shipping.get(id);
+    let shipped = shared.member.shipping.get(id);
     let regressed = shipped
         .as_ref()
         .map(|sq| sq.regressed())
         .unwrap_or_default();
     let step = {
         let in_sync = |n| shipped.as_ref().is_some_and(|sq| sq.in_sync(n));
-        let unreachable = |n| shared.liveness.unreachable(n);
+        let unreachable = |n| shared.member.liveness.unreachable(n);
         let seen = reconcile::CopiesSeen {
             regressed: &regressed,
             in_sync: &in_sync,
             unreachable: &unreachable,
-            majority_reachable: shared.liveness.majority_reachable(cluster),
+            majority_reachable: shared.member.liveness.majority_reachable(cluster),
         };
         reconcile::repair_step(p, cluster.id(), &seen)
     };
@@ -1071,7 +1076,7 @@ pub(crate) fn choose_secondaries(
     let candidates = members
         .nodes
         .iter()
-        .filter(|(n, _)| !exclude.contains(n) && shared.liveness.is_live(**n))
+        .filter(|(n, _)| !exclude.contains(n) && shared.member.liveness.is_live(**n))
         .map(|(&n, node)| (n, raft_id(&format!("{id}\u{0}{}", node.name))));
     crate::control::reconcile::rendezvous(candidates, count)
 }
@@ -1128,7 +1133,7 @@ pub(crate) async fn adopt_promoted_copy(
     id: &str,
     p: &Placement,
 ) -> Result<(), WireError> {
-    let Some(cell) = shared.copies.get(id) else {
+    let Some(cell) = shared.member.copies.get(id) else {
         return Ok(());
     };
     let mut copy = cell.lock().await;
@@ -1241,12 +1246,13 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
     shared.core().committed(0, &[(qid, end)]);
     let replica = std::mem::take(&mut copy.replica);
     copy.gone = true;
-    shared.copies.remove(id);
+    shared.member.copies.remove(id);
     shared.recent_forwards().copy_gone(id);
     let shipper = replica.promote(epoch, ShipperConfig::default());
     let deliver_after = Instant::now() + Duration::from_millis(super::shipping::LEASE_MS);
     shared.core().set_deliver_cap(qid, Some(0));
     shared
+        .member
         .shipping
         .start(shared, (id, qid), shipper, p, deliver_after);
     if p.handed_over {

@@ -447,7 +447,7 @@ pub(crate) async fn forward_loop(
     peer_id: RaftId,
 ) {
     let mut committed = match shared.upgrade() {
-        Some(s) => match &s.forwarding {
+        Some(s) => match &s.member.forwarding {
             Some(f) => f.committed.subscribe(),
             None => return,
         },
@@ -461,7 +461,7 @@ pub(crate) async fn forward_loop(
         tokio::task::JoinSet::new();
     // The last offset handed to a run (in flight or answered).
     let mut handed = match shared.upgrade() {
-        Some(s) => s.forwarding.as_ref().map_or(0, |f| f.sent(&peer)),
+        Some(s) => s.member.forwarding.as_ref().map_or(0, |f| f.sent(&peer)),
         None => return,
     };
     // A run failed: hand nothing more until the runs in flight have answered.
@@ -472,12 +472,14 @@ pub(crate) async fn forward_loop(
             retry = (retry * 2).min(FORWARD_RETRY_MAX_MS);
             failed = false;
             let Some(s) = shared.upgrade() else { return };
-            handed = s.forwarding.as_ref().map_or(0, |f| f.sent(&peer));
+            handed = s.member.forwarding.as_ref().map_or(0, |f| f.sent(&peer));
         }
         if !failed && in_flight.len() < FORWARD_RPCS_IN_FLIGHT_MAX {
             let (entries, me, floor) = {
                 let Some(s) = shared.upgrade() else { return };
-                let Some(f) = &s.forwarding else { return };
+                let Some(f) = &s.member.forwarding else {
+                    return;
+                };
                 let end = *committed.borrow_and_update();
                 let floor = f.all_applied();
                 let entries = if end > handed {
@@ -549,7 +551,7 @@ pub(crate) async fn forward_loop(
             Some(PeerResponse::PublishedUnconfirmed { through, reason }) => {
                 tracing::debug!(peer, reason, "forwarded publishes not confirmed on copies");
                 if let Some(s) = shared.upgrade()
-                    && let Some(f) = &s.forwarding
+                    && let Some(f) = &s.member.forwarding
                     && through >= first
                     && first > 0
                 {
@@ -565,9 +567,9 @@ pub(crate) async fn forward_loop(
         };
         if let Some(t) = through {
             let Some(s) = shared.upgrade() else { return };
-            let before = s.forwarding.as_ref().map_or(0, |f| f.sent(&peer));
+            let before = s.member.forwarding.as_ref().map_or(0, |f| f.sent(&peer));
             record_sent(&s, &peer, t).await;
-            if let Some(f) = &s.forwarding {
+            if let Some(f) = &s.member.forwarding {
                 metrics::counter!(m::FORWARDED, "peer" => peer.clone())
                     .increment(t.saturating_sub(before));
                 metrics::gauge!(m::FORWARD_LAG, "peer" => peer.clone()).set(f.lag(&peer) as f64);
@@ -585,7 +587,9 @@ pub(crate) async fn forward_loop(
 /// Records that `peer` applied the log through `through` (durably) and trims what every
 /// peer has applied.
 async fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) {
-    let Some(f) = &s.forwarding else { return };
+    let Some(f) = &s.member.forwarding else {
+        return;
+    };
     let (moved, min) = {
         let mut sent = f.sent.lock().expect("forward lock");
         let cur = sent.entry(peer.to_string()).or_insert(0);
@@ -641,7 +645,7 @@ impl PublishSink for PeerInbox {
                     reason: "node stopping".into(),
                 };
             };
-            let Some(f) = &s.forwarding else {
+            let Some(f) = &s.member.forwarding else {
                 return PeerResponse::PublishDeferred {
                     through: 0,
                     reason: "not clustered".into(),

@@ -171,6 +171,16 @@ pub(crate) struct Shared {
     auth: Option<std::sync::RwLock<Arc<crate::auth::Authorizer>>>,
     fatal: watch::Sender<Option<Arc<tether_storage::StorageError>>>,
     node_id: String,
+    /// Event totals since start, for the admin API (`admin.rs`).
+    pub(crate) stats: admin::NodeStats,
+    /// The node as a member of a cluster (empty on a single node).
+    pub(crate) member: Member,
+}
+
+/// What a node holds as a member of a cluster: its metadata group, its copies of other
+/// primaries' queues, the shipping of its own, and the publishes it forwards and keeps. On a
+/// single node the cluster is never set and the rest stays empty.
+pub(crate) struct Member {
     /// The metadata group, on a clustered node (set once, before accepting connections).
     pub(crate) cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
     /// The cluster CA a peer's certificate must come from (clustered nodes).
@@ -195,8 +205,6 @@ pub(crate) struct Shared {
     /// Set once this node's metadata holds everything committed before it started (clustered
     /// nodes serve durable clients only then; see `failover::catch_up`).
     pub(crate) meta_caught_up: watch::Sender<bool>,
-    /// Event totals since start, for the admin API (`admin.rs`).
-    pub(crate) stats: admin::NodeStats,
 }
 
 impl Shared {
@@ -207,12 +215,12 @@ impl Shared {
 
     #[track_caller]
     pub(crate) fn recent_forwards(&self) -> locks::Timed<'_, failover::RecentForwards> {
-        locks::lock(&self.recent, "recent")
+        locks::lock(&self.member.recent, "recent")
     }
 
     /// A snapshot of what this node applied, per origin (see `applied_through`).
     pub(crate) fn applied_through(&self) -> crate::control::watermark::Through {
-        self.applied_through.lock_or_stop().clone()
+        self.member.applied_through.lock_or_stop().clone()
     }
 
     fn wake(&self, session: SessionId) {
@@ -384,7 +392,7 @@ impl Shared {
                 );
             }
             let mut core = self.core();
-            if let (None, Some(f)) = (origin, &self.forwarding) {
+            if let (None, Some(f)) = (origin, &self.member.forwarding) {
                 f.check_room().inspect_err(|_| {
                     metrics::counter!(m::PUBLISH_REJECTED, "reason" => "publish-log-full")
                         .increment(1);
@@ -450,7 +458,7 @@ impl Shared {
                 bytes: held.1,
             };
             let mut batch = plan.batch;
-            let logged = match (origin, &self.forwarding) {
+            let logged = match (origin, &self.member.forwarding) {
                 (Some(o), _) => {
                     let (k, v) = forward::applied_marker(o.node, o.offset);
                     batch.state_put(&k, v);
@@ -483,7 +491,7 @@ impl Shared {
             receipt_logged = logged;
             let on_commit: writer::OnCommit = Box::new(move || {
                 drop(queued);
-                if let (Some(offset), Some(f)) = (logged, &shared.forwarding) {
+                if let (Some(offset), Some(f)) = (logged, &shared.member.forwarding) {
                     f.committed.send_replace(offset);
                 }
                 if let Some(at) = kept_at {
@@ -499,7 +507,7 @@ impl Shared {
                 };
                 // After the entries became visible (shipping reads this before a queue's end).
                 if let Some((node, offset)) = origin_offset {
-                    let mut t = shared.applied_through.lock_or_stop();
+                    let mut t = shared.member.applied_through.lock_or_stop();
                     let e = t.entry(node).or_insert(0);
                     *e = (*e).max(offset);
                 }
@@ -507,7 +515,7 @@ impl Shared {
                     shared.wake(s);
                 }
                 for (q, _) in &appended {
-                    shared.shipping.wake(*q);
+                    shared.member.shipping.wake(*q);
                 }
             });
             metrics::counter!(m::QUEUES_DROPPED_FULL).increment(plan.dropped_queues);
@@ -570,7 +578,12 @@ impl Shared {
     ) -> bool {
         let deadline = tokio::time::Instant::now() + timeout;
         for &(qid, off) in appended {
-            if !self.shipping.wait_replicated(qid, off, deadline).await {
+            if !self
+                .member
+                .shipping
+                .wait_replicated(qid, off, deadline)
+                .await
+            {
                 return false;
             }
         }
@@ -627,7 +640,7 @@ impl Shared {
             Some(s) => s.queue,
             None => return true,
         };
-        let Some((sq, version)) = self.shipping.info_changed(qid) else {
+        let Some((sq, version)) = self.member.shipping.info_changed(qid) else {
             return true;
         };
         let deadline = tokio::time::Instant::now() + self.replicated_wait;
@@ -637,7 +650,7 @@ impl Shared {
     /// The committed end of every queue this node ships to copies: once each copy holds its
     /// queue up to there, it holds everything this node applied so far.
     pub(crate) fn shipped_ends(&self) -> Vec<(tether_storage::QueueId, tether_storage::Offset)> {
-        let qids = self.shipping.shipped();
+        let qids = self.member.shipping.shipped();
         let core = self.core();
         qids.into_iter()
             .filter_map(|qid| core.queue(qid).map(|q| (qid, q.visible_end)))
@@ -663,7 +676,7 @@ impl Shared {
                 ),
             ));
         }
-        let (Some(offset), Some(f)) = (receipt.logged, &self.forwarding) else {
+        let (Some(offset), Some(f)) = (receipt.logged, &self.member.forwarding) else {
             return Ok(());
         };
         let deadline = tokio::time::Instant::now() + self.replicated_wait;
@@ -671,7 +684,7 @@ impl Shared {
             let applied = f.sent_changed.notified();
             tokio::pin!(applied);
             applied.as_mut().enable();
-            let status = f.replication_of(offset, |id| self.liveness.is_live(id));
+            let status = f.replication_of(offset, |id| self.member.liveness.is_live(id));
             if !status.unconfirmed.is_empty() {
                 return Err(WireError::new(
                     ErrorCode::Unavailable,
@@ -702,7 +715,7 @@ impl Shared {
 
     /// The session forwarded publishes are made under (created once).
     async fn forward_session(self: &Arc<Self>) -> Result<SessionId, WireError> {
-        let Some(f) = &self.forwarding else {
+        let Some(f) = &self.member.forwarding else {
             return Err(internal("not clustered"));
         };
         if let Some(id) = *f.session_slot().lock().expect("forward lock") {
@@ -954,6 +967,257 @@ fn node_id_for(data_dir: &Path, configured: Option<&str>) -> Result<String, Node
     }
 }
 
+/// Checks the settings a host may have built by hand (the command line checks them too), and
+/// builds the authorizer of the `[auth]` table. Warns when the node is open beyond loopback.
+fn check_config(
+    config: &ServerConfig,
+) -> Result<Option<std::sync::RwLock<Arc<crate::auth::Authorizer>>>, NodeError> {
+    config.limits.validate()?;
+    if let Some(w) = crate::config::open_node_warning(config.listen, config.auth.is_some()) {
+        tracing::warn!("{w}");
+    }
+    crate::config::validate_node_failure_ms(config.node_failure_ms)?;
+    Ok(match &config.auth {
+        Some(a) => Some(std::sync::RwLock::new(Arc::new(
+            crate::auth::Authorizer::new(a).map_err(crate::config::ConfigError::from)?,
+        ))),
+        None => None,
+    })
+}
+
+/// The node's TLS material at start: its certificate files, the server configuration's
+/// inputs, and the client certificate revocation lists in force.
+struct NodeTls {
+    files: TlsFiles,
+    setup: revocation::TlsSetup,
+    crls: tether_transport::crl::Crls,
+    /// `[auth] client-crl`, watched for changes, and its modification time at start.
+    client_crl: Option<PathBuf>,
+    crl_modified: Option<SystemTime>,
+}
+
+impl NodeTls {
+    /// The configured certificate files, or dev ones generated under `<data-dir>/tls`; a
+    /// cluster node's certificate must name it (that is how its peers know who it is).
+    fn set_up(config: &ServerConfig, data_dir: &Path, clustered: bool) -> Result<Self, NodeError> {
+        let cluster_node = config.node_id.as_deref().filter(|_| clustered);
+        let files = match &config.tls {
+            Some(t) => TlsFiles {
+                ca: t.ca.clone(),
+                cert: t.cert.clone(),
+                key: t.key.clone(),
+            },
+            None => {
+                // Every name a local setup reaches the node by: the defaults, the machine's
+                // host name, and the advertised names.
+                let mut names: Vec<String> =
+                    crate::config::machine_host_name().into_iter().collect();
+                names.extend(config.advertise.iter().cloned());
+                tls::ensure_dev_node_certs(&data_dir.join("tls"), cluster_node, &names)?
+            }
+        };
+        if let Some(node) = cluster_node {
+            check_node_certificate(&files.cert, node)?;
+        }
+        let client_ca = config.auth.as_ref().and_then(|a| a.client_ca.clone());
+        let client_crl = config.auth.as_ref().and_then(|a| a.client_crl.clone());
+        if client_crl.is_some() && client_ca.is_none() && !clustered {
+            return Err(NodeError::CrlWithoutClientCa);
+        }
+        let setup = revocation::TlsSetup {
+            files: files.clone(),
+            clustered,
+            client_ca,
+            idle_timeout_ms: config.limits.idle_timeout_ms,
+            receive_window_bytes: config.limits.connection_receive_window_bytes,
+            send_window_bytes: config.limits.connection_send_window_bytes,
+        };
+        let (crls, crl_modified) = match &client_crl {
+            Some(path) => revocation::load_at_start(path)?,
+            None => Default::default(),
+        };
+        Ok(NodeTls {
+            files,
+            setup,
+            crls,
+            client_crl,
+            crl_modified,
+        })
+    }
+}
+
+/// What a node rebuilds from its store at start.
+struct Recovered {
+    core: NodeCore,
+    copies: copies::Copies,
+    recent: failover::RecentForwards,
+    forwarding: Option<forward::Forwarding>,
+}
+
+/// Rebuilds the core, the copies held here and (on a clustered node) the recent publishes and
+/// the publish log from `store`; writes the recovery's batch.
+fn recover(
+    config: &ServerConfig,
+    store: &Arc<dyn Store>,
+    node_id: &str,
+    now_ms: u64,
+    clustered: bool,
+) -> Result<Recovered, NodeError> {
+    let mut queues = store.queues()?;
+    queues.retain(|(q, _)| *q != forward::PUBLISH_LOG_QUEUE && *q != failover::RECENT_LOG_QUEUE);
+    let (queues, copies) = NodeCore::split_copies(queues)?;
+    let entry_bytes = |q, from, to| crate::core::bytes::stored_entry_bytes(&**store, q, from, to);
+    let (copies, copies_through) = copies::Copies::recover(copies, entry_bytes)?;
+    // Only a clustered node holds copies (and so keeps recent publishes).
+    let mut recent = if clustered {
+        failover::RecentForwards::recover(&**store)?
+    } else {
+        failover::RecentForwards::default()
+    };
+    for (id, through) in &copies_through {
+        recent.copy_through(id, through);
+    }
+    let recovered = queues.len();
+    let (core, batch) =
+        NodeCore::recover(node_id, now_ms, queues, |k| store.state_get(k), entry_bytes)?;
+    let mut core = core.with_limits(config.limits.clone());
+    if clustered {
+        // Until the reconciler has looked at the metadata, deliver only what is acked
+        // (nothing): a queue with copies must not deliver what they may lack.
+        core.cap_all_queues();
+    }
+    store.write(&batch, true)?;
+    tracing::info!(
+        node_id,
+        queues = recovered,
+        copies = copies.len(),
+        "recovered storage"
+    );
+    let forwarding = if clustered {
+        Some(forward::Forwarding::open(
+            &**store,
+            node_id,
+            &config.peers,
+            &config.limits,
+            Duration::from_millis(config.replicated_ack_timeout_ms),
+        )?)
+    } else {
+        None
+    };
+    Ok(Recovered {
+        core,
+        copies,
+        recent,
+        forwarding,
+    })
+}
+
+/// Starts a clustered node's tasks: forwarding to each peer, the reconciler, the failure
+/// detector, the metadata catch-up, the trim of recent publishes and (if enabled) rebalancing.
+fn spawn_cluster_tasks(
+    shared: &Arc<Shared>,
+    cluster: &Arc<Cluster>,
+    rebalance: bool,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let weak = || Arc::downgrade(shared);
+    let mut tasks = Vec::new();
+    if let Some(f) = &shared.member.forwarding {
+        for (peer, id) in &f.peers {
+            tasks.push(tokio::spawn(forward::forward_loop(
+                weak(),
+                cluster.clone(),
+                peer.clone(),
+                *id,
+            )));
+        }
+    }
+    tasks.push(tokio::spawn(failover::reconcile_loop(
+        weak(),
+        cluster.clone(),
+    )));
+    tasks.push(tokio::spawn(failover::detect_loop(weak(), cluster.clone())));
+    tasks.push(tokio::spawn(failover::catch_up(weak(), cluster.clone())));
+    tasks.push(tokio::spawn(failover::recent_trim_loop(weak())));
+    if rebalance {
+        tasks.push(tokio::spawn(rebalance::rebalance_loop(
+            weak(),
+            cluster.clone(),
+        )));
+    }
+    tasks
+}
+
+impl Shared {
+    /// The shared state of a node starting with what it `recovered`; `ids` are its authorizer,
+    /// node id and cluster CA.
+    fn new(
+        config: &ServerConfig,
+        store: Arc<dyn Store>,
+        clock: clock::Clock,
+        ids: (
+            Option<std::sync::RwLock<Arc<crate::auth::Authorizer>>>,
+            String,
+            PathBuf,
+        ),
+        recovered: Recovered,
+    ) -> Self {
+        let (auth, node_id, cluster_ca) = ids;
+        let (fatal, _) = watch::channel(None);
+        let fatal_tx = fatal.clone();
+        let (writer, writer_thread) = Writer::start(
+            store.clone(),
+            config.sync,
+            Box::new(move |e| {
+                // `send_replace`: the value must stick even with no receiver yet (a host may ask
+                // `Node::failed` after the failure).
+                fatal_tx.send_replace(Some(e));
+            }),
+        );
+        Shared {
+            core: Mutex::new(recovered.core),
+            clock,
+            replicated_wait: Duration::from_millis(config.replicated_ack_timeout_ms),
+            store,
+            writer,
+            _writer_thread: WriterThread::new(writer_thread),
+            write_permits: Arc::new(Semaphore::new(WRITER_QUEUE_REQUESTS_MAX)),
+            write_kib: Arc::new(Semaphore::new(crate::limits::WRITER_QUEUE_KIB_MAX)),
+            regex_matchers: Default::default(),
+            regex_matches_under_lock: Default::default(),
+            publish_bytes_in_flight: std::sync::atomic::AtomicU64::new(0),
+            requests_unanswered: AtomicUsize::new(0),
+            draining: watch::Sender::new(false),
+            closing: watch::Sender::new(false),
+            writer_queue_bytes: std::sync::atomic::AtomicU64::new(0),
+            delivery_reads: Semaphore::new(DELIVERY_READS_IN_FLIGHT_MAX),
+            delivery_pool: low_priority::LowPriorityPool::start(
+                "tether-delivery",
+                DELIVERY_READ_THREADS,
+            ),
+            sessions: Mutex::new(HashMap::new()),
+            connections: AtomicUsize::new(0),
+            space: Notify::new(),
+            limits: config.limits.clone(),
+            auth,
+            fatal,
+            node_id,
+            stats: admin::NodeStats::default(),
+            member: Member {
+                cluster: std::sync::OnceLock::new(),
+                cluster_ca,
+                forwarding: recovered.forwarding,
+                copies: recovered.copies,
+                placing: Default::default(),
+                shipping: shipping::Shipping::default(),
+                liveness: failover::Liveness::new(Duration::from_millis(config.node_failure_ms)),
+                recent: Mutex::new(recovered.recent),
+                applied_through: Mutex::new(Default::default()),
+                meta_caught_up: watch::channel(false).0,
+            },
+        }
+    }
+}
+
 impl Node {
     /// Opens (or creates) the data directory, recovers every durable queue, and starts
     /// accepting clients.
@@ -981,18 +1245,8 @@ impl Node {
         store: Arc<dyn Store>,
     ) -> Result<Node, NodeError> {
         tls::install_crypto_provider();
-        config.limits.validate()?;
+        let auth = check_config(&config)?;
         let clock = clock::Clock::start(config.clock_offset_ms);
-        if let Some(w) = crate::config::open_node_warning(config.listen, config.auth.is_some()) {
-            tracing::warn!("{w}");
-        }
-        crate::config::validate_node_failure_ms(config.node_failure_ms)?;
-        let auth = match &config.auth {
-            Some(a) => Some(std::sync::RwLock::new(Arc::new(
-                crate::auth::Authorizer::new(a).map_err(crate::config::ConfigError::from)?,
-            ))),
-            None => None,
-        };
         // The file's time before the table in force was read: a change after it is seen.
         let auth_file = match (&config.auth, &config.auth_file) {
             (Some(a), Some(path)) => Some((path.clone(), a.clone(), revocation::modified(path))),
@@ -1008,147 +1262,16 @@ impl Node {
         if clustered && config.node_id.is_none() {
             return Err(NodeError::ClusterWithoutNodeId);
         }
-        // A cluster node's certificate names it: that is how its peers know who it is.
-        let cluster_node = config.node_id.as_deref().filter(|_| clustered);
-        let tls_files = match &config.tls {
-            Some(t) => TlsFiles {
-                ca: t.ca.clone(),
-                cert: t.cert.clone(),
-                key: t.key.clone(),
-            },
-            None => {
-                // Every name a local setup reaches the node by: the defaults, the machine's
-                // host name, and the advertised names.
-                let mut names: Vec<String> =
-                    crate::config::machine_host_name().into_iter().collect();
-                names.extend(config.advertise.iter().cloned());
-                tls::ensure_dev_node_certs(&data_dir.join("tls"), cluster_node, &names)?
-            }
-        };
-        if let Some(node) = cluster_node {
-            check_node_certificate(&tls_files.cert, node)?;
-        }
-        let client_ca = config.auth.as_ref().and_then(|a| a.client_ca.clone());
-        let client_crl = config.auth.as_ref().and_then(|a| a.client_crl.clone());
-        if client_crl.is_some() && client_ca.is_none() && !clustered {
-            return Err(NodeError::CrlWithoutClientCa);
-        }
-        let tls_setup = revocation::TlsSetup {
-            files: tls_files.clone(),
-            clustered,
-            client_ca,
-            idle_timeout_ms: config.limits.idle_timeout_ms,
-            receive_window_bytes: config.limits.connection_receive_window_bytes,
-            send_window_bytes: config.limits.connection_send_window_bytes,
-        };
-        let (crls, crl_modified) = match &client_crl {
-            Some(path) => {
-                let (crls, modified) = revocation::load_at_start(path)?;
-                (crls, modified)
-            }
-            None => Default::default(),
-        };
-        let server_config = tls_setup.server_config(&crls)?;
-        let mut queues = store.queues()?;
-        queues
-            .retain(|(q, _)| *q != forward::PUBLISH_LOG_QUEUE && *q != failover::RECENT_LOG_QUEUE);
-        let (queues, copies) = NodeCore::split_copies(queues)?;
-        let entry_bytes =
-            |q, from, to| crate::core::bytes::stored_entry_bytes(&*store, q, from, to);
-        let (copies, copies_through) = copies::Copies::recover(copies, entry_bytes)?;
-        // Only a clustered node holds copies (and so keeps recent publishes).
-        let mut recent = if clustered {
-            failover::RecentForwards::recover(&*store)?
-        } else {
-            failover::RecentForwards::default()
-        };
-        for (id, through) in &copies_through {
-            recent.copy_through(id, through);
-        }
-        let recovered = queues.len();
-        let st = store.clone();
-        let (core, batch) = NodeCore::recover(
-            node_id.clone(),
-            clock.now_ms(),
-            queues,
-            |k| st.state_get(k),
-            entry_bytes,
-        )?;
-        let mut core = core.with_limits(config.limits.clone());
-        if clustered {
-            // Until the reconciler has looked at the metadata, deliver only what is acked
-            // (nothing): a queue with copies must not deliver what they may lack.
-            core.cap_all_queues();
-        }
-        store.write(&batch, true)?;
-        tracing::info!(
-            node_id,
-            queues = recovered,
-            copies = copies.len(),
-            "recovered storage"
-        );
-        let forwarding = if clustered {
-            Some(forward::Forwarding::open(
-                &*store,
-                &node_id,
-                &config.peers,
-                &config.limits,
-                Duration::from_millis(config.replicated_ack_timeout_ms),
-            )?)
-        } else {
-            None
-        };
-        let (fatal, _) = watch::channel(None);
-        let fatal_tx = fatal.clone();
-        let (writer, writer_thread) = Writer::start(
-            store.clone(),
-            config.sync,
-            Box::new(move |e| {
-                // `send_replace`: the value must stick even with no receiver yet (a host may ask
-                // `Node::failed` after the failure).
-                fatal_tx.send_replace(Some(e));
-            }),
-        );
-        let shared = Arc::new(Shared {
-            core: Mutex::new(core),
-            clock,
-            replicated_wait: Duration::from_millis(config.replicated_ack_timeout_ms),
+        let tls = NodeTls::set_up(&config, &data_dir, clustered)?;
+        let server_config = tls.setup.server_config(&tls.crls)?;
+        let recovered = recover(&config, &store, &node_id, clock.now_ms(), clustered)?;
+        let shared = Arc::new(Shared::new(
+            &config,
             store,
-            writer,
-            _writer_thread: WriterThread::new(writer_thread),
-            write_permits: Arc::new(Semaphore::new(WRITER_QUEUE_REQUESTS_MAX)),
-            write_kib: Arc::new(Semaphore::new(crate::limits::WRITER_QUEUE_KIB_MAX)),
-            regex_matchers: Default::default(),
-            regex_matches_under_lock: Default::default(),
-            publish_bytes_in_flight: std::sync::atomic::AtomicU64::new(0),
-            requests_unanswered: AtomicUsize::new(0),
-            draining: watch::Sender::new(false),
-            closing: watch::Sender::new(false),
-            writer_queue_bytes: std::sync::atomic::AtomicU64::new(0),
-            delivery_reads: Semaphore::new(DELIVERY_READS_IN_FLIGHT_MAX),
-            delivery_pool: low_priority::LowPriorityPool::start(
-                "tether-delivery",
-                DELIVERY_READ_THREADS,
-            ),
-            sessions: Mutex::new(HashMap::new()),
-            connections: AtomicUsize::new(0),
-            space: Notify::new(),
-            limits: config.limits.clone(),
-            auth,
-            fatal,
-            node_id,
-            cluster: std::sync::OnceLock::new(),
-            cluster_ca: tls_files.ca.clone(),
-            forwarding,
-            copies,
-            placing: Default::default(),
-            shipping: shipping::Shipping::default(),
-            liveness: failover::Liveness::new(Duration::from_millis(config.node_failure_ms)),
-            recent: Mutex::new(recent),
-            applied_through: Mutex::new(Default::default()),
-            meta_caught_up: watch::channel(false).0,
-            stats: admin::NodeStats::default(),
-        });
+            clock,
+            (auth, node_id, tls.files.ca.clone()),
+            recovered,
+        ));
         let endpoint = tether_transport::endpoint::server_endpoint(config.listen, server_config)
             .map_err(|source| NodeError::Listen {
                 addr: config.listen,
@@ -1159,9 +1282,9 @@ impl Node {
             source,
         })?;
         let mut tasks = Vec::new();
+        m::handle();
         let metrics_addr = match config.metrics {
             Some(a) => {
-                m::handle();
                 let (bound, task) =
                     admin::serve(a, Arc::downgrade(&shared), addr, config.metrics_top_queues)
                         .await
@@ -1169,10 +1292,7 @@ impl Node {
                 tasks.push(task);
                 Some(bound)
             }
-            None => {
-                m::handle();
-                None
-            }
+            None => None,
         };
         if clustered {
             let members = Members::new(&shared.node_id, &addr.to_string(), &config.peers)?;
@@ -1181,41 +1301,11 @@ impl Node {
                 members,
                 &data_dir.join(RAFT_DIR),
                 endpoint.clone(),
-                tls::peer_client_config(&tls_files)?,
+                tls::peer_client_config(&tls.files)?,
             )
             .await?;
-            if let Some(f) = &shared.forwarding {
-                for (peer, id) in &f.peers {
-                    tasks.push(tokio::spawn(forward::forward_loop(
-                        Arc::downgrade(&shared),
-                        cluster.clone(),
-                        peer.clone(),
-                        *id,
-                    )));
-                }
-            }
-            tasks.push(tokio::spawn(failover::reconcile_loop(
-                Arc::downgrade(&shared),
-                cluster.clone(),
-            )));
-            tasks.push(tokio::spawn(failover::detect_loop(
-                Arc::downgrade(&shared),
-                cluster.clone(),
-            )));
-            tasks.push(tokio::spawn(failover::catch_up(
-                Arc::downgrade(&shared),
-                cluster.clone(),
-            )));
-            tasks.push(tokio::spawn(failover::recent_trim_loop(Arc::downgrade(
-                &shared,
-            ))));
-            if config.rebalance {
-                tasks.push(tokio::spawn(rebalance::rebalance_loop(
-                    Arc::downgrade(&shared),
-                    cluster.clone(),
-                )));
-            }
-            let _ = shared.cluster.set(cluster);
+            tasks.extend(spawn_cluster_tasks(&shared, &cluster, config.rebalance));
+            let _ = shared.member.cluster.set(cluster);
         }
         tasks.push(tokio::spawn(conn::accept_loop(
             shared.clone(),
@@ -1230,13 +1320,13 @@ impl Node {
                 modified,
             )));
         }
-        if let Some(path) = client_crl {
+        if let Some(path) = tls.client_crl {
             tasks.push(tokio::spawn(revocation::watch(
                 Arc::downgrade(&shared),
                 endpoint.clone(),
-                tls_setup,
+                tls.setup,
                 path,
-                crl_modified,
+                tls.crl_modified,
             )));
         }
         Ok(Node {
@@ -1244,7 +1334,7 @@ impl Node {
             endpoint,
             addr,
             metrics_addr,
-            ca: tls_files.ca,
+            ca: tls.files.ca,
             tasks,
         })
     }
@@ -1309,7 +1399,7 @@ impl Node {
 
     /// The metadata group handle, on a clustered node.
     pub fn cluster(&self) -> Option<&Arc<Cluster>> {
-        self.shared.cluster.get()
+        self.shared.member.cluster.get()
     }
 
     pub fn node_id(&self) -> &str {
@@ -1358,7 +1448,7 @@ impl Node {
     pub async fn shutdown(self) {
         self.drain_requests().await;
         self.shared.closing.send_replace(true);
-        if let Some(c) = self.shared.cluster.get() {
+        if let Some(c) = self.shared.member.cluster.get() {
             c.shutdown().await;
         }
         // Clients learn why: a plain shutdown, or the storage failure that stopped the node.
@@ -1515,7 +1605,7 @@ async fn tick_loop(shared: Arc<Shared>) {
         metrics::gauge!(m::QUEUES, "state" => "away").set(c.away as f64);
         metrics::gauge!(m::PENDING_EVENTS).set(c.pending_total as f64);
         metrics::gauge!(m::PENDING_BYTES).set(c.pending_bytes_total as f64);
-        if let Some(f) = &shared.forwarding {
+        if let Some(f) = &shared.member.forwarding {
             metrics::gauge!(m::PUBLISH_LOG_BYTES).set(f.pending_bytes() as f64);
             // Also between forwarding rounds: new publishes raise the lag before they go out.
             for peer in f.peer_names() {
@@ -1543,16 +1633,16 @@ async fn tick_loop(shared: Arc<Shared>) {
             metrics::gauge!(m::HEAP_LIVE, "allocator" => "native").set(h.live_bytes as f64);
             metrics::gauge!(m::HEAP_RETAINED, "allocator" => "native").set(h.retained_bytes as f64);
         }
-        if let Some(cl) = shared.cluster.get() {
+        if let Some(cl) = shared.member.cluster.get() {
             let me = cl.id();
             metrics::gauge!(m::CLUSTER_IS_LEADER).set(f64::from(u8::from(cl.leader() == Some(me))));
             metrics::gauge!(m::CLUSTER_TERM).set(cl.term() as f64);
             metrics::gauge!(m::CLUSTER_APPLIED_INDEX).set(cl.applied_index() as f64);
             let placed = cl.read(|s| s.queues.values().filter(|p| p.primary == me).count());
             metrics::gauge!(m::CLUSTER_PLACED_QUEUES).set(placed as f64);
-            metrics::gauge!(m::QUEUE_COPIES).set(shared.copies.len() as f64);
+            metrics::gauge!(m::QUEUE_COPIES).set(shared.member.copies.len() as f64);
             let mut lag: HashMap<u64, u64> = HashMap::new();
-            for sq in shared.shipping.all() {
+            for sq in shared.member.shipping.all() {
                 for (peer, l) in sq.lags() {
                     let e = lag.entry(peer).or_default();
                     *e = (*e).max(l);

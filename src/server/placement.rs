@@ -81,8 +81,8 @@ impl Drop for PlacingGuard<'_> {
 pub(crate) fn release_unused(shared: &Arc<Shared>, guard: &PlacingGuard<'_>) {
     let id = guard.id.as_str();
     let unused = shared.core().durable_queue(id).is_none()
-        && shared.copies.get(id).is_none()
-        && shared.placing.count(id) == 1;
+        && shared.member.copies.get(id).is_none()
+        && shared.member.placing.count(id) == 1;
     if unused {
         tracing::debug!(durable_id = %id, "releasing the placement of a refused hello");
         forget(shared, id, Ended::Released);
@@ -191,9 +191,13 @@ pub(crate) async fn place_durable(
     if placement.primary == me {
         let mut confirmed = false;
         loop {
-            let held =
-                shared.core().durable_queue(&d.id).is_some() || shared.copies.get(&d.id).is_some();
-            let rival = shared.shipping.rival(&d.id).map(|r| (r.node, r.epoch));
+            let held = shared.core().durable_queue(&d.id).is_some()
+                || shared.member.copies.get(&d.id).is_some();
+            let rival = shared
+                .member
+                .shipping
+                .rival(&d.id)
+                .map(|r| (r.node, r.epoch));
             let step = crate::control::reconcile::placed_here_step(
                 &placement,
                 cluster.applied_index(),
@@ -228,6 +232,7 @@ pub(crate) async fn place_durable(
         // Cut off from the majority without a lease: a copy there takes the queue over (the
         // client goes to the copies first once refused here).
         let lease_held = shared
+            .member
             .shipping
             .get(&d.id)
             .is_none_or(|sq| sq.lease_held(std::time::Instant::now()));
@@ -235,7 +240,7 @@ pub(crate) async fn place_durable(
         if crate::control::reconcile::step_aside(
             has_copies,
             lease_held,
-            shared.liveness.majority_reachable(cluster),
+            shared.member.liveness.majority_reachable(cluster),
         ) {
             return Err(WireError::new(
                 ErrorCode::Unavailable,
@@ -280,7 +285,7 @@ async fn check_copy_owner(
     id: &str,
     principal: Option<&str>,
 ) -> Result<(), WireError> {
-    let Some(copy) = shared.copies.get(id) else {
+    let Some(copy) = shared.member.copies.get(id) else {
         return Ok(());
     };
     let owner = copy.lock().await.info.owner.clone();
@@ -306,7 +311,7 @@ pub(crate) enum Ended {
 /// a failed removal is not retried yet and only means the next client with this id is sent
 /// here, where it starts a new queue.
 pub(crate) fn forget(shared: &Arc<Shared>, id: &str, ended: Ended) {
-    let Some(cluster) = shared.cluster.get().cloned() else {
+    let Some(cluster) = shared.member.cluster.get().cloned() else {
         return;
     };
     let Some(p) = cluster.placement(id) else {

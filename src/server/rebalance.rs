@@ -63,7 +63,7 @@ pub(crate) async fn rebalance_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
         let Some(shared) = weak.upgrade() else {
             return;
         };
-        if !*shared.meta_caught_up.borrow() {
+        if !*shared.member.meta_caught_up.borrow() {
             continue;
         }
         round(&shared, &cluster).await;
@@ -79,7 +79,7 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
         .nodes
         .keys()
         .copied()
-        .filter(|&n| n == me || shared.liveness.is_live(n))
+        .filter(|&n| n == me || shared.member.liveness.is_live(n))
         .collect();
     let (counts, syncing) = cluster.read(|s| rebalance::primary_counts(&live, s.queues.values()));
     let mut wanted = rebalance::wanted(&counts, &syncing, me);
@@ -111,7 +111,13 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
             })
             .collect()
     };
-    let in_sync = |id: &str, taker| shared.shipping.get(id).is_some_and(|s| s.in_sync(taker));
+    let in_sync = |id: &str, taker| {
+        shared
+            .member
+            .shipping
+            .get(id)
+            .is_some_and(|s| s.in_sync(taker))
+    };
     let mut moves = tokio::task::JoinSet::new();
     for (c, target) in rebalance::pick(candidates, &mut wanted, in_sync) {
         let (shared, cluster) = (shared.clone(), cluster.clone());
@@ -138,7 +144,7 @@ async fn hand_over(
     // The copy must hold the queue's state as it is now, its client's last acks above all
     // (they travel with every replication message): else the taker would send again what the
     // client acknowledged here.
-    let copied = match qid.and_then(|q| shared.shipping.info_changed(q)) {
+    let copied = match qid.and_then(|q| shared.member.shipping.info_changed(q)) {
         Some((sq, version)) => {
             let deadline =
                 tokio::time::Instant::now() + Duration::from_millis(HANDOVER_COPY_WAIT_MS);
@@ -163,7 +169,10 @@ async fn hand_over(
             // Committed once the leader applied it: the metadata here may not say so yet, and
             // until it does, this node's clients of the queue are sent to the taker (not given
             // a new queue on the placement this node still reads).
-            shared.shipping.note_rival(id, Some(target), moved.epoch);
+            shared
+                .member
+                .shipping
+                .note_rival(id, Some(target), moved.epoch);
             super::shipping::depose(shared, id, (Some(moved.primary), moved.epoch)).await;
         }
         Ok(other) => {

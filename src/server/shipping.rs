@@ -380,7 +380,7 @@ impl Shipping {
         placement: &Placement,
         deliver_after: Instant,
     ) {
-        let Some(cluster) = shared.cluster.get().cloned() else {
+        let Some(cluster) = shared.member.cluster.get().cloned() else {
             return; // Only clustered nodes ship.
         };
         let sq = Arc::new(ShipQueue::new(
@@ -468,7 +468,7 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
             .queue(sq.qid)
             .map(|q| (q.visible_end, q.acked_stored, q.info_generation));
         let Some((visible_end, acked, info_generation)) = seen else {
-            shared.shipping.stop(&sq.durable_id);
+            shared.member.shipping.stop(&sq.durable_id);
             return;
         };
         sq.coverage().note(applied, visible_end);
@@ -506,7 +506,10 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
         if let Some(epoch) = fenced {
             tracing::warn!(durable_id = %sq.durable_id, epoch, "deposed: a newer primary exists");
             // The reconciler gives the queue up even before the metadata here says so.
-            shared.shipping.note_rival(&sq.durable_id, None, epoch);
+            shared
+                .member
+                .shipping
+                .note_rival(&sq.durable_id, None, epoch);
             let session = {
                 let mut core = shared.core();
                 core.set_deliver_cap(sq.qid, Some(0));
@@ -519,7 +522,7 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
                     "this queue moved to another node; reconnect",
                 );
             }
-            shared.shipping.stop(&sq.durable_id);
+            shared.member.shipping.stop(&sq.durable_id);
             return;
         }
         sq.coverage().prune(replicated_end);
@@ -543,7 +546,11 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
             shared.wake(s);
         }
         if let Some(s) = attached
-            && reconcile::step_aside(true, false, shared.liveness.majority_reachable(&cluster))
+            && reconcile::step_aside(
+                true,
+                false,
+                shared.member.liveness.majority_reachable(&cluster),
+            )
         {
             metrics::counter!(m::REPLICATION_STEPPED_ASIDE).increment(1);
             tracing::warn!(
@@ -887,7 +894,7 @@ fn on_result(
 /// Another node holds `id` at a higher epoch (`by`: that node, if known, and the epoch): drop
 /// this node's queue and send its client on.
 pub(crate) async fn depose(shared: &Arc<Shared>, id: &str, by: (Option<RaftId>, u64)) {
-    shared.shipping.stop(id);
+    shared.member.shipping.stop(id);
     let result = shared
         .apply(|core| {
             let (batch, session) = core.depose(id);
