@@ -45,6 +45,7 @@ pub mod config;
 pub mod control;
 pub mod core;
 pub mod heap;
+pub mod ids;
 pub mod interest;
 pub mod limits;
 pub mod metrics;

@@ -28,7 +28,7 @@ use std::time::Duration;
 use common::cluster::TestCluster;
 use common::{drain_quiet, keys, take_events, until_live};
 use tether::client::{Client, ClientBuilder, EventStream, Interest};
-use tether::cluster::meta::{MetaCommand, raft_id};
+use tether::cluster::meta::{MetaCommand, NodeId, raft_id};
 use tether::cluster::network::{
     ForwardedPublish, PeerPool, PeerRequest, PeerResponse, ReplicateHeader, ReplicateMsg,
     ShippedEntry,
@@ -168,7 +168,7 @@ fn forged_publish(origin: &str, key: &str) -> PeerRequest {
 }
 
 /// A replication message for `queue` in the name of `from`, shipped under `placement_epoch`.
-fn forged_replicate(from: u64, queue: &str, placement_epoch: u64) -> PeerRequest {
+fn forged_replicate(from: NodeId, queue: &str, placement_epoch: u64) -> PeerRequest {
     PeerRequest::Replicate(ReplicateMsg {
         from,
         durable_id: queue.into(),
@@ -196,7 +196,7 @@ fn forged_replicate(from: u64, queue: &str, placement_epoch: u64) -> PeerRequest
 }
 
 /// A vote request of candidate `candidate` at `term`.
-fn forged_vote(candidate: u64, term: u64) -> PeerRequest {
+fn forged_vote(candidate: NodeId, term: u64) -> PeerRequest {
     PeerRequest::Vote(openraft::raft::VoteRequest::new(
         openraft::Vote::new(term, candidate),
         None,

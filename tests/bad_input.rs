@@ -1626,7 +1626,9 @@ async fn bad_peer_messages_get_error_answers_and_hurt_nothing() {
             _ => panic!("garbage was not refused as a bad request"),
         }
     }
-    let wrong = tether::cluster::network::encode_request(me ^ 1, PeerRequest::Ping).unwrap();
+    let wrong =
+        tether::cluster::network::encode_request(tether::ids::NodeId(me.0 ^ 1), PeerRequest::Ping)
+            .unwrap();
     assert!(
         matches!(answer(conn.clone(), wrong).await, PeerResponse::WrongNode { actual } if actual == me),
         "a request for another node"

@@ -361,7 +361,7 @@ fn member_tls(c: &TestCluster, i: usize) -> tls::TlsFiles {
 }
 
 /// A metadata write placing queue `id` on `primary`, without copies.
-fn place(id: &str, primary: u64) -> PeerRequest {
+fn place(id: &str, primary: tether::cluster::meta::NodeId) -> PeerRequest {
     PeerRequest::Write(MetaCommand::Place {
         id: id.into(),
         primary,

@@ -387,10 +387,10 @@ impl World {
         let opts = Options::draw(&mut rng);
         let count = 1 + opts.secondaries as u64;
         let mut nodes: Vec<Node> = (0..count)
-            .map(|id| Node::new(id, Role::Secondary(Box::new(Replica::new()))))
+            .map(|id| Node::new(NodeId(id), Role::Secondary(Box::new(Replica::new()))))
             .collect();
         let mut shipper = Shipper::new(1, LogState::empty(), 0, opts.shipper);
-        shipper.set_secondaries(&(1..count).collect::<Vec<_>>(), 0);
+        shipper.set_secondaries(&(1..count).map(NodeId).collect::<Vec<_>>(), 0);
         nodes[0].role = Role::Primary(Box::new(shipper));
         nodes[0].store.epoch = 1;
         World {
@@ -399,10 +399,10 @@ impl World {
             opts,
             now: 0,
             nodes,
-            primary: 0,
+            primary: NodeId(0),
             epoch: 1,
-            members: (0..count).collect(),
-            in_sync: (0..count).collect(),
+            members: (0..count).map(NodeId).collect(),
+            in_sync: (0..count).map(NodeId).collect(),
             queue: BinaryHeap::new(),
             in_flight: BTreeMap::new(),
             next_seq: 0,
@@ -431,7 +431,7 @@ impl World {
             self.workload_and_faults();
         } else if self.rng.per_mille(50) {
             // The client re-sends its cumulative ack periodically.
-            self.client_ack(self.primary as usize);
+            self.client_ack(self.primary.0 as usize);
         }
         self.flush_some();
         self.demote_fenced();
@@ -445,18 +445,18 @@ impl World {
         self.faults = false;
         self.cut.clear();
         for id in self.members.clone() {
-            if matches!(self.nodes[id as usize].role, Role::Down) {
+            if matches!(self.nodes[id.0 as usize].role, Role::Down) {
                 self.restart(id);
             }
         }
         // The client reconnects to the primary and re-sends its cursor.
-        self.client_ack(self.primary as usize);
+        self.client_ack(self.primary.0 as usize);
     }
 
     // -- the network --------------------------------------------------------------------------
 
     fn send(&mut self, from: NodeId, to: NodeId, msg: Msg) {
-        self.note(from << 8 | to);
+        self.note(from.0 << 8 | to.0);
         if self.faults && self.rng.per_mille(self.opts.drop_per_mille) {
             return;
         }
@@ -496,7 +496,7 @@ impl World {
     fn deliver(&mut self, env: Envelope) {
         let now = self.now;
         let (from, to) = (env.from, env.to);
-        let node = &mut self.nodes[to as usize];
+        let node = &mut self.nodes[to.0 as usize];
         let mut reply = None;
         match (&mut node.role, env.msg) {
             (Role::Down, _) => {}
@@ -558,7 +558,7 @@ impl World {
         }
         if let Reply::Ack { end, .. } = reply {
             // Never ack what is not durable.
-            let store = &self.nodes[from as usize].store;
+            let store = &self.nodes[from.0 as usize].store;
             assert!(
                 end <= store.log.end(),
                 "node {from} acked {end} beyond its durable end"
@@ -588,7 +588,7 @@ impl World {
             };
             let ack = r.on_durable(last.expect("flushed one"));
             if let Some(t) = ack {
-                self.send_reply(id as NodeId, t.to, t.message);
+                self.send_reply(NodeId(id as u64), t.to, t.message);
             }
         }
     }
@@ -612,20 +612,20 @@ impl World {
                         Msg::Snapshot(h, entries)
                     }
                 };
-                self.send(id as NodeId, t.to, msg);
+                self.send(NodeId(id as u64), t.to, msg);
             }
         }
     }
 
     fn workload_and_faults(&mut self) {
-        let p = self.primary as usize;
+        let p = self.primary.0 as usize;
         if self.rng.per_mille(self.opts.append_per_mille) {
             let count = self.rng.between(1, 3);
             self.append(p, count);
         }
         // A deposed primary that still runs may take appends from stale clients.
         if self.rng.per_mille(self.opts.append_per_mille / 4) {
-            let stale = self.members.iter().map(|&m| m as usize).find(|&i| {
+            let stale = self.members.iter().map(|&m| m.0 as usize).find(|&i| {
                 i != p && matches!(&self.nodes[i].role, Role::Primary(s) if s.fenced().is_none())
             });
             if let Some(i) = stale {
@@ -638,7 +638,7 @@ impl World {
         }
         if self.rng.per_mille(self.opts.trim_per_mille) {
             let i = self.random_member();
-            self.trim(i as usize);
+            self.trim(i.0 as usize);
         }
         if self.rng.per_mille(self.opts.crash_per_mille) {
             let i = self.random_member();
@@ -646,7 +646,7 @@ impl World {
         }
         if self.rng.per_mille(self.opts.restart_per_mille) {
             let i = self.random_member();
-            if matches!(self.nodes[i as usize].role, Role::Down) {
+            if matches!(self.nodes[i.0 as usize].role, Role::Down) {
                 self.restart(i);
             }
         }
@@ -729,11 +729,11 @@ impl World {
     }
 
     fn crash(&mut self, id: NodeId) {
-        let node = &mut self.nodes[id as usize];
+        let node = &mut self.nodes[id.0 as usize];
         node.role = Role::Down;
         node.pending.clear();
         self.stats.crashes += 1;
-        self.note(0xdead_0000 | id);
+        self.note(0xdead_0000 | id.0);
         self.connection_lost(id);
     }
 
@@ -751,9 +751,9 @@ impl World {
 
     /// Restarts a node from its store, in the role metadata gives it.
     fn restart(&mut self, id: NodeId) {
-        self.note(0xbeef_0000 | id);
+        self.note(0xbeef_0000 | id.0);
         let secondaries = self.secondaries_of(id);
-        let node = &mut self.nodes[id as usize];
+        let node = &mut self.nodes[id.0 as usize];
         if id == self.primary {
             node.store.epoch = self.epoch;
             let store = &node.store;
@@ -792,24 +792,24 @@ impl World {
         let choices = self.secondaries_of(self.primary);
         let old = choices[self.rng.below(choices.len() as u64) as usize];
         self.crash(old);
-        self.nodes[old as usize].store = Store::default();
+        self.nodes[old.0 as usize].store = Store::default();
         self.members.retain(|&m| m != old);
         self.in_sync.remove(&old);
-        let id = self.nodes.len() as NodeId;
+        let id = NodeId((self.nodes.len()) as u64);
         self.nodes
             .push(Node::new(id, Role::Secondary(Box::new(Replica::new()))));
         self.members.push(id);
         self.stats.replacements += 1;
-        self.note(0x2e91_0000 | id);
+        self.note(0x2e91_0000 | id.0);
         let secondaries = self.secondaries_of(self.primary);
-        if let Role::Primary(s) = &mut self.nodes[self.primary as usize].role {
+        if let Role::Primary(s) = &mut self.nodes[self.primary.0 as usize].role {
             s.set_secondaries(&secondaries, self.now);
         }
     }
 
     /// Metadata learns from the running primary which secondaries are in sync.
     fn learn_in_sync(&mut self) {
-        let Role::Primary(s) = &self.nodes[self.primary as usize].role else {
+        let Role::Primary(s) = &self.nodes[self.primary.0 as usize].role else {
             return;
         };
         for id in s.secondaries().collect::<Vec<_>>() {
@@ -826,7 +826,7 @@ impl World {
             .secondaries_of(self.primary)
             .into_iter()
             .filter(|i| self.in_sync.contains(i))
-            .filter(|&i| matches!(self.nodes[i as usize].role, Role::Secondary(_)))
+            .filter(|&i| matches!(self.nodes[i.0 as usize].role, Role::Secondary(_)))
             .collect();
         if candidates.is_empty() {
             return;
@@ -838,9 +838,9 @@ impl World {
         self.epoch += 1;
         self.primary = new;
         self.stats.failovers += 1;
-        self.note(0xfa11_0000 | new);
+        self.note(0xfa11_0000 | new.0);
         let secondaries = self.secondaries_of(new);
-        let node = &mut self.nodes[new as usize];
+        let node = &mut self.nodes[new.0 as usize];
         let Role::Secondary(mut r) = std::mem::replace(&mut node.role, Role::Down) else {
             unreachable!("candidates are replicas")
         };
@@ -865,8 +865,8 @@ impl World {
     /// A running shipper that learned of a higher epoch becomes a replica (metadata tells it
     /// which primary to follow; the sim restarts it from its store, as after a crash).
     fn demote_fenced(&mut self) {
-        for id in 0..self.nodes.len() as NodeId {
-            let Role::Primary(s) = &self.nodes[id as usize].role else {
+        for id in (0..self.nodes.len() as u64).map(NodeId) {
+            let Role::Primary(s) = &self.nodes[id.0 as usize].role else {
                 continue;
             };
             let Some(fenced) = s.fenced() else { continue };
@@ -875,12 +875,12 @@ impl World {
                 fenced > s.epoch() && fenced <= self.epoch,
                 "fenced by epoch {fenced}"
             );
-            let node = &mut self.nodes[id as usize];
+            let node = &mut self.nodes[id.0 as usize];
             let r = Replica::recover(node.store.replica_state()).expect("durable state recovers");
             node.last_acked = r.acked();
             node.role = Role::Secondary(Box::new(r));
             self.stats.demotions += 1;
-            self.note(0xfe0c_0000 | id);
+            self.note(0xfe0c_0000 | id.0);
         }
     }
 
@@ -916,7 +916,7 @@ impl World {
 
     fn check_invariants(&mut self) {
         for &id in &self.members {
-            let node = &mut self.nodes[id as usize];
+            let node = &mut self.nodes[id.0 as usize];
             node.store.check(node.id);
             assert!(
                 node.store.acked >= node.store_acked_max,
@@ -935,7 +935,7 @@ impl World {
         // 1. Log matching between every pair of stores.
         for (k, &a) in self.members.iter().enumerate() {
             for &b in &self.members[k + 1..] {
-                let (a, b) = (a as usize, b as usize);
+                let (a, b) = (a.0 as usize, b.0 as usize);
                 let (sa, sb) = (&self.nodes[a].store, &self.nodes[b].store);
                 let lo = sa.log.start().max(sb.log.start());
                 let hi = sa.log.end().min(sb.log.end());
@@ -947,7 +947,7 @@ impl World {
                 }
             }
         }
-        let primary = &self.nodes[self.primary as usize];
+        let primary = &self.nodes[self.primary.0 as usize];
         let pstore = &primary.store;
         // 1. Every current secondary holds the primary's entries below its replicated_end.
         if let Role::Primary(s) = &primary.role {
@@ -958,7 +958,7 @@ impl World {
                 s.acked()
             );
             for &id in self.in_sync.iter().filter(|&&id| id != self.primary) {
-                let node = &self.nodes[id as usize];
+                let node = &self.nodes[id.0 as usize];
                 let store = &node.store;
                 assert!(
                     store.log.end() >= end,
@@ -977,7 +977,7 @@ impl World {
         }
         // 2. No committed entry is missing from a store metadata may promote.
         for &id in &self.in_sync {
-            let store = &self.nodes[id as usize].store;
+            let store = &self.nodes[id.0 as usize].store;
             for (&o, &entry) in self.committed.range(store.log.start()..) {
                 assert_eq!(
                     store.get(o),
@@ -998,7 +998,7 @@ impl World {
         let lowest = self
             .members
             .iter()
-            .map(|&m| self.nodes[m as usize].store.log.start())
+            .map(|&m| self.nodes[m.0 as usize].store.log.start())
             .min();
         let lowest = lowest.unwrap_or(0);
         while self
@@ -1011,15 +1011,15 @@ impl World {
     }
 
     fn converged(&self) -> bool {
-        let Role::Primary(s) = &self.nodes[self.primary as usize].role else {
+        let Role::Primary(s) = &self.nodes[self.primary.0 as usize].role else {
             return false;
         };
-        let pstore = &self.nodes[self.primary as usize].store;
+        let pstore = &self.nodes[self.primary.0 as usize].store;
         if s.replicated_end() != s.log().end() {
             return false;
         }
         self.secondaries_of(self.primary).into_iter().all(|id| {
-            let n = &self.nodes[id as usize];
+            let n = &self.nodes[id.0 as usize];
             let Role::Secondary(r) = &n.role else {
                 return false;
             };

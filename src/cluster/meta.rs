@@ -22,20 +22,25 @@ use serde::{Deserialize, Serialize};
 
 /// A node of the consensus group (openraft's `NodeId`): a stable 64-bit hash of the node's
 /// name (see [`raft_id`]).
-pub type RaftId = u64;
+pub use crate::ids::NodeId;
 
 /// Most redundancy (secondaries per queue) a client may ask for.
 pub const REDUNDANCY_MAX: u8 = 2;
 /// Most expired durable ids remembered (so a returning client learns `expired`).
 pub const EXPIRED_IDS_MAX: usize = 100_000;
 
-/// The raft id of a node name: FNV-1a 64 of its bytes. Node names are chosen by operators and
-/// checked to map to distinct ids when the cluster is configured.
-pub fn raft_id(name: &str) -> RaftId {
+/// The raft id of a node name: FNV-1a 64 of its bytes ([`fnv1a`]). Node names are chosen by
+/// operators and checked to map to distinct ids when the cluster is configured.
+pub fn raft_id(name: &str) -> NodeId {
+    NodeId(fnv1a(name))
+}
+
+/// FNV-1a 64 of `text`'s bytes: a stable hash, the same on every member and every build.
+pub fn fnv1a(text: &str) -> u64 {
     const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
     const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
     let mut h = FNV_OFFSET;
-    for b in name.as_bytes() {
+    for b in text.as_bytes() {
         h ^= u64::from(*b);
         h = h.wrapping_mul(FNV_PRIME);
     }
@@ -46,9 +51,9 @@ pub fn raft_id(name: &str) -> RaftId {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Placement {
     /// The node that appends and delivers.
-    pub primary: RaftId,
+    pub primary: NodeId,
     /// Nodes holding copies, in promotion order.
-    pub secondaries: Vec<RaftId>,
+    pub secondaries: Vec<NodeId>,
     /// Log index of the entry that last changed `primary` or `secondaries`.
     pub epoch: u64,
     /// Secondaries the client asked for (0 to [`REDUNDANCY_MAX`]).
@@ -58,7 +63,7 @@ pub struct Placement {
     /// Secondaries added to repair redundancy that have not caught up yet: never promoted
     /// (they may lack entries the primary already delivered).
     #[serde(default)]
-    pub syncing: Vec<RaftId>,
+    pub syncing: Vec<NodeId>,
     /// Set by a [`MetaCommand::Handover`], cleared by every later change of the epoch: the
     /// primary got the queue from a live primary (rebalancing), not by a failover.
     #[serde(default)]
@@ -72,8 +77,8 @@ pub enum MetaCommand {
     /// placement is returned (idempotent).
     Place {
         id: String,
-        primary: RaftId,
-        secondaries: Vec<RaftId>,
+        primary: NodeId,
+        secondaries: Vec<NodeId>,
         redundancy: u8,
         timeout_ms: u64,
     },
@@ -82,7 +87,7 @@ pub enum MetaCommand {
     Promote {
         id: String,
         expected_epoch: u64,
-        new_primary: RaftId,
+        new_primary: NodeId,
     },
     /// A planned move (rebalancing, see `server/rebalance.rs`): the live primary hands the
     /// queue, whose client is away, over to `new_primary` (a current secondary, not syncing),
@@ -91,21 +96,21 @@ pub enum MetaCommand {
     Handover {
         id: String,
         expected_epoch: u64,
-        new_primary: RaftId,
+        new_primary: NodeId,
     },
     /// Replaces the secondaries (repairing or shrinking redundancy). Secondaries not in the
     /// current set join as `syncing`.
     SetSecondaries {
         id: String,
         expected_epoch: u64,
-        secondaries: Vec<RaftId>,
+        secondaries: Vec<NodeId>,
     },
     /// The primary reports that syncing secondary `node` caught up: it may be promoted.
     /// Leaves the epoch unchanged.
     Synced {
         id: String,
         expected_epoch: u64,
-        node: RaftId,
+        node: NodeId,
     },
     /// Expires the queue cluster-wide, once: its next client learns `expired`. `owner`: the
     /// principal that owned the queue, if any; the id stays theirs on every member.
@@ -121,7 +126,7 @@ pub enum MetaCommand {
     /// A node is gone: every queue it is primary of is promoted to its first secondary that is
     /// not syncing (queues without such a secondary keep their primary: nothing else holds
     /// them all), and the node is dropped from every replica set.
-    NodeFailed { node: RaftId },
+    NodeFailed { node: NodeId },
     /// Changes nothing. A node that starts commits one, through the leader, to learn that its
     /// applied metadata holds everything committed before (a read barrier): a restarted node
     /// must not serve queues from a view older than what the cluster decided while it was down.
@@ -221,7 +226,7 @@ pub struct MetaState {
     pub expired_owners: BTreeMap<String, String>,
 }
 
-fn valid_replicas(primary: RaftId, secondaries: &[RaftId]) -> bool {
+fn valid_replicas(primary: NodeId, secondaries: &[NodeId]) -> bool {
     !secondaries.contains(&primary)
         && secondaries
             .iter()
@@ -384,7 +389,7 @@ impl MetaState {
 mod tests {
     use super::*;
 
-    fn place(id: &str, primary: RaftId, secondaries: &[RaftId]) -> MetaCommand {
+    fn place(id: &str, primary: NodeId, secondaries: &[NodeId]) -> MetaCommand {
         MetaCommand::Place {
             id: id.into(),
             primary,
@@ -396,18 +401,21 @@ mod tests {
 
     #[test]
     fn oversized_commands_are_refused_before_they_are_proposed() {
-        assert_eq!(place("q", 1, &[2, 3]).validate(), Ok(()));
+        assert_eq!(
+            place("q", NodeId(1), &[NodeId(2), NodeId(3)]).validate(),
+            Ok(())
+        );
         let long = "x".repeat(crate::limits::DURABLE_ID_BYTES_MAX + 1);
         assert!(
-            place(&long, 1, &[])
+            place(&long, NodeId(1), &[])
                 .validate()
                 .unwrap_err()
                 .to_string()
                 .contains("durable id")
         );
-        assert!(place("", 1, &[]).validate().is_err());
+        assert!(place("", NodeId(1), &[]).validate().is_err());
         assert!(
-            place("q", 1, &[2, 3, 4])
+            place("q", NodeId(1), &[NodeId(2), NodeId(3), NodeId(4)])
                 .validate()
                 .unwrap_err()
                 .to_string()
@@ -416,7 +424,7 @@ mod tests {
         let set = MetaCommand::SetSecondaries {
             id: "q".into(),
             expected_epoch: 1,
-            secondaries: vec![2, 3, 4],
+            secondaries: vec![NodeId(2), NodeId(3), NodeId(4)],
         };
         assert!(
             set.validate()
@@ -429,13 +437,16 @@ mod tests {
             expected_epoch: 1,
         };
         assert!(release.validate().is_err());
-        assert_eq!(MetaCommand::NodeFailed { node: 3 }.validate(), Ok(()));
+        assert_eq!(
+            MetaCommand::NodeFailed { node: NodeId(3) }.validate(),
+            Ok(())
+        );
     }
 
     #[test]
     fn barrier_changes_nothing() {
         let mut s = MetaState::default();
-        s.apply(1, &place("q", 1, &[2]));
+        s.apply(1, &place("q", NodeId(1), &[NodeId(2)]));
         let before = s.clone();
         assert_eq!(s.apply(2, &MetaCommand::Barrier), MetaResponse::None);
         assert_eq!(s, before);
@@ -444,46 +455,56 @@ mod tests {
     #[test]
     fn place_is_idempotent_and_epoch_is_the_log_index() {
         let mut s = MetaState::default();
-        let MetaResponse::Placed(p) = s.apply(5, &place("q", 1, &[2, 3])) else {
+        let MetaResponse::Placed(p) = s.apply(5, &place("q", NodeId(1), &[NodeId(2), NodeId(3)]))
+        else {
             panic!()
         };
         assert_eq!(p.epoch, 5);
-        assert_eq!(s.apply(9, &place("q", 2, &[])), MetaResponse::Placed(p));
+        assert_eq!(
+            s.apply(9, &place("q", NodeId(2), &[])),
+            MetaResponse::Placed(p)
+        );
     }
 
     #[test]
     fn promote_is_compare_and_set_on_the_epoch() {
         let mut s = MetaState::default();
-        s.apply(5, &place("q", 1, &[2, 3]));
+        s.apply(5, &place("q", NodeId(1), &[NodeId(2), NodeId(3)]));
         let promote = |epoch, node| MetaCommand::Promote {
             id: "q".into(),
             expected_epoch: epoch,
             new_primary: node,
         };
-        let MetaResponse::Placed(p) = s.apply(7, &promote(5, 3)) else {
+        let MetaResponse::Placed(p) = s.apply(7, &promote(5, NodeId(3))) else {
             panic!()
         };
-        assert_eq!((p.primary, p.secondaries.clone(), p.epoch), (3, vec![2], 7));
+        assert_eq!(
+            (p.primary, p.secondaries.clone(), p.epoch),
+            (NodeId(3), vec![NodeId(2)], 7)
+        );
         assert!(!p.handed_over);
         // The same command again (a retry) is stale and changes nothing.
         assert_eq!(
-            s.apply(8, &promote(5, 3)),
+            s.apply(8, &promote(5, NodeId(3))),
             MetaResponse::Stale(Some(p.clone()))
         );
         // Only a secondary can be promoted.
-        assert!(matches!(s.apply(9, &promote(7, 1)), MetaResponse::Stale(_)));
+        assert!(matches!(
+            s.apply(9, &promote(7, NodeId(1))),
+            MetaResponse::Stale(_)
+        ));
     }
 
     #[test]
     fn a_handover_moves_the_primary_and_is_marked_until_the_next_change() {
         let mut s = MetaState::default();
-        s.apply(5, &place("q", 1, &[2, 3]));
+        s.apply(5, &place("q", NodeId(1), &[NodeId(2), NodeId(3)]));
         s.apply(
             6,
             &MetaCommand::SetSecondaries {
                 id: "q".into(),
                 expected_epoch: 5,
-                secondaries: vec![2, 3],
+                secondaries: vec![NodeId(2), NodeId(3)],
             },
         );
         let handover = |epoch, node| MetaCommand::Handover {
@@ -493,15 +514,15 @@ mod tests {
         };
         // Compare-and-set as a promotion.
         assert!(matches!(
-            s.apply(7, &handover(5, 2)),
+            s.apply(7, &handover(5, NodeId(2))),
             MetaResponse::Stale(_)
         ));
-        let MetaResponse::Placed(p) = s.apply(8, &handover(6, 2)) else {
+        let MetaResponse::Placed(p) = s.apply(8, &handover(6, NodeId(2))) else {
             panic!()
         };
         assert_eq!(
             (p.primary, p.secondaries.clone(), p.epoch, p.handed_over),
-            (2, vec![3], 8, true)
+            (NodeId(2), vec![NodeId(3)], 8, true)
         );
         // A syncing secondary is not a target.
         s.apply(
@@ -509,19 +530,19 @@ mod tests {
             &MetaCommand::SetSecondaries {
                 id: "q".into(),
                 expected_epoch: 8,
-                secondaries: vec![3, 1],
+                secondaries: vec![NodeId(3), NodeId(1)],
             },
         );
         assert!(!s.queues["q"].handed_over);
         assert!(matches!(
-            s.apply(10, &handover(9, 1)),
+            s.apply(10, &handover(9, NodeId(1))),
             MetaResponse::Stale(_)
         ));
-        let MetaResponse::Placed(p) = s.apply(11, &handover(9, 3)) else {
+        let MetaResponse::Placed(p) = s.apply(11, &handover(9, NodeId(3))) else {
             panic!()
         };
-        assert_eq!((p.primary, p.handed_over), (3, true));
-        s.apply(12, &MetaCommand::NodeFailed { node: 1 });
+        assert_eq!((p.primary, p.handed_over), (NodeId(3), true));
+        s.apply(12, &MetaCommand::NodeFailed { node: NodeId(1) });
         assert_eq!(
             (s.queues["q"].epoch, s.queues["q"].handed_over),
             (12, false)
@@ -531,59 +552,62 @@ mod tests {
     #[test]
     fn node_failed_promotes_first_secondary_and_drops_the_node() {
         let mut s = MetaState::default();
-        s.apply(1, &place("a", 1, &[2]));
-        s.apply(2, &place("b", 2, &[1, 3]));
-        s.apply(3, &place("c", 1, &[]));
-        s.apply(4, &place("d", 3, &[2]));
+        s.apply(1, &place("a", NodeId(1), &[NodeId(2)]));
+        s.apply(2, &place("b", NodeId(2), &[NodeId(1), NodeId(3)]));
+        s.apply(3, &place("c", NodeId(1), &[]));
+        s.apply(4, &place("d", NodeId(3), &[NodeId(2)]));
         assert_eq!(
-            s.apply(10, &MetaCommand::NodeFailed { node: 1 }),
+            s.apply(10, &MetaCommand::NodeFailed { node: NodeId(1) }),
             MetaResponse::Changed(2)
         );
-        assert_eq!((s.queues["a"].primary, s.queues["a"].epoch), (2, 10));
-        assert_eq!(s.queues["b"].secondaries, vec![3]);
+        assert_eq!(
+            (s.queues["a"].primary, s.queues["a"].epoch),
+            (NodeId(2), 10)
+        );
+        assert_eq!(s.queues["b"].secondaries, vec![NodeId(3)]);
         // Nothing else holds "c": it stays where it is, waiting for node 1.
-        assert_eq!((s.queues["c"].primary, s.queues["c"].epoch), (1, 3));
+        assert_eq!((s.queues["c"].primary, s.queues["c"].epoch), (NodeId(1), 3));
         assert_eq!(s.queues["d"].epoch, 4);
     }
 
     #[test]
     fn repaired_secondaries_are_promoted_only_once_synced() {
         let mut s = MetaState::default();
-        s.apply(1, &place("q", 1, &[2]));
+        s.apply(1, &place("q", NodeId(1), &[NodeId(2)]));
         let MetaResponse::Placed(p) = s.apply(
             2,
             &MetaCommand::SetSecondaries {
                 id: "q".into(),
                 expected_epoch: 1,
-                secondaries: vec![3, 2],
+                secondaries: vec![NodeId(3), NodeId(2)],
             },
         ) else {
             panic!()
         };
-        assert_eq!((p.syncing.clone(), p.epoch), (vec![3], 2));
+        assert_eq!((p.syncing.clone(), p.epoch), (vec![NodeId(3)], 2));
         // Node 2 fails: 3 is not synced, so 1 stays primary.
-        s.apply(3, &MetaCommand::NodeFailed { node: 2 });
+        s.apply(3, &MetaCommand::NodeFailed { node: NodeId(2) });
         assert_eq!(
             (s.queues["q"].primary, s.queues["q"].secondaries.clone()),
-            (1, vec![3])
+            (NodeId(1), vec![NodeId(3)])
         );
         let epoch = s.queues["q"].epoch;
         let synced = MetaCommand::Synced {
             id: "q".into(),
             expected_epoch: epoch,
-            node: 3,
+            node: NodeId(3),
         };
         assert!(
             matches!(s.apply(4, &synced), MetaResponse::Placed(p) if p.syncing.is_empty() && p.epoch == epoch)
         );
-        s.apply(5, &MetaCommand::NodeFailed { node: 1 });
-        assert_eq!((s.queues["q"].primary, s.queues["q"].epoch), (3, 5));
+        s.apply(5, &MetaCommand::NodeFailed { node: NodeId(1) });
+        assert_eq!((s.queues["q"].primary, s.queues["q"].epoch), (NodeId(3), 5));
     }
 
     #[test]
     fn expire_once_and_remember() {
         let mut s = MetaState::default();
-        s.apply(1, &place("q", 1, &[]));
+        s.apply(1, &place("q", NodeId(1), &[]));
         let expire = MetaCommand::Expire {
             id: "q".into(),
             expected_epoch: 1,
@@ -592,7 +616,7 @@ mod tests {
         assert_eq!(s.apply(2, &expire), MetaResponse::Expired);
         assert_eq!(s.expired_owners.get("q").map(String::as_str), Some("alice"));
         assert_eq!(s.apply(3, &expire), MetaResponse::Unknown { expired: true });
-        s.apply(4, &place("q", 2, &[]));
+        s.apply(4, &place("q", NodeId(2), &[]));
         assert!(s.expired.is_empty() && s.expired_owners.is_empty());
         let release = MetaCommand::Release {
             id: "q".into(),
@@ -606,7 +630,7 @@ mod tests {
     fn the_oldest_expired_id_goes_with_its_owner() {
         let mut s = MetaState::default();
         let expire = |s: &mut MetaState, id: &str, index: u64, owner: Option<&str>| {
-            s.apply(index, &place(id, 1, &[]));
+            s.apply(index, &place(id, NodeId(1), &[]));
             let cmd = MetaCommand::Expire {
                 id: id.into(),
                 expected_epoch: index,
@@ -646,13 +670,19 @@ mod tests {
     #[test]
     fn invalid_replica_sets_are_refused() {
         let mut s = MetaState::default();
-        assert_eq!(s.apply(1, &place("q", 1, &[1])), MetaResponse::Stale(None));
         assert_eq!(
-            s.apply(1, &place("q", 1, &[2, 2])),
+            s.apply(1, &place("q", NodeId(1), &[NodeId(1)])),
             MetaResponse::Stale(None)
         );
         assert_eq!(
-            s.apply(1, &place("q", 1, &[2, 3, 4])),
+            s.apply(1, &place("q", NodeId(1), &[NodeId(2), NodeId(2)])),
+            MetaResponse::Stale(None)
+        );
+        assert_eq!(
+            s.apply(
+                1,
+                &place("q", NodeId(1), &[NodeId(2), NodeId(3), NodeId(4)])
+            ),
             MetaResponse::Stale(None)
         );
     }

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tether_storage::RaftLogDb;
 
-use meta::{MetaCommand, MetaResponse, MetaState, Placement, RaftId, raft_id};
+use meta::{MetaCommand, MetaResponse, MetaState, NodeId, Placement, raft_id};
 use network::{PeerNetwork, PeerPool, PeerRequest, PeerResponse};
 use store::{Applied, LogStore, StateMachine};
 
@@ -64,7 +64,7 @@ openraft::declare_raft_types!(
     pub TypeConfig:
         D = MetaCommand,
         R = MetaResponse,
-        NodeId = RaftId,
+        NodeId = NodeId,
         Node = PeerNode,
         SnapshotData = std::io::Cursor<Vec<u8>>,
 );
@@ -93,18 +93,18 @@ pub enum ClusterError {
 #[derive(Clone, Debug)]
 pub struct Members {
     /// Every member including this node, by raft id.
-    pub nodes: BTreeMap<RaftId, PeerNode>,
+    pub nodes: BTreeMap<NodeId, PeerNode>,
 }
 
 impl Members {
     /// The raft id of the member named `name`, if it is one.
-    pub fn id_of(&self, name: &str) -> Option<RaftId> {
+    pub fn id_of(&self, name: &str) -> Option<NodeId> {
         let id = raft_id(name);
         self.nodes.get(&id).filter(|n| n.name == name).map(|_| id)
     }
 
     /// The name of member `id` (its raft id in decimal if it is not a configured member).
-    pub fn name(&self, id: RaftId) -> String {
+    pub fn name(&self, id: NodeId) -> String {
         self.nodes
             .get(&id)
             .map_or_else(|| id.to_string(), |n| n.name.clone())
@@ -158,14 +158,14 @@ impl Members {
 
 /// A running member of the metadata group.
 pub struct Cluster {
-    me: RaftId,
+    me: NodeId,
     raft: Raft,
     applied: Arc<RwLock<Applied>>,
     pool: Arc<PeerPool>,
     members: Members,
     /// When each peer last answered an RPC of this node (any kind): a node too busy to answer
     /// pings in time but answering replication is alive.
-    answered: std::sync::Mutex<std::collections::HashMap<RaftId, Instant>>,
+    answered: std::sync::Mutex<std::collections::HashMap<NodeId, Instant>>,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -248,7 +248,7 @@ impl Cluster {
     }
 
     /// This node's raft id.
-    pub fn id(&self) -> RaftId {
+    pub fn id(&self) -> NodeId {
         self.me
     }
 
@@ -258,7 +258,7 @@ impl Cluster {
     }
 
     /// The current leader as this node last heard (not linearizable).
-    pub fn leader(&self) -> Option<RaftId> {
+    pub fn leader(&self) -> Option<NodeId> {
         self.raft.metrics().borrow().current_leader
     }
 
@@ -360,7 +360,7 @@ impl Cluster {
         &self,
         conn: quinn::Connection,
         sink: Option<Arc<dyn network::PublishSink>>,
-        peer: RaftId,
+        peer: NodeId,
     ) {
         let peer = network::PeerIdentity {
             id: peer,
@@ -384,7 +384,7 @@ impl Cluster {
     /// Sends `request` to member `to` at its configured address.
     pub async fn call(
         &self,
-        to: RaftId,
+        to: NodeId,
         request: PeerRequest,
         timeout: Duration,
     ) -> Result<PeerResponse, network::PeerError> {
@@ -402,7 +402,7 @@ impl Cluster {
     }
 
     /// When peer `to` last answered an RPC of this node (None: never since start).
-    pub fn last_answer(&self, to: RaftId) -> Option<Instant> {
+    pub fn last_answer(&self, to: NodeId) -> Option<Instant> {
         self.answered.lock_or_stop().get(&to).copied()
     }
 

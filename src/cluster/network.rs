@@ -42,7 +42,7 @@ use serde::{Deserialize, Serialize};
 use tether_transport::{codec, tls};
 use tokio::sync::{Semaphore, watch};
 
-use super::meta::{MetaCommand, RaftId, raft_id};
+use super::meta::{MetaCommand, NodeId, raft_id};
 use super::{PeerNode, Raft, TypeConfig};
 use crate::protocol::PublishOp;
 
@@ -67,7 +67,7 @@ pub const PEER_RESOLVED_TTL_MS: u64 = 30_000;
 #[derive(Serialize, Deserialize)]
 pub enum PeerRequest {
     AppendEntries(AppendEntriesRequest<TypeConfig>),
-    Vote(VoteRequest<RaftId>),
+    Vote(VoteRequest<NodeId>),
     InstallSnapshot(InstallSnapshotRequest<TypeConfig>),
     /// A metadata command forwarded to the node believed to lead.
     Write(MetaCommand),
@@ -101,7 +101,7 @@ pub enum PeerRequest {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ReplicateMsg {
     /// The sending primary.
-    pub from: RaftId,
+    pub from: NodeId,
     /// The queue's durable id (the same on every copy).
     pub durable_id: String,
     pub header: ReplicateHeader,
@@ -163,20 +163,20 @@ pub struct ForwardedPublish {
 }
 
 type WriteResult =
-    Result<ClientWriteResponse<TypeConfig>, RaftError<RaftId, ClientWriteError<RaftId, PeerNode>>>;
+    Result<ClientWriteResponse<TypeConfig>, RaftError<NodeId, ClientWriteError<NodeId, PeerNode>>>;
 
 /// The answer to a [`PeerRequest`].
 #[derive(Serialize, Deserialize)]
 pub enum PeerResponse {
-    AppendEntries(Result<AppendEntriesResponse<RaftId>, RaftError<RaftId>>),
-    Vote(Result<VoteResponse<RaftId>, RaftError<RaftId>>),
+    AppendEntries(Result<AppendEntriesResponse<NodeId>, RaftError<NodeId>>),
+    Vote(Result<VoteResponse<NodeId>, RaftError<NodeId>>),
     InstallSnapshot(
-        Result<InstallSnapshotResponse<RaftId>, RaftError<RaftId, InstallSnapshotError>>,
+        Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>>,
     ),
     Write(WriteResult),
     /// The request named another node: the caller's address book is stale.
     WrongNode {
-        actual: RaftId,
+        actual: NodeId,
     },
     /// The request could not be decoded.
     BadRequest(String),
@@ -236,13 +236,13 @@ pub trait PublishSink: Send + Sync + 'static {
 
 #[derive(Serialize, Deserialize)]
 struct Envelope {
-    to: RaftId,
+    to: NodeId,
     request: PeerRequest,
 }
 
 /// The bytes of a request for node `to` as they travel on a peer stream (for tests and tools
 /// that speak the peer protocol by hand).
-pub fn encode_request(to: RaftId, request: PeerRequest) -> Result<Vec<u8>, codec::CodecError> {
+pub fn encode_request(to: NodeId, request: PeerRequest) -> Result<Vec<u8>, codec::CodecError> {
     codec::encode_body(&Envelope { to, request })
 }
 
@@ -250,7 +250,7 @@ pub fn encode_request(to: RaftId, request: PeerRequest) -> Result<Vec<u8>, codec
 /// ([`tether_transport::tls::peer_node_name`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerIdentity {
-    pub id: RaftId,
+    pub id: NodeId,
     pub name: String,
 }
 
@@ -259,7 +259,7 @@ pub struct PeerIdentity {
 /// connection's own. Metadata writes ([`PeerRequest::Write`]) may come from any member: every
 /// member proposes them. The error says what was claimed.
 pub fn check_sender(peer: &PeerIdentity, request: &PeerRequest) -> Result<(), SenderRefused> {
-    let claimed = |what: &'static str, id: Option<RaftId>| {
+    let claimed = |what: &'static str, id: Option<NodeId>| {
         if id == Some(peer.id) {
             Ok(())
         } else {
@@ -296,7 +296,7 @@ pub enum SenderRefused {
     InNameOf {
         peer: String,
         what: &'static str,
-        claimed: Option<RaftId>,
+        claimed: Option<NodeId>,
     },
     /// Forwarded publishes of another origin.
     #[error("node {peer} sent publishes of origin {origin:?}")]
@@ -304,7 +304,7 @@ pub enum SenderRefused {
 }
 
 /// How a refusal names the node a request claimed to come from.
-fn claimed_name(id: Option<RaftId>) -> String {
+fn claimed_name(id: Option<NodeId>) -> String {
     id.map_or_else(|| "no node".to_string(), |id| format!("node {id:x}"))
 }
 
@@ -517,7 +517,7 @@ impl PeerPool {
     /// Sends `request` to node `to` at `addr` and waits up to `timeout` for its response.
     pub async fn call(
         &self,
-        to: RaftId,
+        to: NodeId,
         addr: &str,
         request: PeerRequest,
         timeout: Duration,
@@ -708,7 +708,7 @@ fn handshake_error(
 pub async fn serve_peer(
     conn: quinn::Connection,
     raft: Raft,
-    me: RaftId,
+    me: NodeId,
     peer: PeerIdentity,
     sink: Option<Arc<dyn PublishSink>>,
 ) {
@@ -793,13 +793,13 @@ pub struct PeerNetwork {
     pub pool: Arc<PeerPool>,
     /// Addresses from this node's configuration; they win over the ones recorded in the
     /// membership, so moving a node to a new address is a configuration change.
-    pub addresses: Arc<HashMap<RaftId, String>>,
+    pub addresses: Arc<HashMap<NodeId, String>>,
 }
 
 impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
     type Network = PeerClient;
 
-    async fn new_client(&mut self, target: RaftId, node: &PeerNode) -> PeerClient {
+    async fn new_client(&mut self, target: NodeId, node: &PeerNode) -> PeerClient {
         let mut node = node.clone();
         if let Some(addr) = self.addresses.get(&target) {
             node.addr.clone_from(addr);
@@ -815,19 +815,19 @@ impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
 /// openraft's RPC client towards one node. Connects lazily (on the first RPC).
 pub struct PeerClient {
     pool: Arc<PeerPool>,
-    target: RaftId,
+    target: NodeId,
     node: PeerNode,
 }
 
 type RpcResult<T, E = openraft::error::Infallible> =
-    Result<T, RPCError<RaftId, PeerNode, RaftError<RaftId, E>>>;
+    Result<T, RPCError<NodeId, PeerNode, RaftError<NodeId, E>>>;
 
 impl PeerClient {
     async fn call(
         &self,
         request: PeerRequest,
         option: &RPCOption,
-    ) -> Result<PeerResponse, RPCError<RaftId, PeerNode, RaftError<RaftId, InstallSnapshotError>>>
+    ) -> Result<PeerResponse, RPCError<NodeId, PeerNode, RaftError<NodeId, InstallSnapshotError>>>
     {
         match self
             .pool
@@ -858,8 +858,8 @@ impl PeerClient {
 
     fn remote<E: std::error::Error>(
         &self,
-        e: RaftError<RaftId, E>,
-    ) -> RPCError<RaftId, PeerNode, RaftError<RaftId, E>> {
+        e: RaftError<NodeId, E>,
+    ) -> RPCError<NodeId, PeerNode, RaftError<NodeId, E>> {
         RPCError::RemoteError(RemoteError::new_with_node(
             self.target,
             self.node.clone(),
@@ -871,8 +871,8 @@ impl PeerClient {
 /// Re-types a transport-level RPC error (which never carries a remote error) for another
 /// RPC's error type.
 fn retype<E: std::error::Error>(
-    e: RPCError<RaftId, PeerNode, RaftError<RaftId, InstallSnapshotError>>,
-) -> RPCError<RaftId, PeerNode, RaftError<RaftId, E>> {
+    e: RPCError<NodeId, PeerNode, RaftError<NodeId, InstallSnapshotError>>,
+) -> RPCError<NodeId, PeerNode, RaftError<NodeId, E>> {
     match e {
         RPCError::Timeout(t) => RPCError::Timeout(t),
         RPCError::Unreachable(u) => RPCError::Unreachable(u),
@@ -884,7 +884,7 @@ fn retype<E: std::error::Error>(
 
 fn unexpected<E: std::error::Error>(
     addr: &str,
-) -> RPCError<RaftId, PeerNode, RaftError<RaftId, E>> {
+) -> RPCError<NodeId, PeerNode, RaftError<NodeId, E>> {
     let e = PeerError::Network {
         addr: addr.to_string(),
         reason: "response of the wrong kind".into(),
@@ -897,7 +897,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         &mut self,
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
-    ) -> RpcResult<AppendEntriesResponse<RaftId>> {
+    ) -> RpcResult<AppendEntriesResponse<NodeId>> {
         match self.call(PeerRequest::AppendEntries(rpc), &option).await {
             Ok(PeerResponse::AppendEntries(Ok(r))) => Ok(r),
             Ok(PeerResponse::AppendEntries(Err(e))) => Err(self.remote(e)),
@@ -910,7 +910,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         &mut self,
         rpc: InstallSnapshotRequest<TypeConfig>,
         option: RPCOption,
-    ) -> RpcResult<InstallSnapshotResponse<RaftId>, InstallSnapshotError> {
+    ) -> RpcResult<InstallSnapshotResponse<NodeId>, InstallSnapshotError> {
         match self.call(PeerRequest::InstallSnapshot(rpc), &option).await {
             Ok(PeerResponse::InstallSnapshot(Ok(r))) => Ok(r),
             Ok(PeerResponse::InstallSnapshot(Err(e))) => Err(self.remote(e)),
@@ -921,9 +921,9 @@ impl RaftNetwork<TypeConfig> for PeerClient {
 
     async fn vote(
         &mut self,
-        rpc: VoteRequest<RaftId>,
+        rpc: VoteRequest<NodeId>,
         option: RPCOption,
-    ) -> RpcResult<VoteResponse<RaftId>> {
+    ) -> RpcResult<VoteResponse<NodeId>> {
         match self.call(PeerRequest::Vote(rpc), &option).await {
             Ok(PeerResponse::Vote(Ok(r))) => Ok(r),
             Ok(PeerResponse::Vote(Err(e))) => Err(self.remote(e)),
@@ -938,7 +938,7 @@ mod tests {
     use super::*;
     use crate::replication::AppendHeader;
 
-    fn replicate(from: RaftId) -> PeerRequest {
+    fn replicate(from: NodeId) -> PeerRequest {
         PeerRequest::Replicate(ReplicateMsg {
             from,
             durable_id: "q".into(),

@@ -22,10 +22,10 @@ use serde::{Deserialize, Serialize};
 use tether_storage::RaftLogDb;
 use tether_transport::codec;
 
-use super::meta::{MetaResponse, MetaState, RaftId};
+use super::meta::{MetaResponse, MetaState, NodeId};
 use super::{PeerNode, TypeConfig};
 
-type StoreResult<T> = Result<T, StorageError<RaftId>>;
+type StoreResult<T> = Result<T, StorageError<NodeId>>;
 
 const META_VOTE: &str = "vote";
 const META_COMMITTED: &str = "committed";
@@ -33,20 +33,20 @@ const META_PURGED: &str = "purged";
 const META_SNAPSHOT: &str = "snapshot";
 
 fn io_err(
-    subject: ErrorSubject<RaftId>,
+    subject: ErrorSubject<NodeId>,
     verb: ErrorVerb,
     e: impl std::error::Error + 'static,
-) -> StorageError<RaftId> {
+) -> StorageError<NodeId> {
     StorageIOError::new(subject, verb, AnyError::new(&e)).into()
 }
 
-fn encode<T: Serialize>(v: &T, subject: ErrorSubject<RaftId>) -> StoreResult<Vec<u8>> {
+fn encode<T: Serialize>(v: &T, subject: ErrorSubject<NodeId>) -> StoreResult<Vec<u8>> {
     codec::encode_body(v).map_err(|e| io_err(subject, ErrorVerb::Write, e))
 }
 
 fn decode<T: serde::de::DeserializeOwned>(
     b: &[u8],
-    subject: ErrorSubject<RaftId>,
+    subject: ErrorSubject<NodeId>,
 ) -> StoreResult<T> {
     codec::decode_body(b).map_err(|e| io_err(subject, ErrorVerb::Read, e))
 }
@@ -65,7 +65,7 @@ impl LogStore {
     fn meta<T: serde::de::DeserializeOwned>(
         &self,
         name: &str,
-        subject: ErrorSubject<RaftId>,
+        subject: ErrorSubject<NodeId>,
     ) -> StoreResult<Option<T>> {
         match self.db.meta_get(name) {
             Ok(None) => Ok(None),
@@ -104,7 +104,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     type LogReader = LogStore;
 
     async fn get_log_state(&mut self) -> StoreResult<LogState<TypeConfig>> {
-        let purged: Option<LogId<RaftId>> = self.meta(META_PURGED, ErrorSubject::Logs)?;
+        let purged: Option<LogId<NodeId>> = self.meta(META_PURGED, ErrorSubject::Logs)?;
         let last = match self
             .db
             .last()
@@ -123,27 +123,27 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         self.clone()
     }
 
-    async fn save_vote(&mut self, vote: &Vote<RaftId>) -> StoreResult<()> {
+    async fn save_vote(&mut self, vote: &Vote<NodeId>) -> StoreResult<()> {
         let b = encode(vote, ErrorSubject::Vote)?;
         self.db
             .meta_put(META_VOTE, &b)
             .map_err(|e| io_err(ErrorSubject::Vote, ErrorVerb::Write, e))
     }
 
-    async fn read_vote(&mut self) -> StoreResult<Option<Vote<RaftId>>> {
+    async fn read_vote(&mut self) -> StoreResult<Option<Vote<NodeId>>> {
         self.meta(META_VOTE, ErrorSubject::Vote)
     }
 
-    async fn save_committed(&mut self, committed: Option<LogId<RaftId>>) -> StoreResult<()> {
+    async fn save_committed(&mut self, committed: Option<LogId<NodeId>>) -> StoreResult<()> {
         let b = encode(&committed, ErrorSubject::Store)?;
         self.db
             .meta_put(META_COMMITTED, &b)
             .map_err(|e| io_err(ErrorSubject::Store, ErrorVerb::Write, e))
     }
 
-    async fn read_committed(&mut self) -> StoreResult<Option<LogId<RaftId>>> {
+    async fn read_committed(&mut self) -> StoreResult<Option<LogId<NodeId>>> {
         Ok(self
-            .meta::<Option<LogId<RaftId>>>(META_COMMITTED, ErrorSubject::Store)?
+            .meta::<Option<LogId<NodeId>>>(META_COMMITTED, ErrorSubject::Store)?
             .flatten())
     }
 
@@ -170,13 +170,13 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         }
     }
 
-    async fn truncate(&mut self, log_id: LogId<RaftId>) -> StoreResult<()> {
+    async fn truncate(&mut self, log_id: LogId<NodeId>) -> StoreResult<()> {
         self.db
             .truncate_from(log_id.index)
             .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Delete, e))
     }
 
-    async fn purge(&mut self, log_id: LogId<RaftId>) -> StoreResult<()> {
+    async fn purge(&mut self, log_id: LogId<NodeId>) -> StoreResult<()> {
         let b = encode(&Some(log_id), ErrorSubject::Logs)?;
         self.db
             .purge_through(log_id.index, &b)
@@ -187,15 +187,15 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 /// What the state machine holds: the metadata plus what openraft needs to know about it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Applied {
-    pub last_applied: Option<LogId<RaftId>>,
-    pub membership: StoredMembership<RaftId, PeerNode>,
+    pub last_applied: Option<LogId<NodeId>>,
+    pub membership: StoredMembership<NodeId, PeerNode>,
     pub state: MetaState,
 }
 
 /// A persisted snapshot: its openraft metadata and the encoded [`Applied`].
 #[derive(Serialize, Deserialize)]
 struct StoredSnapshot {
-    meta: SnapshotMeta<RaftId, PeerNode>,
+    meta: SnapshotMeta<NodeId, PeerNode>,
     #[serde(with = "serde_bytes")]
     data: Vec<u8>,
 }
@@ -254,7 +254,7 @@ impl StateMachine {
         })
     }
 
-    fn persist(&self, meta: &SnapshotMeta<RaftId, PeerNode>, data: &[u8]) -> StoreResult<()> {
+    fn persist(&self, meta: &SnapshotMeta<NodeId, PeerNode>, data: &[u8]) -> StoreResult<()> {
         let stored = StoredSnapshot {
             meta: meta.clone(),
             data: data.to_vec(),
@@ -281,7 +281,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
 
     async fn applied_state(
         &mut self,
-    ) -> StoreResult<(Option<LogId<RaftId>>, StoredMembership<RaftId, PeerNode>)> {
+    ) -> StoreResult<(Option<LogId<NodeId>>, StoredMembership<NodeId, PeerNode>)> {
         let a = self.applied.read().expect("metadata lock poisoned");
         Ok((a.last_applied, a.membership.clone()))
     }
@@ -318,7 +318,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
 
     async fn install_snapshot(
         &mut self,
-        meta: &SnapshotMeta<RaftId, PeerNode>,
+        meta: &SnapshotMeta<NodeId, PeerNode>,
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> StoreResult<()> {
         let data = snapshot.into_inner();

@@ -24,7 +24,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::cluster::meta::RaftId;
+use crate::cluster::meta::NodeId;
 
 /// Interval between liveness pings to each member, in milliseconds.
 pub const PING_INTERVAL_MS: u64 = 300;
@@ -49,9 +49,9 @@ const _: () = assert!(PING_TIMEOUT_MS < crate::config::NODE_FAILURE_MS_MIN);
 pub struct FailureDetector {
     failure_ms: u64,
     /// Per member: when it last answered (the driver's clock, in milliseconds).
-    last_seen_ms: BTreeMap<RaftId, u64>,
+    last_seen_ms: BTreeMap<NodeId, u64>,
     /// Members declared failed that have not answered a ping since.
-    declared: BTreeSet<RaftId>,
+    declared: BTreeSet<NodeId>,
     /// Whether the driver started (counted every member as seen once): before, the detector
     /// has no evidence of a partition.
     started: bool,
@@ -60,7 +60,7 @@ pub struct FailureDetector {
 impl FailureDetector {
     /// A detector for `members` (this node excluded by the caller), each counted as seen at
     /// `now_ms`; a member silent for `failure_ms` is declared failed.
-    pub fn new(members: impl IntoIterator<Item = RaftId>, now_ms: u64, failure_ms: u64) -> Self {
+    pub fn new(members: impl IntoIterator<Item = NodeId>, now_ms: u64, failure_ms: u64) -> Self {
         Self {
             failure_ms,
             last_seen_ms: members.into_iter().map(|n| (n, now_ms)).collect(),
@@ -79,7 +79,7 @@ impl FailureDetector {
 
     /// The driver starts: every one of `members` counts as seen at `now_ms` (each gets the
     /// failure time once before it can be declared failed).
-    pub fn start(&mut self, members: impl IntoIterator<Item = RaftId>, now_ms: u64) {
+    pub fn start(&mut self, members: impl IntoIterator<Item = NodeId>, now_ms: u64) {
         for n in members {
             self.answered(n, now_ms);
         }
@@ -91,8 +91,8 @@ impl FailureDetector {
     /// [`MEMBER_LIVE_MS`]. True before the driver started (no evidence yet).
     pub fn majority_reachable(
         &self,
-        me: RaftId,
-        members: impl IntoIterator<Item = RaftId>,
+        me: NodeId,
+        members: impl IntoIterator<Item = NodeId>,
         now_ms: u64,
     ) -> bool {
         if !self.started {
@@ -107,20 +107,20 @@ impl FailureDetector {
     }
 
     /// `node` answered a ping at `at_ms`: it is seen, and may be declared failed again later.
-    pub fn answered_ping(&mut self, node: RaftId, at_ms: u64) {
+    pub fn answered_ping(&mut self, node: NodeId, at_ms: u64) {
         self.answered(node, at_ms);
         self.declared.remove(&node);
     }
 
     /// `node` answered something (replication, forwarding) at `at_ms`: a member too busy to
     /// answer a ping in time is not declared failed while it answers those.
-    pub fn answered(&mut self, node: RaftId, at_ms: u64) {
+    pub fn answered(&mut self, node: NodeId, at_ms: u64) {
         let t = self.last_seen_ms.entry(node).or_insert(at_ms);
         *t = (*t).max(at_ms);
     }
 
     /// How long `node` has been silent at `now_ms` (None: never seen).
-    pub fn silent_ms(&self, node: RaftId, now_ms: u64) -> Option<u64> {
+    pub fn silent_ms(&self, node: NodeId, now_ms: u64) -> Option<u64> {
         self.last_seen_ms
             .get(&node)
             .map(|&t| now_ms.saturating_sub(t))
@@ -128,13 +128,13 @@ impl FailureDetector {
 
     /// Whether `node` has been silent here for [`SECONDARY_UNREACHABLE_FAILURE_PERIODS`]
     /// failure times at `now_ms` (never seen counts, once the driver started).
-    pub fn unreachable(&self, node: RaftId, now_ms: u64) -> bool {
+    pub fn unreachable(&self, node: NodeId, now_ms: u64) -> bool {
         let period = SECONDARY_UNREACHABLE_FAILURE_PERIODS * self.failure_ms;
         self.started && self.silent_ms(node, now_ms).is_none_or(|t| t >= period)
     }
 
     /// Whether `node` answered within [`MEMBER_LIVE_MS`] of `now_ms`.
-    pub fn is_live(&self, node: RaftId, now_ms: u64) -> bool {
+    pub fn is_live(&self, node: NodeId, now_ms: u64) -> bool {
         self.silent_ms(node, now_ms)
             .is_some_and(|t| t < MEMBER_LIVE_MS)
     }
@@ -144,15 +144,15 @@ impl FailureDetector {
     /// not declared already, and `involved` (primary or secondary of some queue).
     pub fn to_declare(
         &self,
-        members: &[RaftId],
+        members: &[NodeId],
         now_ms: u64,
         leader: bool,
-        involved: impl Fn(RaftId) -> bool,
-    ) -> Vec<RaftId> {
+        involved: impl Fn(NodeId) -> bool,
+    ) -> Vec<NodeId> {
         if !leader {
             return Vec::new();
         }
-        let mut out: Vec<RaftId> = members
+        let mut out: Vec<NodeId> = members
             .iter()
             .copied()
             .filter(|&n| {
@@ -169,7 +169,7 @@ impl FailureDetector {
 
     /// The metadata accepted the declaration of `node`: not asked for again until it answers
     /// a ping.
-    pub fn declared(&mut self, node: RaftId) {
+    pub fn declared(&mut self, node: NodeId) {
         self.declared.insert(node);
     }
 }
@@ -182,81 +182,117 @@ mod tests {
 
     #[test]
     fn a_member_gets_the_failure_time_from_the_start_before_it_is_declared() {
-        let d = FailureDetector::new([2, 3], 1_000, FAIL_MS);
-        assert!(d.to_declare(&[2, 3], 3_999, true, |_| true).is_empty());
-        assert_eq!(d.to_declare(&[2, 3], 4_000, true, |_| true), vec![2, 3]);
-        assert!(d.is_live(2, 2_499));
-        assert!(!d.is_live(2, 2_500));
+        let d = FailureDetector::new([2, 3].map(NodeId), 1_000, FAIL_MS);
+        assert!(
+            d.to_declare(&[NodeId(2), NodeId(3)], 3_999, true, |_| true)
+                .is_empty()
+        );
+        assert_eq!(
+            d.to_declare(&[NodeId(2), NodeId(3)], 4_000, true, |_| true),
+            vec![NodeId(2), NodeId(3)]
+        );
+        assert!(d.is_live(NodeId(2), 2_499));
+        assert!(!d.is_live(NodeId(2), 2_500));
     }
 
     #[test]
     fn only_the_leader_declares_and_only_members_holding_queues() {
-        let d = FailureDetector::new([2, 3], 0, FAIL_MS);
-        assert!(d.to_declare(&[2, 3], 10_000, false, |_| true).is_empty());
-        assert_eq!(d.to_declare(&[2, 3], 10_000, true, |n| n == 3), vec![3]);
+        let d = FailureDetector::new([2, 3].map(NodeId), 0, FAIL_MS);
+        assert!(
+            d.to_declare(&[NodeId(2), NodeId(3)], 10_000, false, |_| true)
+                .is_empty()
+        );
+        assert_eq!(
+            d.to_declare(&[NodeId(2), NodeId(3)], 10_000, true, |n| n == NodeId(3)),
+            vec![NodeId(3)]
+        );
     }
 
     #[test]
     fn a_declared_member_is_declared_once_until_it_answers_a_ping() {
-        let mut d = FailureDetector::new([2], 0, FAIL_MS);
-        assert_eq!(d.to_declare(&[2], 5_000, true, |_| true), vec![2]);
+        let mut d = FailureDetector::new([2].map(NodeId), 0, FAIL_MS);
+        assert_eq!(
+            d.to_declare(&[NodeId(2)], 5_000, true, |_| true),
+            vec![NodeId(2)]
+        );
         // Not accepted (no leader, a write error): asked for again.
-        assert_eq!(d.to_declare(&[2], 5_300, true, |_| true), vec![2]);
-        d.declared(2);
-        assert!(d.to_declare(&[2], 9_000, true, |_| true).is_empty());
+        assert_eq!(
+            d.to_declare(&[NodeId(2)], 5_300, true, |_| true),
+            vec![NodeId(2)]
+        );
+        d.declared(NodeId(2));
+        assert!(d.to_declare(&[NodeId(2)], 9_000, true, |_| true).is_empty());
         // Another answer (replication) does not clear the declaration; a ping does.
-        d.answered(2, 9_100);
-        assert!(d.to_declare(&[2], 20_000, true, |_| true).is_empty());
-        d.answered_ping(2, 20_100);
-        assert!(d.to_declare(&[2], 23_099, true, |_| true).is_empty());
-        assert_eq!(d.to_declare(&[2], 23_100, true, |_| true), vec![2]);
+        d.answered(NodeId(2), 9_100);
+        assert!(
+            d.to_declare(&[NodeId(2)], 20_000, true, |_| true)
+                .is_empty()
+        );
+        d.answered_ping(NodeId(2), 20_100);
+        assert!(
+            d.to_declare(&[NodeId(2)], 23_099, true, |_| true)
+                .is_empty()
+        );
+        assert_eq!(
+            d.to_declare(&[NodeId(2)], 23_100, true, |_| true),
+            vec![NodeId(2)]
+        );
     }
 
     #[test]
     fn any_answer_keeps_a_member_from_being_declared_and_time_never_goes_back() {
-        let mut d = FailureDetector::new([2], 0, FAIL_MS);
-        d.answered(2, 2_900);
-        d.answered(2, 100); // An older answer reported late.
-        assert_eq!(d.silent_ms(2, 5_000), Some(2_100));
-        assert!(d.to_declare(&[2], 5_899, true, |_| true).is_empty());
-        assert_eq!(d.to_declare(&[2], 5_900, true, |_| true), vec![2]);
+        let mut d = FailureDetector::new([2].map(NodeId), 0, FAIL_MS);
+        d.answered(NodeId(2), 2_900);
+        d.answered(NodeId(2), 100); // An older answer reported late.
+        assert_eq!(d.silent_ms(NodeId(2), 5_000), Some(2_100));
+        assert!(d.to_declare(&[NodeId(2)], 5_899, true, |_| true).is_empty());
+        assert_eq!(
+            d.to_declare(&[NodeId(2)], 5_900, true, |_| true),
+            vec![NodeId(2)]
+        );
     }
 
     #[test]
     fn a_majority_is_reached_while_more_than_half_the_members_answer() {
         let mut d = FailureDetector::empty(FAIL_MS);
         // Before the driver starts: no evidence of a partition.
-        assert!(d.majority_reachable(1, [1, 2, 3], 100_000));
-        d.start([2, 3], 1_000);
-        assert!(d.majority_reachable(1, [1, 2, 3], 2_000));
+        assert!(d.majority_reachable(NodeId(1), [1, 2, 3].map(NodeId), 100_000));
+        d.start([2, 3].map(NodeId), 1_000);
+        assert!(d.majority_reachable(NodeId(1), [1, 2, 3].map(NodeId), 2_000));
         // Both peers silent for the live time: this node alone is a minority.
-        assert!(!d.majority_reachable(1, [1, 2, 3], 2_500));
-        d.answered(3, 2_600);
-        assert!(d.majority_reachable(1, [1, 2, 3], 2_700));
+        assert!(!d.majority_reachable(NodeId(1), [1, 2, 3].map(NodeId), 2_500));
+        d.answered(NodeId(3), 2_600);
+        assert!(d.majority_reachable(NodeId(1), [1, 2, 3].map(NodeId), 2_700));
         // Two of four is not a majority; a single member always reaches itself.
-        assert!(!d.majority_reachable(1, [1, 2, 3, 4], 2_700));
-        assert!(d.majority_reachable(1, [1], 1_000_000));
+        assert!(!d.majority_reachable(NodeId(1), [1, 2, 3, 4].map(NodeId), 2_700));
+        assert!(d.majority_reachable(NodeId(1), [1].map(NodeId), 1_000_000));
         // Two members: the survivor of a cut reaches no majority (neither side may act).
-        assert!(!d.majority_reachable(1, [1, 2], 1_000_000));
+        assert!(!d.majority_reachable(NodeId(1), [1, 2].map(NodeId), 1_000_000));
     }
 
     #[test]
     fn a_member_is_unreachable_after_two_failure_times_of_silence() {
         let mut d = FailureDetector::empty(FAIL_MS);
-        assert!(!d.unreachable(2, 1_000_000), "no evidence before the start");
-        d.start([2], 1_000);
-        assert!(!d.unreachable(2, 1_000 + 2 * FAIL_MS - 1));
-        assert!(d.unreachable(2, 1_000 + 2 * FAIL_MS));
-        d.answered(2, 9_000);
-        assert!(!d.unreachable(2, 9_000 + 2 * FAIL_MS - 1));
-        assert!(d.unreachable(3, 0), "never seen");
+        assert!(
+            !d.unreachable(NodeId(2), 1_000_000),
+            "no evidence before the start"
+        );
+        d.start([2].map(NodeId), 1_000);
+        assert!(!d.unreachable(NodeId(2), 1_000 + 2 * FAIL_MS - 1));
+        assert!(d.unreachable(NodeId(2), 1_000 + 2 * FAIL_MS));
+        d.answered(NodeId(2), 9_000);
+        assert!(!d.unreachable(NodeId(2), 9_000 + 2 * FAIL_MS - 1));
+        assert!(d.unreachable(NodeId(3), 0), "never seen");
     }
 
     #[test]
     fn a_member_never_seen_counts_as_down() {
         let d = FailureDetector::empty(FAIL_MS);
-        assert_eq!(d.silent_ms(7, 0), None);
-        assert!(!d.is_live(7, 0));
-        assert_eq!(d.to_declare(&[7], 0, true, |_| true), vec![7]);
+        assert_eq!(d.silent_ms(NodeId(7), 0), None);
+        assert!(!d.is_live(NodeId(7), 0));
+        assert_eq!(
+            d.to_declare(&[NodeId(7)], 0, true, |_| true),
+            vec![NodeId(7)]
+        );
     }
 }

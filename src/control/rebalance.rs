@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::cluster::meta::{Placement, RaftId};
+use crate::cluster::meta::{NodeId, Placement};
 
 /// Most queues one node hands over in a round.
 pub const REBALANCE_MOVES_PER_ROUND: usize = 8;
@@ -22,11 +22,11 @@ pub const REBALANCE_TARGET_SYNCING_MAX: usize = 8;
 /// Per live member (`live`, this node included): how many queues it is primary of; and per
 /// member, how many of its queues have a copy still syncing.
 pub fn primary_counts<'a>(
-    live: &[RaftId],
+    live: &[NodeId],
     placements: impl IntoIterator<Item = &'a Placement>,
-) -> (BTreeMap<RaftId, usize>, BTreeMap<RaftId, usize>) {
-    let mut counts: BTreeMap<RaftId, usize> = live.iter().map(|&n| (n, 0)).collect();
-    let mut syncing: BTreeMap<RaftId, usize> = BTreeMap::new();
+) -> (BTreeMap<NodeId, usize>, BTreeMap<NodeId, usize>) {
+    let mut counts: BTreeMap<NodeId, usize> = live.iter().map(|&n| (n, 0)).collect();
+    let mut syncing: BTreeMap<NodeId, usize> = BTreeMap::new();
     for p in placements {
         if let Some(c) = counts.get_mut(&p.primary) {
             *c += 1;
@@ -41,10 +41,10 @@ pub fn primary_counts<'a>(
 /// [`plan`], less the takers repairing too many copies already
 /// ([`REBALANCE_TARGET_SYNCING_MAX`]).
 pub fn wanted(
-    counts: &BTreeMap<RaftId, usize>,
-    syncing: &BTreeMap<RaftId, usize>,
-    me: RaftId,
-) -> Vec<(RaftId, usize)> {
+    counts: &BTreeMap<NodeId, usize>,
+    syncing: &BTreeMap<NodeId, usize>,
+    me: NodeId,
+) -> Vec<(NodeId, usize)> {
     plan(counts, me)
         .into_iter()
         .filter(|(t, _)| syncing.get(t).copied().unwrap_or(0) < REBALANCE_TARGET_SYNCING_MAX)
@@ -52,7 +52,7 @@ pub fn wanted(
 }
 
 /// Whether this node's queue placed as `p` could move at all: it has copies, none syncing.
-pub fn movable(p: &Placement, me: RaftId) -> bool {
+pub fn movable(p: &Placement, me: NodeId) -> bool {
     p.primary == me && p.syncing.is_empty() && !p.secondaries.is_empty()
 }
 
@@ -70,9 +70,9 @@ pub struct Candidate {
 /// copy (`in_sync(id, taker)`); `wanted` counts down as takers are given queues.
 pub fn pick(
     mut candidates: Vec<Candidate>,
-    wanted: &mut [(RaftId, usize)],
-    in_sync: impl Fn(&str, RaftId) -> bool,
-) -> Vec<(Candidate, RaftId)> {
+    wanted: &mut [(NodeId, usize)],
+    in_sync: impl Fn(&str, NodeId) -> bool,
+) -> Vec<(Candidate, NodeId)> {
     candidates.sort_unstable_by(|a, b| (a.pending_bytes, &a.id).cmp(&(b.pending_bytes, &b.id)));
     let mut moves = Vec::new();
     for c in candidates {
@@ -97,7 +97,7 @@ pub fn pick(
 /// (rounded down); a giver gives a taker queues only while their counts differ by more than
 /// the slack, a taker's deficit split over its givers in proportion to their excess. A queue
 /// never moves from a member under its share, so none comes back.
-pub fn plan(counts: &BTreeMap<RaftId, usize>, me: RaftId) -> Vec<(RaftId, usize)> {
+pub fn plan(counts: &BTreeMap<NodeId, usize>, me: NodeId) -> Vec<(NodeId, usize)> {
     let n = counts.len();
     let Some(&mine) = counts.get(&me) else {
         return Vec::new();
@@ -135,57 +135,72 @@ pub fn plan(counts: &BTreeMap<RaftId, usize>, me: RaftId) -> Vec<(RaftId, usize)
 mod tests {
     use super::*;
 
-    fn counts(c: &[(RaftId, usize)]) -> BTreeMap<RaftId, usize> {
+    fn counts(c: &[(NodeId, usize)]) -> BTreeMap<NodeId, usize> {
         c.iter().copied().collect()
     }
 
     #[test]
     fn a_member_over_its_share_gives_its_excess_to_the_members_under_theirs() {
-        let c = counts(&[(1, 30), (2, 0), (3, 0)]);
-        assert_eq!(plan(&c, 1), vec![(2, 10), (3, 10)]);
-        assert!(plan(&c, 2).is_empty() && plan(&c, 3).is_empty());
+        let c = counts(&[(NodeId(1), 30), (NodeId(2), 0), (NodeId(3), 0)]);
+        assert_eq!(plan(&c, NodeId(1)), vec![(NodeId(2), 10), (NodeId(3), 10)]);
+        assert!(plan(&c, NodeId(2)).is_empty() && plan(&c, NodeId(3)).is_empty());
         // Two givers split the taker's deficit in proportion to their excess.
-        let c = counts(&[(1, 20), (2, 20), (3, 0)]);
-        assert_eq!(plan(&c, 1), vec![(3, 6)]);
-        assert_eq!(plan(&c, 2), vec![(3, 6)]);
-        let c = counts(&[(1, 40), (2, 26), (3, 0)]);
-        assert_eq!((plan(&c, 1), plan(&c, 2)), (vec![(3, 18)], vec![(3, 4)]));
+        let c = counts(&[(NodeId(1), 20), (NodeId(2), 20), (NodeId(3), 0)]);
+        assert_eq!(plan(&c, NodeId(1)), vec![(NodeId(3), 6)]);
+        assert_eq!(plan(&c, NodeId(2)), vec![(NodeId(3), 6)]);
+        let c = counts(&[(NodeId(1), 40), (NodeId(2), 26), (NodeId(3), 0)]);
+        assert_eq!(
+            (plan(&c, NodeId(1)), plan(&c, NodeId(2))),
+            (vec![(NodeId(3), 18)], vec![(NodeId(3), 4)])
+        );
         // Applied together, nobody gives afterwards: no queue moves back.
-        let after = counts(&[(1, 22), (2, 22), (3, 22)]);
+        let after = counts(&[(NodeId(1), 22), (NodeId(2), 22), (NodeId(3), 22)]);
         for n in 1..=3 {
-            assert!(plan(&after, n).is_empty(), "{n}: {:?}", plan(&after, n));
+            assert!(
+                plan(&after, NodeId(n)).is_empty(),
+                "{n}: {:?}",
+                plan(&after, NodeId(n))
+            );
         }
     }
 
     #[test]
     fn counts_within_the_slack_move_nothing() {
         for c in [
-            counts(&[(1, 13), (2, 10), (3, 10)]),
-            counts(&[(1, 4), (2, 0), (3, 0)]),
-            counts(&[(1, 1090), (2, 1000), (3, 990)]),
-            counts(&[(1, 5)]),
+            counts(&[(NodeId(1), 13), (NodeId(2), 10), (NodeId(3), 10)]),
+            counts(&[(NodeId(1), 4), (NodeId(2), 0), (NodeId(3), 0)]),
+            counts(&[(NodeId(1), 1090), (NodeId(2), 1000), (NodeId(3), 990)]),
+            counts(&[(NodeId(1), 5)]),
             counts(&[]),
         ] {
             for n in 1..=3 {
-                assert!(plan(&c, n).is_empty(), "{c:?} {n}");
+                assert!(plan(&c, NodeId(n)).is_empty(), "{c:?} {n}");
             }
         }
         // Over the slack: 1,200 against a share of 1,000 and a slack of 100.
-        let c = counts(&[(1, 1200), (2, 900), (3, 900)]);
-        assert_eq!(plan(&c, 1), vec![(2, 100), (3, 100)]);
+        let c = counts(&[(NodeId(1), 1200), (NodeId(2), 900), (NodeId(3), 900)]);
+        assert_eq!(
+            plan(&c, NodeId(1)),
+            vec![(NodeId(2), 100), (NodeId(3), 100)]
+        );
         // Only the taker far enough below gets queues.
-        let c = counts(&[(1, 1150), (2, 1000), (3, 850)]);
-        assert_eq!(plan(&c, 1), vec![(3, 150)]);
+        let c = counts(&[(NodeId(1), 1150), (NodeId(2), 1000), (NodeId(3), 850)]);
+        assert_eq!(plan(&c, NodeId(1)), vec![(NodeId(3), 150)]);
     }
 
     #[test]
     fn repeated_rounds_converge_without_moving_back() {
         // Every member applies its plan each round, moving at most a round's worth.
-        let mut c = counts(&[(1, 300), (2, 290), (3, 0), (4, 10)]);
+        let mut c = counts(&[
+            (NodeId(1), 300),
+            (NodeId(2), 290),
+            (NodeId(3), 0),
+            (NodeId(4), 10),
+        ]);
         let mut gave_then_took = false;
         let mut gave = std::collections::BTreeSet::new();
         for _ in 0..100 {
-            let plans: Vec<(RaftId, Vec<(RaftId, usize)>)> =
+            let plans: Vec<(NodeId, Vec<(NodeId, usize)>)> =
                 c.keys().map(|&n| (n, plan(&c, n))).collect();
             for (from, moves) in plans {
                 let mut budget = REBALANCE_MOVES_PER_ROUND;
@@ -205,11 +220,11 @@ mod tests {
         // Share 150, slack 15.
         assert!(max - min <= 15 + 1, "{c:?}");
         for n in 1..=4 {
-            assert!(plan(&c, n).is_empty(), "{c:?}");
+            assert!(plan(&c, NodeId(n)).is_empty(), "{c:?}");
         }
     }
 
-    fn placement(primary: RaftId, secondaries: &[RaftId], syncing: &[RaftId]) -> Placement {
+    fn placement(primary: NodeId, secondaries: &[NodeId], syncing: &[NodeId]) -> Placement {
         Placement {
             primary,
             secondaries: secondaries.to_vec(),
@@ -224,48 +239,59 @@ mod tests {
     #[test]
     fn counts_cover_live_members_only_and_syncing_takers_get_nothing() {
         let ps: Vec<Placement> = (0..REBALANCE_TARGET_SYNCING_MAX)
-            .map(|_| placement(3, &[1], &[1]))
-            .chain((0..30).map(|_| placement(1, &[2], &[])))
-            .chain([placement(9, &[1], &[])])
+            .map(|_| placement(NodeId(3), &[NodeId(1)], &[NodeId(1)]))
+            .chain((0..30).map(|_| placement(NodeId(1), &[NodeId(2)], &[])))
+            .chain([placement(NodeId(9), &[NodeId(1)], &[])])
             .collect();
-        let (counts, syncing) = primary_counts(&[1, 2, 3], &ps);
-        assert_eq!(counts, super::tests::counts(&[(1, 30), (2, 0), (3, 8)]));
-        assert_eq!(syncing.get(&3), Some(&REBALANCE_TARGET_SYNCING_MAX));
+        let (counts, syncing) = primary_counts(&[NodeId(1), NodeId(2), NodeId(3)], &ps);
+        assert_eq!(
+            counts,
+            super::tests::counts(&[(NodeId(1), 30), (NodeId(2), 0), (NodeId(3), 8)])
+        );
+        assert_eq!(syncing.get(&NodeId(3)), Some(&REBALANCE_TARGET_SYNCING_MAX));
         // Node 3 is under its share but repairing too many copies: only node 2 is given queues.
-        assert_eq!(plan(&counts, 1), vec![(2, 12), (3, 4)]);
-        assert_eq!(wanted(&counts, &syncing, 1), vec![(2, 12)]);
-        assert!(movable(&ps[10], 1) && !movable(&ps[10], 2));
-        assert!(!movable(&ps[0], 3), "a queue with a syncing copy stays");
+        assert_eq!(
+            plan(&counts, NodeId(1)),
+            vec![(NodeId(2), 12), (NodeId(3), 4)]
+        );
+        assert_eq!(wanted(&counts, &syncing, NodeId(1)), vec![(NodeId(2), 12)]);
+        assert!(movable(&ps[10], NodeId(1)) && !movable(&ps[10], NodeId(2)));
         assert!(
-            !movable(&placement(1, &[], &[]), 1),
+            !movable(&ps[0], NodeId(3)),
+            "a queue with a syncing copy stays"
+        );
+        assert!(
+            !movable(&placement(NodeId(1), &[], &[]), NodeId(1)),
             "a queue without copies stays"
         );
     }
 
     #[test]
     fn the_smallest_queues_go_first_to_takers_holding_an_in_sync_copy() {
-        let c = |id: &str, bytes, secondaries: &[RaftId]| Candidate {
+        let c = |id: &str, bytes, secondaries: &[NodeId]| Candidate {
             id: id.to_string(),
-            placement: placement(1, secondaries, &[]),
+            placement: placement(NodeId(1), secondaries, &[]),
             pending_bytes: bytes,
         };
         let candidates = vec![
-            c("big", 900, &[2]),
-            c("b", 5, &[2, 3]),
-            c("a", 5, &[3]),
-            c("no-copy-on-taker", 1, &[4]),
-            c("lagging", 2, &[2]),
+            c("big", 900, &[NodeId(2)]),
+            c("b", 5, &[NodeId(2), NodeId(3)]),
+            c("a", 5, &[NodeId(3)]),
+            c("no-copy-on-taker", 1, &[NodeId(4)]),
+            c("lagging", 2, &[NodeId(2)]),
         ];
-        let mut wanted = vec![(2, 1), (3, 5)];
+        let mut wanted = vec![(NodeId(2), 1), (NodeId(3), 5)];
         let moves = pick(candidates, &mut wanted, |id, _| id != "lagging");
-        let got: Vec<(&str, RaftId)> = moves.iter().map(|(c, t)| (c.id.as_str(), *t)).collect();
+        let got: Vec<(&str, NodeId)> = moves.iter().map(|(c, t)| (c.id.as_str(), *t)).collect();
         // "a" before "b" (same size, by id); "b" goes to 2 (first wanted holding a copy), and
         // "big" then finds 2 used up and no copy on 3.
-        assert_eq!(got, vec![("a", 3), ("b", 2)]);
-        assert_eq!(wanted, vec![(2, 0), (3, 4)]);
+        assert_eq!(got, vec![("a", NodeId(3)), ("b", NodeId(2))]);
+        assert_eq!(wanted, vec![(NodeId(2), 0), (NodeId(3), 4)]);
         // At most a round's worth.
-        let many: Vec<Candidate> = (0..20).map(|i| c(&format!("q{i:02}"), i, &[2])).collect();
-        let moves = pick(many, &mut [(2, 100)], |_, _| true);
+        let many: Vec<Candidate> = (0..20)
+            .map(|i| c(&format!("q{i:02}"), i, &[NodeId(2)]))
+            .collect();
+        let moves = pick(many, &mut [(NodeId(2), 100)], |_, _| true);
         assert_eq!(moves.len(), REBALANCE_MOVES_PER_ROUND);
         assert_eq!(moves[0].0.id, "q00");
     }

@@ -30,7 +30,7 @@
 //!   does not name as the queue's primary is refused (with `network::check_sender`'s identity
 //!   check, `cluster/network.rs`).
 
-use crate::cluster::meta::{Placement, RaftId};
+use crate::cluster::meta::{NodeId, Placement};
 
 /// What becomes of a durable queue of this node's core, given its placement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +60,7 @@ pub enum OwnQueueStep {
 /// ([`superseded_by_rival`]).
 pub fn own_queue_step(
     placement: Option<&Placement>,
-    me: RaftId,
+    me: NodeId,
     queue_epoch: u64,
     applied: u64,
     rival_epoch: u64,
@@ -104,7 +104,7 @@ pub enum PlacedHereStep {
     /// A newer primary is known here before the metadata here says so (it shipped to this
     /// node, or this node handed the queue over to it): the client goes there (`None`: not
     /// known which node; it retries).
-    Elsewhere(Option<RaftId>),
+    Elsewhere(Option<NodeId>),
     /// Placed here before this hello, yet nothing here holds the queue: the metadata here may
     /// lag behind a move (a handover commits once the *leader* applies it). A read barrier
     /// first; a queue started here on a stale placement would append under that placement's
@@ -120,7 +120,7 @@ pub enum PlacedHereStep {
 pub fn placed_here_step(
     placement: &Placement,
     applied: u64,
-    rival: Option<(Option<RaftId>, u64)>,
+    rival: Option<(Option<NodeId>, u64)>,
     held: bool,
     placed_now: bool,
     confirmed: bool,
@@ -148,7 +148,7 @@ pub enum CopyStep {
 
 /// Whether `p` makes this node (`me`) the primary of a queue it holds a copy of at
 /// `copy_epoch` (its primary's): the copy is then promoted into a queue of the core.
-pub fn promotes(p: &Placement, me: RaftId, copy_epoch: u64) -> bool {
+pub fn promotes(p: &Placement, me: NodeId, copy_epoch: u64) -> bool {
     p.primary == me && p.epoch > copy_epoch
 }
 
@@ -156,7 +156,7 @@ pub fn promotes(p: &Placement, me: RaftId, copy_epoch: u64) -> bool {
 /// `placed_at`; see [`copy_not_held`] for the other inputs.
 pub fn copy_step(
     placement: Option<&Placement>,
-    me: RaftId,
+    me: NodeId,
     copy_epoch: u64,
     placed_at: u64,
     applied: u64,
@@ -192,22 +192,22 @@ pub enum RepairStep {
     /// Secondaries lost entries they had acknowledged: out of the replica set with them (they
     /// must not stay promotable); a later round adds members back as syncing.
     TakeOut {
-        lost: Vec<RaftId>,
-        secondaries: Vec<RaftId>,
+        lost: Vec<NodeId>,
+        secondaries: Vec<NodeId>,
     },
     /// Secondaries this node has not reached for a while (it reaches a majority, so the
     /// fault is on their side or on the link): out of the replica set with them, so the queue
     /// delivers again without waiting for the link to heal; a later round adds another
     /// member. The metadata leader may see them alive and never declare them failed.
     TakeOutUnreachable {
-        unreachable: Vec<RaftId>,
-        secondaries: Vec<RaftId>,
+        unreachable: Vec<NodeId>,
+        secondaries: Vec<NodeId>,
     },
     /// A syncing secondary caught up: report it, it may be promoted from then on.
-    Synced(RaftId),
+    Synced(NodeId),
     /// Fewer secondaries than the redundancy asked for: add up to `want` live members, none of
     /// `exclude` (the current secondaries and this node), chosen by [`rendezvous`].
-    Add { want: u8, exclude: Vec<RaftId> },
+    Add { want: u8, exclude: Vec<NodeId> },
     /// Nothing to repair.
     Nothing,
 }
@@ -215,12 +215,12 @@ pub enum RepairStep {
 /// What a primary observes of its queue's copies, for [`repair_step`].
 pub struct CopiesSeen<'a> {
     /// Secondaries that lost what they acknowledged.
-    pub regressed: &'a [RaftId],
+    pub regressed: &'a [NodeId],
     /// Whether a secondary holds everything the primary shipped.
-    pub in_sync: &'a dyn Fn(RaftId) -> bool,
+    pub in_sync: &'a dyn Fn(NodeId) -> bool,
     /// Whether this node has not reached a member for a while
     /// ([`FailureDetector::unreachable`](super::liveness::FailureDetector::unreachable)).
-    pub unreachable: &'a dyn Fn(RaftId) -> bool,
+    pub unreachable: &'a dyn Fn(NodeId) -> bool,
     /// Whether this node reaches a majority of the members.
     pub majority_reachable: bool,
 }
@@ -230,7 +230,7 @@ pub struct CopiesSeen<'a> {
 /// while it reaches a majority: a primary on the minority's side leaves its queue to the
 /// majority, see [`step_aside`]), then a syncing copy that caught up is reported, then
 /// missing copies are added.
-pub fn repair_step(p: &Placement, me: RaftId, seen: &CopiesSeen<'_>) -> RepairStep {
+pub fn repair_step(p: &Placement, me: NodeId, seen: &CopiesSeen<'_>) -> RepairStep {
     let regressed = seen.regressed;
     if regressed.iter().any(|n| p.secondaries.contains(n)) {
         let secondaries = p
@@ -245,7 +245,7 @@ pub fn repair_step(p: &Placement, me: RaftId, seen: &CopiesSeen<'_>) -> RepairSt
         };
     }
     if seen.majority_reachable {
-        let (unreachable, secondaries): (Vec<RaftId>, Vec<RaftId>) =
+        let (unreachable, secondaries): (Vec<NodeId>, Vec<NodeId>) =
             p.secondaries.iter().partition(|&&n| (seen.unreachable)(n));
         if !unreachable.is_empty() {
             return RepairStep::TakeOutUnreachable {
@@ -272,8 +272,8 @@ pub fn repair_step(p: &Placement, me: RaftId, seen: &CopiesSeen<'_>) -> RepairSt
 /// Up to `count` of `candidates` (member id, hash of the queue id with the member's name) for
 /// copies: those with the highest hash, so each queue id has a stable preference order and
 /// queues spread over the members.
-pub fn rendezvous(candidates: impl IntoIterator<Item = (RaftId, u64)>, count: u8) -> Vec<RaftId> {
-    let mut ranked: Vec<(u64, RaftId)> = candidates.into_iter().map(|(n, h)| (h, n)).collect();
+pub fn rendezvous(candidates: impl IntoIterator<Item = (NodeId, u64)>, count: u8) -> Vec<NodeId> {
+    let mut ranked: Vec<(u64, NodeId)> = candidates.into_iter().map(|(n, h)| (h, n)).collect();
     ranked.sort_unstable_by(|a, b| b.cmp(a));
     ranked
         .into_iter()
@@ -295,7 +295,7 @@ pub fn rendezvous(candidates: impl IntoIterator<Item = (RaftId, u64)>, count: u8
 /// before the restart is then known here.
 pub fn copy_not_held(
     placement: Option<&Placement>,
-    me: RaftId,
+    me: NodeId,
     copy_epoch: u64,
     placed_at: u64,
     applied: u64,
@@ -318,7 +318,7 @@ pub fn copy_not_held(
 /// cannot tell (the copy's epochs then fence a stale primary, as before).
 pub fn shipped_by_non_primary(
     placement: Option<&Placement>,
-    from: RaftId,
+    from: NodeId,
     shipped_under: u64,
     applied: u64,
 ) -> bool {
@@ -332,7 +332,7 @@ mod tests {
 
     #[test]
     fn a_copy_is_dropped_only_on_metadata_as_new_as_what_it_was_shipped_under() {
-        let placement = |primary, secondaries: &[RaftId], epoch| Placement {
+        let placement = |primary, secondaries: &[NodeId], epoch| Placement {
             primary,
             secondaries: secondaries.to_vec(),
             epoch,
@@ -344,15 +344,15 @@ mod tests {
         // Node 2 holds a copy of a queue its primary 1 promoted at epoch 10 and shipped under the
         // placement of epoch 40 (the repair that added node 2).
         let dropped = |p: Option<&Placement>, placed_at, applied, caught_up| {
-            copy_not_held(p, 2, 10, placed_at, applied, caught_up)
+            copy_not_held(p, NodeId(2), 10, placed_at, applied, caught_up)
         };
-        let mine = placement(1, &[2], 40);
-        let other = placement(1, &[3], 50);
+        let mine = placement(NodeId(1), &[NodeId(2)], 40);
+        let other = placement(NodeId(1), &[NodeId(3)], 50);
         // Listed: held, whatever else.
         assert!(!dropped(Some(&mine), 40, 60, true));
         // Metadata applied here only to 30 (before the repair): the placement it shows is older
         // than the one the primary shipped under; the copy stays.
-        let before_repair = placement(1, &[], 30);
+        let before_repair = placement(NodeId(1), &[], 30);
         assert!(!dropped(Some(&before_repair), 40, 30, true));
         assert!(!dropped(None, 40, 39, true));
         // Applied past it, this node taken out (or the queue gone): dropped.
@@ -362,41 +362,46 @@ mod tests {
         assert!(!dropped(Some(&before_repair), 0, 30, false));
         assert!(dropped(Some(&other), 0, 55, true));
         // Promoted here: kept for the promotion.
-        assert!(!dropped(Some(&placement(2, &[], 70)), 40, 70, true));
+        assert!(!dropped(Some(&placement(NodeId(2), &[], 70)), 40, 70, true));
     }
 
     #[test]
     fn only_the_primary_of_the_placement_shipped_under_may_replicate() {
         let placement = |primary, epoch| Placement {
             primary,
-            secondaries: vec![2],
+            secondaries: vec![NodeId(2)],
             epoch,
             redundancy: 1,
             timeout_ms: 60_000,
             syncing: Vec::new(),
             handed_over: false,
         };
-        let at_40 = placement(1, 40);
+        let at_40 = placement(NodeId(1), 40);
         // The primary of the placement it ships under: never refused.
-        assert!(!shipped_by_non_primary(Some(&at_40), 1, 40, 40));
-        assert!(!shipped_by_non_primary(Some(&at_40), 1, 40, 90));
+        assert!(!shipped_by_non_primary(Some(&at_40), NodeId(1), 40, 40));
+        assert!(!shipped_by_non_primary(Some(&at_40), NodeId(1), 40, 90));
         // Another member claiming that placement, once the metadata here is applied that far.
-        assert!(shipped_by_non_primary(Some(&at_40), 3, 40, 40));
+        assert!(shipped_by_non_primary(Some(&at_40), NodeId(3), 40, 40));
         // Or claiming a later epoch that never changed this queue (applied past it here).
-        assert!(shipped_by_non_primary(Some(&at_40), 3, 45, 50));
+        assert!(shipped_by_non_primary(Some(&at_40), NodeId(3), 45, 50));
         // The metadata here not applied as far as the claim: it cannot tell.
-        assert!(!shipped_by_non_primary(Some(&at_40), 3, 45, 44));
+        assert!(!shipped_by_non_primary(Some(&at_40), NodeId(3), 45, 44));
         // A primary deposed since (the placement here is newer): left to the epochs' fencing.
-        assert!(!shipped_by_non_primary(Some(&placement(3, 60)), 1, 40, 60));
+        assert!(!shipped_by_non_primary(
+            Some(&placement(NodeId(3), 60)),
+            NodeId(1),
+            40,
+            60
+        ));
         // No placement known here, or a message without an epoch (0): no claim to check.
-        assert!(!shipped_by_non_primary(None, 3, 40, 90));
-        assert!(!shipped_by_non_primary(Some(&at_40), 3, 0, 90));
+        assert!(!shipped_by_non_primary(None, NodeId(3), 40, 90));
+        assert!(!shipped_by_non_primary(Some(&at_40), NodeId(3), 0, 90));
     }
 
     fn placed(
-        primary: RaftId,
-        secondaries: &[RaftId],
-        syncing: &[RaftId],
+        primary: NodeId,
+        secondaries: &[NodeId],
+        syncing: &[NodeId],
         epoch: u64,
     ) -> Placement {
         Placement {
@@ -414,41 +419,65 @@ mod tests {
     fn a_queue_of_the_core_is_shipped_deposed_or_dropped_by_its_placement() {
         use OwnQueueStep::*;
         // This node (1) holds the queue at epoch 10.
-        let step = |p: Option<&Placement>, applied| own_queue_step(p, 1, 10, applied, 0);
-        assert_eq!(step(Some(&placed(1, &[2], &[], 12)), 12), Primary);
-        assert_eq!(step(Some(&placed(2, &[3], &[], 11)), 11), Deposed);
-        assert_eq!(step(Some(&placed(2, &[3], &[], 10)), 11), Wait);
-        assert_eq!(step(Some(&placed(2, &[3], &[], 9)), 11), Wait);
+        let step = |p: Option<&Placement>, applied| own_queue_step(p, NodeId(1), 10, applied, 0);
+        assert_eq!(
+            step(Some(&placed(NodeId(1), &[NodeId(2)], &[], 12)), 12),
+            Primary
+        );
+        assert_eq!(
+            step(Some(&placed(NodeId(2), &[NodeId(3)], &[], 11)), 11),
+            Deposed
+        );
+        assert_eq!(
+            step(Some(&placed(NodeId(2), &[NodeId(3)], &[], 10)), 11),
+            Wait
+        );
+        assert_eq!(
+            step(Some(&placed(NodeId(2), &[NodeId(3)], &[], 9)), 11),
+            Wait
+        );
         // No placement: ended once the metadata is applied past the queue's own placement.
         assert_eq!(step(None, 10), Ended);
         assert_eq!(step(None, 9), Unreplicated);
         // Never placed by the cluster (epoch 0).
-        assert_eq!(own_queue_step(None, 1, 0, 50, 0), Unreplicated);
+        assert_eq!(own_queue_step(None, NodeId(1), 0, 50, 0), Unreplicated);
     }
 
     #[test]
     fn a_newer_primary_seen_here_deposes_a_queue_the_metadata_here_still_places_here() {
         use OwnQueueStep::*;
         // This node (1) holds the queue at epoch 10; node 2 was seen primary at epoch 20.
-        let step = |p: Option<&Placement>, applied| own_queue_step(p, 1, 10, applied, 20);
+        let step = |p: Option<&Placement>, applied| own_queue_step(p, NodeId(1), 10, applied, 20);
         // Cut from the metadata leader: the placement here still makes this node primary.
-        assert_eq!(step(Some(&placed(1, &[2], &[], 12)), 15), Deposed);
+        assert_eq!(
+            step(Some(&placed(NodeId(1), &[NodeId(2)], &[], 12)), 15),
+            Deposed
+        );
         assert_eq!(step(None, 15), Deposed);
         // Applied past the rival's epoch, the metadata decides: this node primary again...
-        assert_eq!(step(Some(&placed(1, &[3], &[], 25)), 25), Primary);
+        assert_eq!(
+            step(Some(&placed(NodeId(1), &[NodeId(3)], &[], 25)), 25),
+            Primary
+        );
         // ...the rival's placement itself, or the queue ended since.
-        assert_eq!(step(Some(&placed(2, &[1], &[1], 20)), 22), Deposed);
+        assert_eq!(
+            step(Some(&placed(NodeId(2), &[NodeId(1)], &[NodeId(1)], 20)), 22),
+            Deposed
+        );
         assert_eq!(step(None, 30), Ended);
         // A rival at an epoch not above this queue's is a stale primary: it changes nothing.
-        let stale = |p: Option<&Placement>| own_queue_step(p, 1, 10, 12, 8);
-        assert_eq!(stale(Some(&placed(1, &[2], &[], 12))), Primary);
+        let stale = |p: Option<&Placement>| own_queue_step(p, NodeId(1), 10, 12, 8);
+        assert_eq!(
+            stale(Some(&placed(NodeId(1), &[NodeId(2)], &[], 12))),
+            Primary
+        );
         assert_eq!(stale(None), Ended);
     }
 
     #[test]
     fn a_hello_placed_here_is_served_only_on_what_this_node_holds_or_knows_to_be_current() {
         use PlacedHereStep::*;
-        let here = placed(1, &[2], &[], 12);
+        let here = placed(NodeId(1), &[NodeId(2)], &[], 12);
         // Held here (the queue, or a copy to promote), or placed by this very hello.
         assert_eq!(placed_here_step(&here, 12, None, true, false, false), Serve);
         assert_eq!(placed_here_step(&here, 12, None, false, true, false), Serve);
@@ -461,21 +490,21 @@ mod tests {
         // A newer primary known here: its node, or a retry when only its epoch is known.
         let rival = |node, epoch| Some((node, epoch));
         assert_eq!(
-            placed_here_step(&here, 12, rival(Some(2), 20), true, false, false),
-            Elsewhere(Some(2))
+            placed_here_step(&here, 12, rival(Some(NodeId(2)), 20), true, false, false),
+            Elsewhere(Some(NodeId(2)))
         );
         assert_eq!(
             placed_here_step(&here, 12, rival(None, 20), false, false, true),
             Elsewhere(None)
         );
         // A rival the metadata here has reached (or a stale one) changes nothing.
-        let later = placed(1, &[2], &[], 25);
+        let later = placed(NodeId(1), &[NodeId(2)], &[], 25);
         assert_eq!(
-            placed_here_step(&later, 25, rival(Some(2), 20), true, false, false),
+            placed_here_step(&later, 25, rival(Some(NodeId(2)), 20), true, false, false),
             Serve
         );
         assert_eq!(
-            placed_here_step(&here, 12, rival(Some(2), 9), true, false, false),
+            placed_here_step(&here, 12, rival(Some(NodeId(2)), 9), true, false, false),
             Serve
         );
     }
@@ -484,49 +513,61 @@ mod tests {
     fn a_copy_is_promoted_only_above_its_epoch_and_dropped_only_when_not_held() {
         use CopyStep::*;
         // Node 2 holds a copy at epoch 10, shipped under the placement of epoch 40.
-        let step = |p: Option<&Placement>, applied| copy_step(p, 2, 10, 40, applied, true);
-        assert_eq!(step(Some(&placed(2, &[3], &[], 70)), 70), Promote);
-        assert_eq!(step(Some(&placed(1, &[2], &[], 40)), 60), Keep);
-        assert_eq!(step(Some(&placed(1, &[3], &[], 50)), 50), Drop);
+        let step = |p: Option<&Placement>, applied| copy_step(p, NodeId(2), 10, 40, applied, true);
+        assert_eq!(
+            step(Some(&placed(NodeId(2), &[NodeId(3)], &[], 70)), 70),
+            Promote
+        );
+        assert_eq!(
+            step(Some(&placed(NodeId(1), &[NodeId(2)], &[], 40)), 60),
+            Keep
+        );
+        assert_eq!(
+            step(Some(&placed(NodeId(1), &[NodeId(3)], &[], 50)), 50),
+            Drop
+        );
         assert_eq!(step(None, 39), Keep);
         assert_eq!(step(None, 40), Drop);
     }
 
-    fn step(p: &Placement, regressed: &[RaftId], in_sync: fn(RaftId) -> bool) -> RepairStep {
+    fn step(p: &Placement, regressed: &[NodeId], in_sync: fn(NodeId) -> bool) -> RepairStep {
         let seen = CopiesSeen {
             regressed,
             in_sync: &in_sync,
             unreachable: &|_| false,
             majority_reachable: true,
         };
-        repair_step(p, 1, &seen)
+        repair_step(p, NodeId(1), &seen)
     }
 
     #[test]
     fn a_repair_takes_out_lost_copies_first_then_reports_synced_ones_then_adds() {
         use RepairStep::*;
-        let p = placed(1, &[2, 3], &[3], 20);
+        let p = placed(NodeId(1), &[NodeId(2), NodeId(3)], &[NodeId(3)], 20);
         assert_eq!(
-            step(&p, &[2], |_| true),
+            step(&p, &[NodeId(2)], |_| true),
             TakeOut {
-                lost: vec![2],
-                secondaries: vec![3]
+                lost: vec![NodeId(2)],
+                secondaries: vec![NodeId(3)]
             }
         );
         // A regressed node that is no longer a secondary changes nothing.
-        assert_eq!(step(&p, &[4], |n| n == 3), Synced(3));
+        assert_eq!(
+            step(&p, &[NodeId(4)], |n| n == NodeId(3)),
+            Synced(NodeId(3))
+        );
         assert_eq!(step(&p, &[], |_| false), Nothing);
-        let short = placed(1, &[3], &[], 20);
+        let short = placed(NodeId(1), &[NodeId(3)], &[], 20);
         assert_eq!(
             step(&short, &[], |_| true),
             Add {
                 want: 1,
-                exclude: vec![3, 1]
+                exclude: vec![NodeId(3), NodeId(1)]
             }
         );
         let none = Placement {
             redundancy: 0,
-            ..placed(1, &[], &[], 5)
+            ..placed(NodeId(1), &[], &[], 5)
         };
         assert_eq!(step(&none, &[], |_| true), Nothing);
     }
@@ -534,28 +575,28 @@ mod tests {
     #[test]
     fn a_primary_reaching_a_majority_takes_out_the_copies_it_cannot_reach() {
         use RepairStep::*;
-        let p = placed(1, &[2, 3], &[], 20);
-        let seen = |regressed: &'static [RaftId], majority_reachable| CopiesSeen {
+        let p = placed(NodeId(1), &[NodeId(2), NodeId(3)], &[], 20);
+        let seen = |regressed: &'static [NodeId], majority_reachable| CopiesSeen {
             regressed,
             in_sync: &|_| true,
-            unreachable: &|n| n == 3,
+            unreachable: &|n| n == NodeId(3),
             majority_reachable,
         };
         assert_eq!(
-            repair_step(&p, 1, &seen(&[], true)),
+            repair_step(&p, NodeId(1), &seen(&[], true)),
             TakeOutUnreachable {
-                unreachable: vec![3],
-                secondaries: vec![2]
+                unreachable: vec![NodeId(3)],
+                secondaries: vec![NodeId(2)]
             }
         );
         // On the minority's side it leaves the queue to the majority (see step_aside).
-        assert_eq!(repair_step(&p, 1, &seen(&[], false)), Nothing);
+        assert_eq!(repair_step(&p, NodeId(1), &seen(&[], false)), Nothing);
         // A copy that lost data goes first.
         assert_eq!(
-            repair_step(&p, 1, &seen(&[2], true)),
+            repair_step(&p, NodeId(1), &seen(&[NodeId(2)], true)),
             TakeOut {
-                lost: vec![2],
-                secondaries: vec![3]
+                lost: vec![NodeId(2)],
+                secondaries: vec![NodeId(3)]
             }
         );
     }
@@ -573,12 +614,15 @@ mod tests {
 
     #[test]
     fn rendezvous_takes_the_highest_hashes_in_a_stable_order() {
-        let c = [(1, 50), (2, 90), (3, 10), (4, 70)];
-        assert_eq!(rendezvous(c, 2), vec![2, 4]);
+        let c = [(1, 50), (2, 90), (3, 10), (4, 70)].map(|(n, h)| (NodeId(n), h));
+        assert_eq!(rendezvous(c, 2), vec![NodeId(2), NodeId(4)]);
         let mut shuffled = c;
         shuffled.reverse();
-        assert_eq!(rendezvous(shuffled, 2), vec![2, 4]);
-        assert_eq!(rendezvous(c, 9), vec![2, 4, 1, 3]);
+        assert_eq!(rendezvous(shuffled, 2), vec![NodeId(2), NodeId(4)]);
+        assert_eq!(
+            rendezvous(c, 9),
+            vec![NodeId(2), NodeId(4), NodeId(1), NodeId(3)]
+        );
         assert!(rendezvous(c, 0).is_empty());
     }
 }

@@ -80,8 +80,7 @@ pub use shipper::{Shipper, ShipperConfig};
 pub type Offset = u64;
 /// Primary generation from cluster metadata. Valid epochs start at 1; 0 means "none yet".
 pub type Epoch = u64;
-/// Identifies a node of the cluster.
-pub type NodeId = u64;
+pub use crate::ids::NodeId;
 
 /// Entries in one [`AppendHeader`] batch, by default.
 pub const BATCH_ENTRIES_MAX: u64 = 256;

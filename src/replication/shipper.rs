@@ -381,7 +381,9 @@ impl Shipper {
         if self.fenced.is_some() || self.peers.is_empty() {
             return None;
         }
-        let after = self.last_served.map_or(0, |id| id.saturating_add(1));
+        let after = self
+            .last_served
+            .map_or(NodeId(0), |id| NodeId(id.0.saturating_add(1)));
         let order: Vec<NodeId> = self
             .peers
             .range(after..)

@@ -3,8 +3,8 @@
 
 use super::*;
 
-const P: NodeId = 1;
-const S: NodeId = 2;
+const P: NodeId = NodeId(1);
+const S: NodeId = NodeId(2);
 
 fn log(start: Offset, end: Offset, runs: &[(Epoch, Offset)]) -> LogState {
     let epochs = runs
@@ -403,25 +403,33 @@ fn replicated_end_waits_for_every_secondary_and_never_falls() {
     assert_eq!(p.replicated_end(), 3, "no secondaries: the local end");
     let mut a = Replica::new();
     let mut b = Replica::new();
-    p.set_secondaries(&[2, 3], 0);
+    p.set_secondaries(&[NodeId(2), NodeId(3)], 0);
     assert_eq!(
         p.replicated_end(),
         3,
         "a joining secondary does not pull it back"
     );
-    assert!(!p.peer_in_sync(2));
+    assert!(!p.peer_in_sync(NodeId(2)));
     p.on_local_append(9);
-    pump(&mut p, &mut [(2, &mut a)], 0);
+    pump(&mut p, &mut [(NodeId(2), &mut a)], 0);
     assert_eq!(p.replicated_end(), 3, "secondary 3 has not acked");
     // Its probe was lost; the retransmit timeout restarts its pipeline.
     p.on_tick(RETRANSMIT_MS);
-    pump(&mut p, &mut [(2, &mut a), (3, &mut b)], RETRANSMIT_MS);
+    pump(
+        &mut p,
+        &mut [(NodeId(2), &mut a), (NodeId(3), &mut b)],
+        RETRANSMIT_MS,
+    );
     assert_eq!(p.replicated_end(), 9);
-    assert!(p.peer_in_sync(2) && p.peer_in_sync(3));
-    assert_eq!(p.peer_lag(3), Some(0));
+    assert!(p.peer_in_sync(NodeId(2)) && p.peer_in_sync(NodeId(3)));
+    assert_eq!(p.peer_lag(NodeId(3)), Some(0));
     // Acks travel with heartbeats and move the copies' acked (never beyond what they hold).
     p.on_client_ack(7);
-    pump(&mut p, &mut [(2, &mut a), (3, &mut b)], RETRANSMIT_MS);
+    pump(
+        &mut p,
+        &mut [(NodeId(2), &mut a), (NodeId(3), &mut b)],
+        RETRANSMIT_MS,
+    );
     assert_eq!((a.acked(), b.acked()), (7, 7));
     p.on_client_ack(100);
     assert_eq!(p.acked(), 9, "the client ack is capped at replicated_end");
@@ -446,9 +454,9 @@ fn metadata_change_sends_every_idle_secondary_a_message_at_once() {
     let mut p = Shipper::new(1, LogState::empty(), 0, config());
     p.on_local_append(2);
     let mut a = Replica::new();
-    p.set_secondaries(&[2], 0);
-    pump(&mut p, &mut [(2, &mut a)], 0);
-    assert!(p.peer_in_sync(2));
+    p.set_secondaries(&[NodeId(2)], 0);
+    pump(&mut p, &mut [(NodeId(2), &mut a)], 0);
+    assert!(p.peer_in_sync(NodeId(2)));
     // Idle and within the heartbeat time: nothing to send.
     assert!(p.poll_transmit(1).is_none());
     p.on_metadata_change();

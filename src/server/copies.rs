@@ -28,6 +28,7 @@ use tether_storage::{Batch, Entry, QueueId, QueueMeta};
 use tether_transport::codec::{decode_body, encode_body};
 
 use super::Shared;
+use crate::cluster::meta::NodeId;
 use crate::cluster::network::{PeerResponse, ReplicateHeader, ReplicateMsg, ShippedEntry};
 use crate::config::Limits;
 use crate::core::bytes::{QueueBytes, mark_interval_bytes};
@@ -53,7 +54,7 @@ pub(crate) struct Copy {
     /// queue's count is there (and a restart finds it from the marks).
     pub(crate) bytes: QueueBytes,
     /// The first messages of a snapshot sent in several: (sender, snapshot batch) and entries.
-    staged: Option<((u64, u64), Vec<ShippedEntry>)>,
+    staged: Option<((NodeId, u64), Vec<ShippedEntry>)>,
     /// The highest placement epoch its primary shipped under ([`ReplicateMsg::placement_epoch`]):
     /// this node's metadata must be applied that far before a placement without this node
     /// means the copy is no longer held (see `control::reconcile::copy_not_held`). In memory only: after

@@ -53,7 +53,7 @@ use tether_transport::ErrorCode;
 
 use super::Shared;
 use crate::cluster::Cluster;
-use crate::cluster::meta::{MetaCommand, MetaResponse, Placement, RaftId, raft_id};
+use crate::cluster::meta::{MetaCommand, MetaResponse, NodeId, Placement, fnv1a};
 use crate::cluster::network::{PeerRequest, PeerResponse};
 use crate::control::liveness::{FailureDetector, PING_INTERVAL_MS, PING_TIMEOUT_MS};
 use crate::control::reconcile::{self, CopyStep, OwnQueueStep, RepairStep};
@@ -555,14 +555,14 @@ impl Liveness {
     /// Whether `node` answered within [`MEMBER_LIVE_MS`](crate::control::liveness::MEMBER_LIVE_MS).
     /// The detector counts every member as seen when it starts, so members get that time once
     /// before they count as down.
-    pub(crate) fn is_live(&self, node: RaftId) -> bool {
+    pub(crate) fn is_live(&self, node: NodeId) -> bool {
         let now = self.ms(Instant::now());
         self.detector().is_live(node, now)
     }
 
     /// Whether this node has not reached `node` for a while (see
     /// [`FailureDetector::unreachable`]).
-    pub(crate) fn unreachable(&self, node: RaftId) -> bool {
+    pub(crate) fn unreachable(&self, node: NodeId) -> bool {
         let now = self.ms(Instant::now());
         self.detector().unreachable(node, now)
     }
@@ -580,7 +580,7 @@ impl Liveness {
 /// Pings every member and, on the leader, declares silent members failed.
 pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
     let me = cluster.id();
-    let others: Vec<RaftId> = cluster
+    let others: Vec<NodeId> = cluster
         .members()
         .nodes
         .keys()
@@ -645,11 +645,11 @@ pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
         for n in to_declare {
             match cluster.write(MetaCommand::NodeFailed { node: n }).await {
                 Ok(r) => {
-                    tracing::warn!(node = n, result = ?r, "member declared failed");
+                    tracing::warn!(node = n.0, result = ?r, "member declared failed");
                     l.detector().declared(n);
                 }
                 Err(e) => {
-                    tracing::warn!(node = n, error = %e, "could not declare a member failed")
+                    tracing::warn!(node = n.0, error = %e, "could not declare a member failed")
                 }
             }
         }
@@ -951,8 +951,8 @@ async fn take_out(
     cluster: &Cluster,
     id: &str,
     p: &Placement,
-    secondaries: Vec<RaftId>,
-    nodes: &[RaftId],
+    secondaries: Vec<NodeId>,
+    nodes: &[NodeId],
     why: TakenOut,
 ) {
     let cmd = MetaCommand::SetSecondaries {
@@ -1070,14 +1070,14 @@ pub(crate) fn choose_secondaries(
     cluster: &Cluster,
     id: &str,
     count: u8,
-    exclude: &[RaftId],
-) -> Vec<RaftId> {
+    exclude: &[NodeId],
+) -> Vec<NodeId> {
     let members = cluster.members();
     let candidates = members
         .nodes
         .iter()
         .filter(|(n, _)| !exclude.contains(n) && shared.member.liveness.is_live(**n))
-        .map(|(&n, node)| (n, raft_id(&format!("{id}\u{0}{}", node.name))));
+        .map(|(&n, node)| (n, fnv1a(&format!("{id}\u{0}{}", node.name))));
     crate::control::reconcile::rendezvous(candidates, count)
 }
 

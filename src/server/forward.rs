@@ -47,7 +47,7 @@ use tokio::sync::watch;
 
 use super::Shared;
 use crate::cluster::Cluster;
-use crate::cluster::meta::{RaftId, raft_id};
+use crate::cluster::meta::{NodeId, raft_id};
 use crate::cluster::network::{ForwardedPublish, PeerRequest, PeerResponse, PublishSink};
 use crate::config::Limits;
 use crate::core::bytes::{QueueBytes, mark_interval_bytes, stored_entry_bytes};
@@ -102,7 +102,7 @@ fn read_u64(store: &dyn Store, key: &str) -> Option<u64> {
 /// A node's forwarding state (clustered nodes only).
 pub(crate) struct Forwarding {
     /// Peers (name, raft id), this node excluded.
-    pub(crate) peers: Vec<(String, RaftId)>,
+    pub(crate) peers: Vec<(String, NodeId)>,
     /// Highest publish-log offset assigned (under the core lock, so in commit order).
     pub(crate) log_end: AtomicU64,
     /// Highest publish-log offset committed; forwarding tasks wait on it.
@@ -235,7 +235,7 @@ impl Forwarding {
             queue: PUBLISH_LOG_QUEUE,
             error,
         })?;
-        let peers: Vec<(String, RaftId)> = peers
+        let peers: Vec<(String, NodeId)> = peers
             .iter()
             .filter(|(name, _)| name != me)
             .map(|(name, _)| (name.clone(), raft_id(name)))
@@ -377,7 +377,7 @@ impl Forwarding {
     pub(crate) fn replication_of(
         &self,
         offset: Offset,
-        is_live: impl Fn(RaftId) -> bool,
+        is_live: impl Fn(NodeId) -> bool,
     ) -> Replication {
         let unconfirmed = self.unconfirmed.lock_or_stop();
         let mut r = Replication::default();
@@ -444,7 +444,7 @@ pub(crate) async fn forward_loop(
     shared: Weak<Shared>,
     cluster: Arc<Cluster>,
     peer: String,
-    peer_id: RaftId,
+    peer_id: NodeId,
 ) {
     let mut committed = match shared.upgrade() {
         Some(s) => match &s.member.forwarding {

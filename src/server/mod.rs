@@ -1641,7 +1641,7 @@ async fn tick_loop(shared: Arc<Shared>) {
             let placed = cl.read(|s| s.queues.values().filter(|p| p.primary == me).count());
             metrics::gauge!(m::CLUSTER_PLACED_QUEUES).set(placed as f64);
             metrics::gauge!(m::QUEUE_COPIES).set(shared.member.copies.len() as f64);
-            let mut lag: HashMap<u64, u64> = HashMap::new();
+            let mut lag: HashMap<crate::ids::NodeId, u64> = HashMap::new();
             for sq in shared.member.shipping.all() {
                 for (peer, l) in sq.lags() {
                     let e = lag.entry(peer).or_default();

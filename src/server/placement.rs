@@ -256,7 +256,7 @@ pub(crate) async fn place_durable(
 }
 
 /// Sends the client to member `node`, which holds the queue.
-fn redirect(cluster: &Cluster, node: crate::cluster::meta::RaftId) -> Result<Placed, WireError> {
+fn redirect(cluster: &Cluster, node: crate::cluster::meta::NodeId) -> Result<Placed, WireError> {
     match cluster.members().nodes.get(&node) {
         Some(n) => Ok(Placed::Elsewhere {
             node_id: n.name.clone(),

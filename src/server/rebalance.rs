@@ -39,7 +39,7 @@ use std::time::Duration;
 
 use super::Shared;
 use crate::cluster::Cluster;
-use crate::cluster::meta::{MetaCommand, MetaResponse, Placement, RaftId};
+use crate::cluster::meta::{MetaCommand, MetaResponse, NodeId, Placement};
 use crate::control::rebalance::{self, Candidate};
 use crate::core::QueueState;
 use crate::metrics as m;
@@ -74,7 +74,7 @@ pub(crate) async fn rebalance_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
 /// queues are away, hands the picked ones over (all at once).
 async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     let me = cluster.id();
-    let live: Vec<RaftId> = cluster
+    let live: Vec<NodeId> = cluster
         .members()
         .nodes
         .keys()
@@ -132,7 +132,7 @@ async fn hand_over(
     cluster: &Arc<Cluster>,
     id: &str,
     p: &Placement,
-    target: RaftId,
+    target: NodeId,
 ) {
     let qid = {
         let mut core = shared.core();
@@ -165,7 +165,7 @@ async fn hand_over(
     match cluster.write(cmd).await {
         Ok(MetaResponse::Placed(moved)) if moved.primary == target => {
             metrics::counter!(m::REBALANCE_MOVES).increment(1);
-            tracing::info!(durable_id = %id, to = target, epoch = moved.epoch, "handed the queue over");
+            tracing::info!(durable_id = %id, to = target.0, epoch = moved.epoch, "handed the queue over");
             // Committed once the leader applied it: the metadata here may not say so yet, and
             // until it does, this node's clients of the queue are sent to the taker (not given
             // a new queue on the placement this node still reads).

@@ -49,7 +49,7 @@ use tokio::sync::{Notify, mpsc};
 
 use super::Shared;
 use crate::cluster::Cluster;
-use crate::cluster::meta::{Placement, RaftId};
+use crate::cluster::meta::{NodeId, Placement};
 use crate::cluster::network::{
     PeerRequest, PeerResponse, ReplicateHeader, ReplicateMsg, ShippedEntry,
 };
@@ -102,12 +102,12 @@ pub(crate) struct ShipQueue {
     pub(crate) durable_id: String,
     pub(crate) qid: QueueId,
     shipper: Mutex<Shipper>,
-    secondaries: Mutex<Vec<RaftId>>,
+    secondaries: Mutex<Vec<NodeId>>,
     /// The epoch of the placement these secondaries come from (sent with every message).
     placement_epoch: std::sync::atomic::AtomicU64,
     /// Per secondary: when the latest message it acknowledged in this epoch was sent.
-    acked_at: Mutex<HashMap<RaftId, Instant>>,
-    senders: Mutex<HashMap<RaftId, mpsc::UnboundedSender<Outgoing>>>,
+    acked_at: Mutex<HashMap<NodeId, Instant>>,
+    senders: Mutex<HashMap<NodeId, mpsc::UnboundedSender<Outgoing>>>,
     /// No delivery before this instant (a promoted primary waits out the old lease).
     deliver_after: Instant,
     wake: Notify,
@@ -120,7 +120,7 @@ pub(crate) struct ShipQueue {
     /// it acknowledges one carrying the current version; then messages go without it.
     info_version: std::sync::atomic::AtomicU64,
     /// Per secondary: the highest `info_version` carried by a message it acknowledged.
-    info_acked: tokio::sync::watch::Sender<HashMap<RaftId, u64>>,
+    info_acked: tokio::sync::watch::Sender<HashMap<NodeId, u64>>,
 }
 
 /// A message for one peer, queued until its peer sender gets to it. Entries are read from
@@ -156,7 +156,7 @@ impl ShipQueue {
     }
 
     /// Whether every current secondary acknowledged a message carrying info `version`.
-    fn info_held(&self, acked: &HashMap<RaftId, u64>, version: u64) -> bool {
+    fn info_held(&self, acked: &HashMap<NodeId, u64>, version: u64) -> bool {
         self.secondaries
             .lock_or_stop()
             .iter()
@@ -182,17 +182,17 @@ impl ShipQueue {
     }
 
     /// Whether `peer` holds everything any primary of this queue may have exposed.
-    pub(crate) fn in_sync(&self, peer: RaftId) -> bool {
+    pub(crate) fn in_sync(&self, peer: NodeId) -> bool {
         self.shipper().peer_in_sync(peer)
     }
 
     /// Secondaries that lost entries they had acknowledged (see [`Shipper::regressed_peers`]).
-    pub(crate) fn regressed(&self) -> Vec<RaftId> {
+    pub(crate) fn regressed(&self) -> Vec<NodeId> {
         self.shipper().regressed_peers().collect()
     }
 
     /// Replication lag of each secondary, in entries.
-    pub(crate) fn lags(&self) -> Vec<(RaftId, u64)> {
+    pub(crate) fn lags(&self) -> Vec<(NodeId, u64)> {
         let s = self.shipper();
         s.secondaries()
             .map(|p| (p, s.peer_lag(p).unwrap_or(0)))
@@ -214,7 +214,7 @@ pub(crate) struct Shipping {
 /// copy (`node` known), or a copy answered this node's shipping with its epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Rival {
-    pub(crate) node: Option<RaftId>,
+    pub(crate) node: Option<NodeId>,
     pub(crate) epoch: u64,
 }
 
@@ -301,7 +301,7 @@ impl Shipping {
     }
 
     /// Notes that `node` (if known) is primary of queue `id` at `epoch`; the highest epoch wins.
-    pub(crate) fn note_rival(&self, id: &str, node: Option<RaftId>, epoch: u64) {
+    pub(crate) fn note_rival(&self, id: &str, node: Option<NodeId>, epoch: u64) {
         let mut rivals = self.rivals.lock_or_stop();
         let r = rivals
             .entry(id.to_string())
@@ -339,7 +339,7 @@ impl Shipping {
     pub(crate) fn set_secondaries(
         &self,
         id: &str,
-        secondaries: &[RaftId],
+        secondaries: &[NodeId],
         placement_epoch: u64,
     ) -> bool {
         let Some(sq) = self.get(id) else {
@@ -423,7 +423,7 @@ impl ShipQueue {
         id: &str,
         qid: QueueId,
         mut shipper: Shipper,
-        secondaries: &[RaftId],
+        secondaries: &[NodeId],
         placement_epoch: u64,
         deliver_after: Instant,
     ) -> Self {
@@ -563,7 +563,7 @@ async fn ship_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, sq: Arc<ShipQueue>
         // INTEREST_BYTES_PER_QUEUE_MAX) goes to a copy until it acknowledged this version.
         if !transmits.is_empty() {
             let held = sq.info_acked.borrow().clone();
-            let behind = |peer: RaftId| held.get(&peer).is_none_or(|&v| v < info_version);
+            let behind = |peer: NodeId| held.get(&peer).is_none_or(|&v| v < info_version);
             let info = match transmits.iter().any(|(t, _)| behind(t.to)) {
                 true => encoded_info(&shared, sq.qid, &mut info_cache),
                 false => Some(unchanged.clone()),
@@ -648,7 +648,7 @@ fn build_messages(
     shared: &Shared,
     cluster: &Cluster,
     sq: &ShipQueue,
-    peer: RaftId,
+    peer: NodeId,
     message: ToSecondary,
     info: &[u8],
 ) -> Option<Vec<ReplicateMsg>> {
@@ -791,7 +791,7 @@ async fn peer_sender(
     shared: Weak<Shared>,
     cluster: Arc<Cluster>,
     sq: Weak<ShipQueue>,
-    peer: RaftId,
+    peer: NodeId,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
 ) {
     let timeout = Duration::from_millis(REPLICATE_TIMEOUT_MS);
@@ -841,14 +841,14 @@ async fn peer_sender(
 /// call failed or was refused).
 fn on_result(
     sq: &ShipQueue,
-    peer: RaftId,
+    peer: NodeId,
     sent_at: Instant,
     info_version: u64,
     result: Result<PeerResponse, crate::cluster::network::PeerError>,
 ) -> bool {
     match result {
         Ok(PeerResponse::Replicated(Some(reply))) => {
-            tracing::trace!(peer, durable_id = %sq.durable_id, ?reply, "replication reply");
+            tracing::trace!(peer = peer.0, durable_id = %sq.durable_id, ?reply, "replication reply");
             let mut s = sq.shipper();
             let epoch = s.epoch();
             s.on_reply(peer, reply, mono_ms());
@@ -865,11 +865,11 @@ fn on_result(
             }
         }
         Ok(PeerResponse::Replicated(None)) => {
-            tracing::debug!(peer, durable_id = %sq.durable_id, "replication message ignored");
+            tracing::debug!(peer = peer.0, durable_id = %sq.durable_id, "replication message ignored");
         }
         Ok(PeerResponse::QueueInfoNeeded) => {
             // A copy started anew (or lost) since it acknowledged the info: send it again.
-            tracing::debug!(peer, durable_id = %sq.durable_id, "the copy asks for the queue info");
+            tracing::debug!(peer = peer.0, durable_id = %sq.durable_id, "the copy asks for the queue info");
             sq.info_acked.send_modify(|m| {
                 m.remove(&peer);
             });
@@ -878,11 +878,13 @@ fn on_result(
         }
         other => {
             match &other {
-                Err(e) => tracing::debug!(peer, error = %e, "replication rpc failed"),
+                Err(e) => tracing::debug!(peer = peer.0, error = %e, "replication rpc failed"),
                 Ok(PeerResponse::BadRequest(e)) => {
-                    tracing::warn!(peer, error = %e, "replication message refused")
+                    tracing::warn!(peer = peer.0, error = %e, "replication message refused")
                 }
-                Ok(_) => tracing::warn!(peer, "unexpected answer to a replication message"),
+                Ok(_) => {
+                    tracing::warn!(peer = peer.0, "unexpected answer to a replication message")
+                }
             }
             sq.shipper().on_peer_lost(peer);
             return false;
@@ -893,7 +895,7 @@ fn on_result(
 
 /// Another node holds `id` at a higher epoch (`by`: that node, if known, and the epoch): drop
 /// this node's queue and send its client on.
-pub(crate) async fn depose(shared: &Arc<Shared>, id: &str, by: (Option<RaftId>, u64)) {
+pub(crate) async fn depose(shared: &Arc<Shared>, id: &str, by: (Option<NodeId>, u64)) {
     shared.member.shipping.stop(id);
     let result = shared
         .apply(|core| {
@@ -923,22 +925,43 @@ mod tests {
         let log = LogState::new(0, 5, vec![EpochStart { epoch: 3, first: 0 }]).unwrap();
         let shipper = || Shipper::new(3, log.clone(), 0, ShipperConfig::default());
         let secondaries = |sq: &ShipQueue| sq.shipper().secondaries().collect::<Vec<_>>();
-        let sq = Arc::new(ShipQueue::new("q", 7, shipper(), &[2], 40, Instant::now()));
+        let sq = Arc::new(ShipQueue::new(
+            "q",
+            7,
+            shipper(),
+            &[NodeId(2)],
+            40,
+            Instant::now(),
+        ));
         assert!(shipping.insert(sq.clone()));
         // The repair at 50 replaced node 2 by node 3; a connection then applies the placement
         // it read at 40, before an await: ignored.
-        assert!(shipping.set_secondaries("q", &[3], 50));
-        assert!(shipping.set_secondaries("q", &[2], 40));
-        assert_eq!(secondaries(&sq), vec![3]);
-        assert!(shipping.set_secondaries("q", &[3, 2], 60));
-        assert_eq!(secondaries(&sq), vec![2, 3]);
+        assert!(shipping.set_secondaries("q", &[NodeId(3)], 50));
+        assert!(shipping.set_secondaries("q", &[NodeId(2)], 40));
+        assert_eq!(secondaries(&sq), vec![NodeId(3)]);
+        assert!(shipping.set_secondaries("q", &[NodeId(3), NodeId(2)], 60));
+        assert_eq!(secondaries(&sq), vec![NodeId(2), NodeId(3)]);
         // Starting again from an older placement does not replace the running state...
-        let stale = Arc::new(ShipQueue::new("q", 7, shipper(), &[2], 45, Instant::now()));
+        let stale = Arc::new(ShipQueue::new(
+            "q",
+            7,
+            shipper(),
+            &[NodeId(2)],
+            45,
+            Instant::now(),
+        ));
         assert!(!shipping.insert(stale.clone()));
         assert!(Arc::ptr_eq(&shipping.get("q").unwrap(), &sq));
         assert!(!stale.is_stopped() && !sq.is_stopped());
         // ...a newer one does, and stops it.
-        let newer = Arc::new(ShipQueue::new("q", 7, shipper(), &[3], 70, Instant::now()));
+        let newer = Arc::new(ShipQueue::new(
+            "q",
+            7,
+            shipper(),
+            &[NodeId(3)],
+            70,
+            Instant::now(),
+        ));
         assert!(shipping.insert(newer.clone()));
         assert!(sq.is_stopped());
         assert!(Arc::ptr_eq(
@@ -946,7 +969,7 @@ mod tests {
             &newer
         ));
         assert!(
-            !shipping.set_secondaries("other", &[2], 1),
+            !shipping.set_secondaries("other", &[NodeId(2)], 1),
             "not shipped here"
         );
     }

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use tether::cluster::meta::raft_id;
+use tether::cluster::meta::{NodeId, raft_id};
 use tether::config::ServerConfig;
 use tether::server::Node;
 use tether_transport::tls;
@@ -133,7 +133,7 @@ impl TestCluster {
         self.nodes[i].as_ref().expect("running")
     }
 
-    pub fn index_of(&self, raft: u64) -> usize {
+    pub fn index_of(&self, raft: NodeId) -> usize {
         self.names
             .iter()
             .position(|n| raft_id(n) == raft)
@@ -144,7 +144,7 @@ impl TestCluster {
     pub async fn leader(&self) -> usize {
         let deadline = tokio::time::Instant::now() + WAIT;
         loop {
-            let seen: Vec<Option<u64>> = self
+            let seen: Vec<Option<NodeId>> = self
                 .nodes
                 .iter()
                 .flatten()
