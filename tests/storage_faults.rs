@@ -445,50 +445,21 @@ async fn a_failed_region_read_refuses_the_publish() {
 }
 
 /// RocksDB whose node-state records cannot be read (a disk answering EIO to those reads).
-struct UnreadableState(RocksStore);
+struct UnreadableState {
+    inner: RocksStore,
+}
 
 impl Store for UnreadableState {
     fn write(&self, batch: &Batch, sync: bool) -> Result<(), StorageError> {
-        self.0.write(batch, sync)
-    }
-    fn queue_meta(
-        &self,
-        queue: tether_storage::QueueId,
-    ) -> Result<Option<tether_storage::QueueMeta>, StorageError> {
-        self.0.queue_meta(queue)
-    }
-    fn queues(
-        &self,
-    ) -> Result<Vec<(tether_storage::QueueId, tether_storage::QueueMeta)>, StorageError> {
-        self.0.queues()
-    }
-    fn read_entries(
-        &self,
-        queue: tether_storage::QueueId,
-        from: tether_storage::Offset,
-        to: tether_storage::Offset,
-        max_bytes: usize,
-        visit: &mut dyn FnMut(tether_storage::Offset, u8, &[u8]),
-    ) -> Result<usize, StorageError> {
-        self.0.read_entries(queue, from, to, max_bytes, visit)
+        self.inner.write(batch, sync)
     }
     fn region_get(&self, region: &str, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
-        self.0.region_get(region, key)
-    }
-    fn region_scan(
-        &self,
-        region: &str,
-        after: Option<&str>,
-        visit: &mut dyn FnMut(&str, &[u8]) -> std::ops::ControlFlow<()>,
-    ) -> Result<(), StorageError> {
-        self.0.region_scan(region, after, visit)
+        self.inner.region_get(region, key)
     }
     fn state_get(&self, _key: &str) -> Result<Option<Vec<u8>>, StorageError> {
         Err(StorageError::Corrupt("injected: read failed (EIO)".into()))
     }
-    fn flush(&self) -> Result<(), StorageError> {
-        self.0.flush()
-    }
+    store_passthrough!(@but_state inner);
 }
 
 /// A node that cannot read its state records (the next session id among them) does not start:
@@ -504,7 +475,9 @@ async fn a_node_that_cannot_read_its_state_records_refuses_to_start() {
         p.close(false).await.unwrap();
         node.shutdown().await;
     }
-    let store = UnreadableState(RocksStore::open(&dir.path().join("db")).unwrap());
+    let store = UnreadableState {
+        inner: RocksStore::open(&dir.path().join("db")).unwrap(),
+    };
     let refused = Node::start_with_store(config, Arc::new(store)).await;
     let err = match refused {
         Ok(node) => {

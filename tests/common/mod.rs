@@ -357,10 +357,17 @@ pub async fn relay_with(
 }
 
 /// Inside `impl Store for Wrapper`: every method but `write` and `region_get` (which a
-/// fault-injecting wrapper changes) passes through to the wrapped store in field `$inner`.
+/// fault-injecting wrapper changes) passes through to the wrapped store in field `$inner`;
+/// `store_passthrough!(@but_state $inner)` leaves out `state_get` too.
 #[macro_export]
 macro_rules! store_passthrough {
     ($inner:ident) => {
+        store_passthrough!(@but_state $inner);
+        fn state_get(&self, key: &str) -> Result<Option<Vec<u8>>, tether_storage::StorageError> {
+            self.$inner.state_get(key)
+        }
+    };
+    (@but_state $inner:ident) => {
         fn queue_meta(
             &self,
             queue: tether_storage::QueueId,
@@ -392,9 +399,6 @@ macro_rules! store_passthrough {
             visit: &mut dyn FnMut(&str, &[u8]) -> std::ops::ControlFlow<()>,
         ) -> Result<(), tether_storage::StorageError> {
             self.$inner.region_scan(region, after, visit)
-        }
-        fn state_get(&self, key: &str) -> Result<Option<Vec<u8>>, tether_storage::StorageError> {
-            self.$inner.state_get(key)
         }
         fn flush(&self) -> Result<(), tether_storage::StorageError> {
             self.$inner.flush()
