@@ -18,6 +18,8 @@ pub enum Record {
     QueueInfo(QueueId),
     /// An entry of the recent-publish log, at its offset.
     RecentPublish(Offset),
+    /// A queue's entry, at its offset.
+    QueueEntry(QueueId, Offset),
 }
 
 impl fmt::Display for Record {
@@ -26,6 +28,7 @@ impl fmt::Display for Record {
             Record::ExpiredIds => f.write_str("expired ids"),
             Record::QueueInfo(q) => write!(f, "info of queue {q}"),
             Record::RecentPublish(at) => write!(f, "recent publish {at}"),
+            Record::QueueEntry(q, at) => write!(f, "entry {at} of queue {q}"),
         }
     }
 }
@@ -52,6 +55,13 @@ pub enum RecoveryError {
     /// A queue's stored log shape (its epoch runs) is not valid.
     #[error("queue {queue} has an invalid replication log shape: {error}")]
     InvalidLog { queue: QueueId, error: InvalidLog },
+    /// A copy's entries have a hole: a copy promoted with it would lose those events.
+    #[error("the entries of copy queue {queue} are not contiguous: entry {entry} follows {after}")]
+    CopyNotContiguous {
+        queue: QueueId,
+        entry: Offset,
+        after: Offset,
+    },
     /// A copy's info names no durable id.
     #[error("copy queue {queue} has no durable id")]
     CopyWithoutDurableId { queue: QueueId },

@@ -1279,7 +1279,7 @@ fn held_ids(
     qid: tether_storage::QueueId,
     acked: u64,
     end: u64,
-) -> Result<Vec<EventId>, String> {
+) -> Result<Vec<EventId>, RecoveryError> {
     let mut ids = Vec::new();
     let mut bad = None;
     if end > acked {
@@ -1288,17 +1288,22 @@ fn held_ids(
             .read_entries(qid, acked + 1, end, usize::MAX, &mut |o, _, body| {
                 // A copy with a hole would lose those events silently once promoted.
                 if o != acked + 1 + ids.len() as u64 && bad.is_none() {
-                    bad = Some(format!(
-                        "the copy's entries are not contiguous: entry {o} follows {} (acked {acked}, end {end})",
-                        acked + ids.len() as u64
-                    ));
+                    bad = Some(RecoveryError::CopyNotContiguous {
+                        queue: qid,
+                        entry: o,
+                        after: acked + ids.len() as u64,
+                    });
                 }
                 match tether_transport::codec::decode_body::<EventRecord>(body) {
                     Ok(r) => ids.push(r.id),
-                    Err(e) => bad = Some(format!("entry {o}: {e}")),
+                    Err(error) => {
+                        bad = Some(RecoveryError::Decode {
+                            record: Record::QueueEntry(qid, o),
+                            error,
+                        })
+                    }
                 }
-            })
-            .map_err(|e| e.to_string())?;
+            })?;
     }
     match bad {
         Some(e) => Err(e),

@@ -757,32 +757,30 @@ fn read(
     first: u64,
     count: u64,
     max_bytes: usize,
-) -> Result<(Vec<ShippedEntry>, usize), String> {
+) -> Result<(Vec<ShippedEntry>, usize), tether_storage::StorageError> {
     let mut out = Vec::with_capacity(count.min(4096) as usize);
     let mut bytes = 0usize;
     if count == 0 {
         return Ok((out, 0));
     }
-    store
-        .read_entries(
-            qid,
-            first + 1,
-            first + count,
-            max_bytes,
-            &mut |offset, flags, body| {
-                // Only the contiguous run from `first`: entries trimmed (acked by the client)
-                // since the shipper named them must not shift the rest onto their offsets.
-                if offset != first + 1 + out.len() as u64 {
-                    return;
-                }
-                bytes += body.len();
-                out.push(ShippedEntry {
-                    flags,
-                    body: body.to_vec(),
-                });
-            },
-        )
-        .map_err(|e| e.to_string())?;
+    store.read_entries(
+        qid,
+        first + 1,
+        first + count,
+        max_bytes,
+        &mut |offset, flags, body| {
+            // Only the contiguous run from `first`: entries trimmed (acked by the client)
+            // since the shipper named them must not shift the rest onto their offsets.
+            if offset != first + 1 + out.len() as u64 {
+                return;
+            }
+            bytes += body.len();
+            out.push(ShippedEntry {
+                flags,
+                body: body.to_vec(),
+            });
+        },
+    )?;
     Ok((out, bytes))
 }
 
