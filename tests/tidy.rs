@@ -332,3 +332,74 @@ fn the_cycle_finder_finds_cycles() {
         vec!["core", "limits"]
     );
 }
+
+/// The error types of `Result<…>`s written in `code` that are `String`: errors are typed
+/// enums, so a caller can tell one failure from another.
+fn string_errors(code: &str) -> usize {
+    let mut count = 0;
+    for (start, _) in code.match_indices("Result<") {
+        let args = &code[start + "Result<".len()..];
+        let (mut depth, mut last_comma, mut end) = (0i32, None, None);
+        for (i, c) in args.char_indices() {
+            match c {
+                '<' | '(' | '[' => depth += 1,
+                '>' if depth == 0 => {
+                    end = Some(i);
+                    break;
+                }
+                '>' | ')' | ']' => depth -= 1,
+                ',' if depth == 0 => last_comma = Some(i),
+                _ => {}
+            }
+        }
+        if let (Some(comma), Some(end)) = (last_comma, end)
+            && args[comma + 1..end].trim() == "String"
+        {
+            count += 1;
+        }
+    }
+    count
+}
+
+#[test]
+fn errors_are_typed_not_strings() {
+    let mut found = Vec::new();
+    for path in ["src", "storage/src", "transport/src", "client/src"] {
+        let mut files = Vec::new();
+        rust_files(&root().join(path), &mut files);
+        for file in files {
+            let text = std::fs::read_to_string(&file).unwrap();
+            // Unit tests (at the end of a file) may use what they like.
+            for (n, line) in text.lines().enumerate() {
+                if line.trim_start().starts_with("#[cfg(test)]") {
+                    break;
+                }
+                if string_errors(&code_of(line)) > 0 {
+                    let rel = file.strip_prefix(root()).unwrap_or(&file);
+                    found.push(format!("{}:{}: {}", rel.display(), n + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "a Result with a String error (use a typed error enum, thiserror):\n  {}",
+        found.join("\n  ")
+    );
+}
+
+#[test]
+fn the_string_error_checker_reads_the_error_type_only() {
+    assert_eq!(string_errors("fn f() -> Result<(), String> {"), 1);
+    assert_eq!(string_errors(") -> Result<(Vec<u8>, usize), String> {"), 1);
+    assert_eq!(string_errors("fn f() -> Result<String, ConfigError> {"), 0);
+    assert_eq!(
+        string_errors("fn f() -> Result<Vec<(u64, Option<String>)>, E> {"),
+        0
+    );
+    assert_eq!(
+        string_errors("type T = oneshot::Receiver<Result<(), String>>;"),
+        1
+    );
+    assert_eq!(string_errors("let r: Result<u8, Box<String>> = x;"), 0);
+}

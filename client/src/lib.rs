@@ -807,7 +807,7 @@ impl ClientBuilder {
 pub(crate) async fn resolve_server(
     target: &str,
     like: Option<SocketAddr>,
-) -> Result<(SocketAddr, Option<String>), String> {
+) -> Result<(SocketAddr, Option<String>), ResolveError> {
     if let Ok(a) = target.parse::<SocketAddr>() {
         return Ok((a, None));
     }
@@ -815,11 +815,14 @@ pub(crate) async fn resolve_server(
         .rsplit_once(':')
         .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']'))
         .filter(|h| !h.is_empty())
-        .ok_or_else(|| format!("invalid server address {target:?}"))?
+        .ok_or_else(|| ResolveError::Invalid(target.to_string()))?
         .to_string();
     let found: Vec<SocketAddr> = tokio::net::lookup_host(target)
         .await
-        .map_err(|e| format!("cannot resolve {target:?}: {e}"))?
+        .map_err(|error| ResolveError::Lookup {
+            target: target.to_string(),
+            error,
+        })?
         .collect();
     let v4 = like.is_none_or(|a| a.is_ipv4());
     let sock = found
@@ -827,8 +830,22 @@ pub(crate) async fn resolve_server(
         .find(|a| a.is_ipv4() == v4)
         .or(found.first())
         .copied()
-        .ok_or_else(|| format!("{target:?} resolves to no address"))?;
+        .ok_or_else(|| ResolveError::NoAddress(target.to_string()))?;
     Ok((sock, Some(host)))
+}
+
+/// Why a server's address (`HOST:PORT`) gave no socket address.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ResolveError {
+    #[error("invalid server address {0:?}")]
+    Invalid(String),
+    #[error("cannot resolve {target:?}: {error}")]
+    Lookup {
+        target: String,
+        error: std::io::Error,
+    },
+    #[error("{0:?} resolves to no address")]
+    NoAddress(String),
 }
 
 struct Inner {
