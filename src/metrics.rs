@@ -54,6 +54,7 @@ pub const QUEUES_DEPOSED_BY_RIVAL: &str = "tether_queues_deposed_by_rival_total"
 pub const FAILOVERS: &str = "tether_failovers_total";
 pub const CLIENT_FAILOVERS: &str = "tether_client_failovers_total";
 pub const REBALANCE_MOVES: &str = "tether_rebalance_moves_total";
+pub const DRAIN_COPIES_MOVED: &str = "tether_drain_copies_moved_total";
 pub const QUEUE_COPIES: &str = "tether_queue_copies";
 pub const RECENT_PUBLISH_OPS: &str = "tether_failover_recent_publish_ops";
 pub const RECENT_PUBLISH_OPS_DROPPED: &str = "tether_failover_recent_publish_ops_dropped_total";
@@ -179,7 +180,11 @@ fn describe() {
     );
     describe_counter!(
         REBALANCE_MOVES,
-        "Away durable queues this node handed over to a member holding fewer primaries (rebalancing)"
+        "Away durable queues this node handed over to a member holding fewer primaries (rebalancing), or to any member while this node drains"
+    );
+    describe_counter!(
+        DRAIN_COPIES_MOVED,
+        "Copies of this node's primary queues taken off a draining member once their replacements elsewhere were in sync"
     );
     describe_gauge!(QUEUE_COPIES, "Queue copies this node holds as a secondary");
     describe_gauge!(

@@ -1993,6 +1993,12 @@ fn bad_arguments_give_one_error_line() {
         ],
         vec!["close-durable", "--server", addr, "--ca", ca],
         vec!["server", "--listen", "127.0.0.1:0", "--sync"],
+        vec!["cluster", "drain", "--server", addr, "--ca", ca],
+        vec![
+            "cluster", "drain", "n1", "--undo", "--wait", "5", "--server", addr,
+        ],
+        vec!["cluster", "drain", "bad id!", "--server", addr, "--ca", ca],
+        vec!["cluster", "frobnicate"],
     ];
     let procs: Vec<(String, Proc)> = cases
         .iter()
@@ -2013,6 +2019,11 @@ fn bad_arguments_give_one_error_line() {
             assert!(err.contains("nope.pem"), "{what}: {err}");
         }
     }
+    // A valid request a single node cannot serve: exit status 1, the reason.
+    let out = run(&["cluster", "drain", "n1", "--server", addr, "--ca", ca]);
+    assert_eq!(out.status.code(), Some(1), "{:?}", out.stderr);
+    let err = out.failed();
+    assert!(err.contains("not a cluster member"), "{err}");
     s.stop();
 }
 
@@ -2133,6 +2144,60 @@ fn cluster_redundancy_replicated_ack_and_queue_copies() {
             &Value::from("away")
         )
     );
+
+    // `cluster drain`: n1 hands its queue (and any copy) to the others; --wait prints each
+    // change until it holds nothing.
+    let drain = |extra: &[&str]| {
+        let mut args = vec!["cluster", "drain", "n1", "--server", &n2, "--ca", &ca];
+        args.extend_from_slice(extra);
+        run(&args)
+    };
+    let lines = drain(&["--wait", "60"]).ok();
+    for l in &lines {
+        assert_fields(l, &["type", "node_id", "draining", "primaries", "copies"]);
+        assert_eq!(
+            (&l["type"], &l["node_id"], &l["draining"]),
+            (
+                &Value::from("drain"),
+                &Value::from("n1"),
+                &Value::from(true)
+            )
+        );
+    }
+    assert_eq!(lines[0]["primaries"], 1, "{lines:?}");
+    let last = lines.last().unwrap();
+    assert_eq!(
+        (&last["primaries"], &last["copies"]),
+        (&Value::from(0), &Value::from(0))
+    );
+    let status = drain(&["--status"]).ok();
+    assert_eq!(status, vec![last.clone()]);
+    // The queue resumes on its new primary, its event there.
+    let lines = run(&[
+        "subscribe",
+        "--server",
+        &n1,
+        "--ca",
+        &ca,
+        "--region",
+        "R",
+        "--all-keys",
+        "--durable-id",
+        "d",
+        "--exit-on-live",
+        "--close",
+        "keepalive",
+    ])
+    .ok();
+    assert_eq!(
+        (&lines[0]["queue"], &lines[0]["pending"]),
+        (&Value::from("resumed"), &Value::from(1))
+    );
+    assert_ne!(lines[0]["primary"], n1.as_str(), "{lines:?}");
+    let undone = drain(&["--undo"]).ok();
+    assert_eq!(undone[0]["draining"], false);
+    let err = run(&["cluster", "drain", "n9", "--server", &n2, "--ca", &ca]).failed();
+    assert!(err.contains("not a member"), "{err}");
 }
 
 /// `tether server --queue-bytes-max N` applies the byte limit (the refusal names it), and the

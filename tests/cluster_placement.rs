@@ -343,3 +343,206 @@ async fn with_rebalancing_off_queues_stay_where_they_were_placed() {
     }
     c.shutdown().await;
 }
+
+/// A builder trying the cluster's nodes in the order `first`, then the others.
+fn builder_from(c: &TestCluster, first: usize) -> ClientBuilder {
+    let order = std::iter::once(first).chain((0..3).filter(move |&i| i != first));
+    ClientBuilder::new()
+        .servers(order.map(|i| c.node(i).addr()))
+        .ca_file(c.node(0).ca_file())
+        .ack_interval(Duration::from_millis(50))
+}
+
+/// The keys of puts of region R `{prefix}{0..n}`.
+fn keys(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}{i}")).collect()
+}
+
+/// `tether cluster drain` (issue 25 #3, first step): a drained member hands every queue it is
+/// primary of (its clients connected or away; one queue without copies) and every copy it
+/// holds to the other members. Connected clients move to the new primaries; an away client
+/// comes back through the drained node to its queue's new primary; nothing is lost, and an
+/// event shown twice is flagged. The drained node places no new queue; undrained, it does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_member_hands_its_queues_and_copies_away_losing_nothing() {
+    const CONNECTED: usize = 3;
+    const EVENTS: usize = 3;
+    // Rebalancing off: only the drain moves queues.
+    let c = TestCluster::start_tweaked(3, |cfg| cfg.rebalance = false).await;
+    c.leader().await;
+    let n1 = c.node(0).addr();
+    let policy = tether::client::ReconnectPolicy {
+        delay_initial: Duration::from_millis(100),
+        delay_max: Duration::from_millis(500),
+        ..Default::default()
+    };
+    // Queues placed on n1 whose clients stay connected (reconnecting subscriptions)...
+    let mut subs = Vec::new();
+    for id in keys("c", CONNECTED) {
+        let sub = builder_from(&c, 0)
+            .durable(id, 300)
+            .redundancy(1)
+            .reconnect(policy.clone())
+            .subscribe([("R".to_string(), Interest::all_keys())])
+            .await
+            .unwrap();
+        assert_eq!(sub.client().unwrap().server_addr(), n1);
+        subs.push(sub);
+    }
+    // ...queues placed on n1 whose clients are away (one without copies)...
+    let mut away = vec![
+        ("a0".to_string(), 1),
+        ("a1".to_string(), 1),
+        ("z0".to_string(), 0),
+    ];
+    // ...and queues placed on n2 with their copy on n1 (copies go to the members with the
+    // highest rendezvous hash of (id, member name)).
+    let hash = |id: &str, name: &str| tether::cluster::meta::fnv1a(&format!("{id}\u{0}{name}"));
+    let copied_on_n1: Vec<String> = (0..)
+        .map(|k| format!("k{k}"))
+        .filter(|id| hash(id, "n1") > hash(id, "n3"))
+        .take(2)
+        .collect();
+    for (id, redundancy) in &away {
+        let d = builder_from(&c, 0)
+            .durable(id.clone(), 300)
+            .redundancy(*redundancy)
+            .connect()
+            .await
+            .unwrap();
+        assert_eq!(d.server_addr(), n1);
+        d.region("R").register(Interest::all_keys()).await.unwrap();
+        d.close(true).await.unwrap();
+    }
+    let cluster = c.node(0).cluster().unwrap().clone();
+    let me = cluster.id();
+    for id in &copied_on_n1 {
+        let d = builder_from(&c, 1)
+            .durable(id.clone(), 300)
+            .redundancy(1)
+            .connect()
+            .await
+            .unwrap();
+        d.region("R").register(Interest::all_keys()).await.unwrap();
+        d.close(true).await.unwrap();
+        let p = cluster.placement(id).unwrap();
+        assert_eq!(p.secondaries, vec![me], "{id}");
+    }
+    away.extend(copied_on_n1.iter().map(|id| (id.clone(), 1)));
+    // The connected clients read all along, as an application does (a subscription reconnects
+    // as it is read), until they saw every event; one shown twice must be flagged.
+    let readers: Vec<_> = subs
+        .into_iter()
+        .map(|mut sub| {
+            let all: Vec<String> = ["x", "y", "w"]
+                .iter()
+                .flat_map(|p| keys(p, EVENTS))
+                .collect();
+            tokio::spawn(async move {
+                let mut seen = std::collections::HashSet::new();
+                let mut reconnects = 0;
+                while !all.iter().all(|k| seen.contains(k)) {
+                    match sub.next().await {
+                        Some(tether::client::ClientEvent::Event(e)) => assert!(
+                            seen.insert(e.key.clone()) || e.possible_duplicate,
+                            "{} shown twice without the flag",
+                            e.key
+                        ),
+                        Some(tether::client::ClientEvent::Reconnected { .. }) => reconnects += 1,
+                        Some(_) => {}
+                        None => panic!("the subscription ended"),
+                    }
+                }
+                (sub, reconnects)
+            })
+        })
+        .collect();
+
+    let publisher = c.node(1).publisher().await.unwrap();
+    for k in keys("x", EVENTS) {
+        publisher.put("R", &k, b"v".to_vec()).await.unwrap();
+    }
+    let admin = builder(c.node(1)).connect().await.unwrap();
+    let report = admin.drain("n1", Some(true)).await.unwrap();
+    assert!(report.draining, "{report:?}");
+    assert!(report.primaries >= 6 && report.copies >= 2, "{report:?}");
+    for k in keys("y", EVENTS) {
+        publisher.put("R", &k, b"v".to_vec()).await.unwrap();
+    }
+    let started = std::time::Instant::now();
+    loop {
+        let r = admin.drain("n1", None).await.unwrap();
+        if r.primaries == 0 && r.copies == 0 {
+            assert!(r.draining);
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "not drained: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!("drained in {:?}", started.elapsed());
+    // Delivered by the new primaries only.
+    for k in keys("w", EVENTS) {
+        publisher.put("R", &k, b"v".to_vec()).await.unwrap();
+    }
+
+    let all: Vec<String> = ["x", "y", "w"]
+        .iter()
+        .flat_map(|p| keys(p, EVENTS))
+        .collect();
+    for reader in readers {
+        let (sub, reconnects) = tokio::time::timeout(Duration::from_secs(30), reader)
+            .await
+            .expect("every connected client gets every event")
+            .unwrap();
+        assert_ne!(sub.client().unwrap().server_addr(), n1);
+        assert!(reconnects >= 1);
+        sub.close(false).await.unwrap();
+    }
+    for (id, _) in &away {
+        let d = builder_from(&c, 0)
+            .durable(id.clone(), 300)
+            .redundancy(1)
+            .connect()
+            .await
+            .unwrap();
+        assert_ne!(d.server_addr(), n1, "{id}");
+        assert_eq!(
+            (d.queue_status(), d.pending()),
+            (QueueStatus::Resumed, Some(all.len() as u64)),
+            "{id}"
+        );
+        d.ready_for_events().await.unwrap();
+        let got = until_live(&mut d.events().unwrap(), "R").await;
+        let got: Vec<&str> = entries(&got).iter().map(|e| e.key.as_str()).collect();
+        assert_eq!(got, all, "{id}");
+        d.close(false).await.unwrap();
+    }
+    // A new queue is not placed on the drained member...
+    let d = builder_from(&c, 0)
+        .durable("new0", 300)
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(d.queue_status(), QueueStatus::New);
+    assert_ne!(d.server_addr(), n1);
+    d.close(false).await.unwrap();
+    // ...until it is undrained.
+    let report = admin.drain("n1", Some(false)).await.unwrap();
+    assert!(!report.draining);
+    eventually("n1 applies the undrain", || {
+        cluster.read(|s| s.draining.is_empty())
+    })
+    .await;
+    let d = builder_from(&c, 0)
+        .durable("new1", 300)
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(d.server_addr(), n1);
+    d.close(false).await.unwrap();
+    admin.close(false).await.unwrap();
+    c.shutdown().await;
+}

@@ -1275,6 +1275,28 @@ impl Client {
         }
     }
 
+    /// Admin, on a cluster: marks member `node_id` draining (`Some(true)`), no longer draining
+    /// (`Some(false)`), or only reports its drain (`None`); returns what the member still
+    /// holds. A drained member (no primaries, no copies) can be stopped without moving a
+    /// queue. See `docs/cluster.md`.
+    pub async fn drain(
+        &self,
+        node_id: &str,
+        draining: Option<bool>,
+    ) -> Result<DrainReport, ClientError> {
+        match self
+            .inner
+            .call(RequestBody::Drain {
+                node_id: node_id.into(),
+                draining,
+            })
+            .await?
+        {
+            ResponseBody::Drain(report) => Ok(report),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Publishes a batch of operations; resolves once the server committed them (or, with
     /// [`ClientBuilder::publish_ack`] replicated, once every matching queue's copies hold them).
     pub async fn publish(&self, ops: Vec<PublishOp>) -> Result<u64, ClientError> {

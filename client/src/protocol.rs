@@ -333,6 +333,26 @@ pub enum RequestBody {
     ReplayRate {
         events_per_s: u64,
     },
+    /// Admin, on a cluster: marks member `node_id` draining (`Some(true)`: it takes no new
+    /// queue or copy and hands its own to the other members), no longer draining
+    /// (`Some(false)`), or only asks how far its drain is (`None`). Answered with
+    /// [`ResponseBody::Drain`].
+    Drain {
+        node_id: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        draining: Option<bool>,
+    },
+}
+
+/// A member's drain, as the answering node's cluster metadata says.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainReport {
+    pub node_id: String,
+    pub draining: bool,
+    /// Durable queues the member is still primary of.
+    pub primaries: u64,
+    /// Copies of durable queues the member still holds for other primaries.
+    pub copies: u64,
 }
 
 /// A page request of the queue listing. Unset fields take the listing's defaults; values are
@@ -574,6 +594,7 @@ pub enum ResponseBody {
     ReplayRate {
         events_per_s: u64,
     },
+    Drain(DrainReport),
 }
 
 /// One queue entry on the delivery stream. Borrows its record, so the server encodes straight

@@ -450,6 +450,17 @@ fn vectors() -> Vec<Vector> {
             ),
         ),
         v(
+            "request-drain",
+            "Admin, on a cluster: marks member n1 draining (omit draining to only ask how far its drain is).",
+            request(
+                14,
+                RequestBody::Drain {
+                    node_id: s("n1"),
+                    draining: Some(true),
+                },
+            ),
+        ),
+        v(
             "ack",
             "Cumulative acknowledgement: every entry up to offset 2 is processed.",
             Msg::Client(ClientMsg::Ack { offset: 2 }),
@@ -688,6 +699,19 @@ fn vectors() -> Vec<Vector> {
                 Ok(ResponseBody::ReplayRate {
                     events_per_s: 5_000,
                 }),
+            ),
+        ),
+        v(
+            "response-drain",
+            "Answer to drain: n1 is draining and still primary of 3 queues and holder of 1 copy.",
+            response(
+                14,
+                Ok(ResponseBody::Drain(DrainReport {
+                    node_id: s("n1"),
+                    draining: true,
+                    primaries: 3,
+                    copies: 1,
+                })),
             ),
         ),
         v(

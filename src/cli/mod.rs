@@ -53,6 +53,30 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+enum ClusterCommand {
+    /// Drain a member: it takes no new queue or copy and hands its own to the other members
+    /// (clients of its queues reconnect to their new primaries). Prints how many primaries and
+    /// copies it still holds; drained (both 0), it can be stopped without moving a queue.
+    Drain {
+        #[command(flatten)]
+        conn: Conn,
+        /// The member's node id.
+        #[arg(value_parser = node_id_arg)]
+        node_id: String,
+        /// Stop draining: the member takes queues and copies again.
+        #[arg(long, conflicts_with_all = ["status", "wait"])]
+        undo: bool,
+        /// Only report how far the drain is; change nothing.
+        #[arg(long)]
+        status: bool,
+        /// Wait until the member holds no primary and no copy (printing progress as it goes),
+        /// at most this many seconds; exit status 1 if it still holds some then.
+        #[arg(long, value_name = "SECS")]
+        wait: Option<u64>,
+    },
+}
+
+#[derive(Subcommand)]
 enum Command {
     /// Run a server node.
     ///
@@ -70,6 +94,9 @@ enum Command {
     /// List the subscription queues with their lag: the contacted node's (primaries and
     /// copies), every member's with --cluster, one page with --limit/--after.
     Queues(QueuesArgs),
+    /// Cluster operations (draining a member).
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
     /// Destroy an away durable client's queue and interest.
     CloseDurable {
         #[command(flatten)]
@@ -840,6 +867,21 @@ async fn run(cmd: Command, settings: Option<Settings>) -> Result<(), Fail> {
             emit(json!({"type":"token-hash","sha256":tether::auth::hash_token(&token)}));
             Ok(())
         }
+        Command::Cluster(ClusterCommand::Drain {
+            conn,
+            node_id,
+            undo,
+            status,
+            wait,
+        }) => {
+            let c = connect(&conn, None, 100).await?;
+            let draining = match (status, undo) {
+                (true, _) => None,
+                (false, undo) => Some(!undo),
+            };
+            let r = drain(&c, &node_id, draining, wait).await;
+            close_after(c, false, r).await
+        }
         Command::CloseDurable { conn, id } => {
             let c = connect(&conn, None, 100).await?;
             let r = async {
@@ -851,6 +893,49 @@ async fn run(cmd: Command, settings: Option<Settings>) -> Result<(), Fail> {
             close_after(c, false, r).await
         }
     }
+}
+
+/// How often `tether cluster drain --wait` asks how far the drain is, in milliseconds.
+const DRAIN_POLL_MS: u64 = 500;
+
+/// `tether cluster drain`: sets the drain (unless `draining` is None), prints the report, and
+/// with `wait` prints each changed report until the member holds nothing (or the wait ends).
+async fn drain(
+    c: &Client,
+    node_id: &str,
+    draining: Option<bool>,
+    wait: Option<u64>,
+) -> Result<(), Fail> {
+    let line = |r: &tether::protocol::DrainReport| {
+        json!({
+            "type": "drain",
+            "node_id": r.node_id,
+            "draining": r.draining,
+            "primaries": r.primaries,
+            "copies": r.copies,
+        })
+    };
+    let mut report = c.drain(node_id, draining).await?;
+    emit(line(&report));
+    let Some(secs) = wait else {
+        return Ok(());
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    while report.primaries + report.copies > 0 {
+        if tokio::time::Instant::now() >= deadline {
+            return Err(Fail(format!(
+                "{node_id} still holds {} primaries and {} copies after {secs} s",
+                report.primaries, report.copies
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(DRAIN_POLL_MS)).await;
+        let next = c.drain(node_id, None).await?;
+        if next != report {
+            emit(line(&next));
+        }
+        report = next;
+    }
+    Ok(())
 }
 
 /// The `--server` list: each entry's address, and its host when it is a name (its certificate

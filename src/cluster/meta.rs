@@ -16,7 +16,7 @@
 //! * A queue's primary never appears among its secondaries; secondaries are distinct.
 //! * `expired` holds at most [`EXPIRED_IDS_MAX`] ids (oldest dropped first).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -131,6 +131,10 @@ pub enum MetaCommand {
     /// applied metadata holds everything committed before (a read barrier): a restarted node
     /// must not serve queues from a view older than what the cluster decided while it was down.
     Barrier,
+    /// Marks member `node` draining (or no longer): it is given no new queue and no copy, and
+    /// it hands its queues and copies to the other members (`server/rebalance.rs`). Leaves
+    /// every placement as it is.
+    SetDraining { node: NodeId, draining: bool },
 }
 
 /// A metadata command refused before it is proposed ([`MetaCommand::validate`]).
@@ -175,7 +179,9 @@ impl MetaCommand {
             | MetaCommand::Synced { id, .. }
             | MetaCommand::Expire { id, .. }
             | MetaCommand::Release { id, .. } => (id, 0),
-            MetaCommand::NodeFailed { .. } | MetaCommand::Barrier => return Ok(()),
+            MetaCommand::NodeFailed { .. }
+            | MetaCommand::Barrier
+            | MetaCommand::SetDraining { .. } => return Ok(()),
         };
         if let MetaCommand::Expire {
             owner: Some(owner), ..
@@ -210,6 +216,8 @@ pub enum MetaResponse {
     Unknown { expired: bool },
     /// Count of queues changed by `NodeFailed`.
     Changed(u64),
+    /// The members draining after a `SetDraining`.
+    Draining(BTreeSet<NodeId>),
     /// Response to entries without a command (blank and membership entries).
     #[default]
     None,
@@ -224,6 +232,10 @@ pub struct MetaState {
     /// The owner (principal) of each id in `expired` whose queue had one.
     #[serde(default)]
     pub expired_owners: BTreeMap<String, String>,
+    /// Members being drained (`tether cluster drain`): no new queue or copy goes to them, and
+    /// they hand theirs over.
+    #[serde(default)]
+    pub draining: BTreeSet<NodeId>,
 }
 
 fn valid_replicas(primary: NodeId, secondaries: &[NodeId]) -> bool {
@@ -375,6 +387,13 @@ impl MetaState {
                 MetaResponse::Changed(changed)
             }
             MetaCommand::Barrier => MetaResponse::None,
+            MetaCommand::SetDraining { node, draining } => {
+                match draining {
+                    true => self.draining.insert(*node),
+                    false => self.draining.remove(node),
+                };
+                MetaResponse::Draining(self.draining.clone())
+            }
         }
     }
 
@@ -450,6 +469,43 @@ mod tests {
         let before = s.clone();
         assert_eq!(s.apply(2, &MetaCommand::Barrier), MetaResponse::None);
         assert_eq!(s, before);
+    }
+
+    #[test]
+    fn draining_is_a_set_of_members_and_leaves_placements_alone() {
+        let mut s = MetaState::default();
+        s.apply(1, &place("q", NodeId(1), &[NodeId(2)]));
+        let before = s.queues.clone();
+        let drain = |node, draining| MetaCommand::SetDraining { node, draining };
+        assert_eq!(drain(NodeId(1), true).validate(), Ok(()));
+        assert_eq!(
+            s.apply(2, &drain(NodeId(1), true)),
+            MetaResponse::Draining([NodeId(1)].into())
+        );
+        // Idempotent; a member not draining undrained changes nothing.
+        s.apply(3, &drain(NodeId(1), true));
+        s.apply(4, &drain(NodeId(3), false));
+        assert_eq!(s.draining, [NodeId(1)].into());
+        assert_eq!(s.queues, before);
+        assert_eq!(
+            s.apply(5, &drain(NodeId(1), false)),
+            MetaResponse::Draining(BTreeSet::new())
+        );
+        // A snapshot written before draining existed reads as no member draining.
+        #[derive(Serialize)]
+        struct Before {
+            queues: BTreeMap<String, Placement>,
+            expired: VecDeque<String>,
+            expired_owners: BTreeMap<String, String>,
+        }
+        let old = Before {
+            queues: before,
+            expired: VecDeque::new(),
+            expired_owners: BTreeMap::new(),
+        };
+        let bytes = tether_transport::codec::encode_body(&old).unwrap();
+        let read: MetaState = tether_transport::codec::decode_body(&bytes).unwrap();
+        assert_eq!((read.queues, read.draining), (old.queues, BTreeSet::new()));
     }
 
     #[test]

@@ -56,6 +56,26 @@ pub fn movable(p: &Placement, me: NodeId) -> bool {
     p.primary == me && p.syncing.is_empty() && !p.secondaries.is_empty()
 }
 
+/// The takers of a draining member `me` (`tether cluster drain`), from the primary counts of
+/// the live members that are not draining (`counts`, which may hold `me`): every other member
+/// of `counts`, the fewest primaries first (ties by id), each wanted for as many queues as
+/// `mine`. [`pick`] then gives each queue to the first of them that holds an in-sync copy of
+/// it, so a drain is never held up by a member's share, and the usual plan evens the counts
+/// out afterwards.
+pub fn drain_takers(
+    counts: &BTreeMap<NodeId, usize>,
+    me: NodeId,
+    mine: usize,
+) -> Vec<(NodeId, usize)> {
+    let mut takers: Vec<(usize, NodeId)> = counts
+        .iter()
+        .filter(|&(&n, _)| n != me)
+        .map(|(&n, &c)| (c, n))
+        .collect();
+    takers.sort_unstable();
+    takers.into_iter().map(|(_, n)| (n, mine)).collect()
+}
+
 /// A queue that could be handed over: its id, placement and pending bytes. Only away queues
 /// not already moving are candidates (the driver reads that off the core).
 #[derive(Debug, Clone)]
@@ -137,6 +157,34 @@ mod tests {
 
     fn counts(c: &[(NodeId, usize)]) -> BTreeMap<NodeId, usize> {
         c.iter().copied().collect()
+    }
+
+    #[test]
+    fn a_draining_member_offers_every_queue_to_the_least_loaded_members_first() {
+        let (n1, n2, n3) = (NodeId(1), NodeId(2), NodeId(3));
+        let c = counts(&[(n2, 7), (n3, 2)]);
+        assert_eq!(drain_takers(&c, n1, 5), vec![(n3, 5), (n2, 5)]);
+        assert!(drain_takers(&counts(&[]), n1, 5).is_empty());
+        // A queue whose only in-sync copy is on the busier member still goes there.
+        let candidate = |id: &str| Candidate {
+            id: id.into(),
+            placement: Placement {
+                primary: n1,
+                secondaries: vec![n2],
+                epoch: 1,
+                redundancy: 1,
+                timeout_ms: 1_000,
+                syncing: vec![],
+                handed_over: false,
+            },
+            pending_bytes: 0,
+        };
+        let mut wanted = drain_takers(&c, n1, 2);
+        let moves = pick(vec![candidate("a"), candidate("b")], &mut wanted, |_, t| {
+            t == n2
+        });
+        let to: Vec<(&str, NodeId)> = moves.iter().map(|(c, t)| (c.id.as_str(), *t)).collect();
+        assert_eq!(to, vec![("a", n2), ("b", n2)]);
     }
 
     #[test]

@@ -30,7 +30,7 @@
 //!   does not name as the queue's primary is refused (with `network::check_sender`'s identity
 //!   check, `cluster/network.rs`).
 
-use crate::cluster::meta::{NodeId, Placement};
+use crate::cluster::meta::{NodeId, Placement, REDUNDANCY_MAX};
 
 /// What becomes of a durable queue of this node's core, given its placement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -205,6 +205,13 @@ pub enum RepairStep {
     },
     /// A syncing secondary caught up: report it, it may be promoted from then on.
     Synced(NodeId),
+    /// Secondaries on draining members (`tether cluster drain`): out of the replica set once
+    /// enough copies on other members are in sync, or first when the set is full (to make
+    /// room for their replacements).
+    TakeOutDraining {
+        draining: Vec<NodeId>,
+        secondaries: Vec<NodeId>,
+    },
     /// Fewer secondaries than the redundancy asked for: add up to `want` live members, none of
     /// `exclude` (the current secondaries and this node), chosen by [`rendezvous`].
     Add { want: u8, exclude: Vec<NodeId> },
@@ -223,13 +230,15 @@ pub struct CopiesSeen<'a> {
     pub unreachable: &'a dyn Fn(NodeId) -> bool,
     /// Whether this node reaches a majority of the members.
     pub majority_reachable: bool,
+    /// Whether a member is draining (`MetaState::draining`).
+    pub draining: &'a dyn Fn(NodeId) -> bool,
 }
 
 /// The repair of a queue this node (`me`) is primary of, placed as `p`, given what it sees
 /// of the copies: copies that lost data go first, then copies this node cannot reach (only
 /// while it reaches a majority: a primary on the minority's side leaves its queue to the
 /// majority, see [`step_aside`]), then a syncing copy that caught up is reported, then
-/// missing copies are added.
+/// copies move off draining members (see [`drain_step`]), then missing copies are added.
 pub fn repair_step(p: &Placement, me: NodeId, seen: &CopiesSeen<'_>) -> RepairStep {
     let regressed = seen.regressed;
     if regressed.iter().any(|n| p.secondaries.contains(n)) {
@@ -257,6 +266,9 @@ pub fn repair_step(p: &Placement, me: NodeId, seen: &CopiesSeen<'_>) -> RepairSt
     if let Some(&node) = p.syncing.iter().find(|&&s| (seen.in_sync)(s)) {
         return RepairStep::Synced(node);
     }
+    if let Some(step) = drain_step(p, me, seen.draining) {
+        return step;
+    }
     let have = p.secondaries.len();
     if have >= usize::from(p.redundancy) {
         return RepairStep::Nothing;
@@ -267,6 +279,42 @@ pub fn repair_step(p: &Placement, me: NodeId, seen: &CopiesSeen<'_>) -> RepairSt
         want: p.redundancy - have as u8,
         exclude,
     }
+}
+
+/// Draining (`tether cluster drain`): copies on draining members are replaced by copies on
+/// others, and a queue whose primary (`me`) is draining gets a copy even at redundancy 0, so
+/// the rebalancer can hand it over (a handover needs an in-sync copy on the taker). A copy
+/// is added first (syncing) while the replica set has room; the draining copy goes once the
+/// copies elsewhere are enough and in sync. When the set is full, the draining copy goes
+/// first, to make room. None when nothing is draining here.
+pub fn drain_step(
+    p: &Placement,
+    me: NodeId,
+    draining: &dyn Fn(NodeId) -> bool,
+) -> Option<RepairStep> {
+    let (leaving, staying): (Vec<NodeId>, Vec<NodeId>) =
+        p.secondaries.iter().partition(|&&n| draining(n));
+    let want = usize::from(p.redundancy.max(u8::from(draining(me))));
+    if staying.len() < want {
+        if p.secondaries.len() < usize::from(REDUNDANCY_MAX) {
+            let room = usize::from(REDUNDANCY_MAX) - p.secondaries.len();
+            let mut exclude = p.secondaries.clone();
+            exclude.push(me);
+            return Some(RepairStep::Add {
+                want: (want - staying.len()).min(room) as u8,
+                exclude,
+            });
+        }
+        if leaving.is_empty() {
+            return None;
+        }
+    } else if leaving.is_empty() || staying.iter().any(|n| p.syncing.contains(n)) {
+        return None;
+    }
+    Some(RepairStep::TakeOutDraining {
+        draining: leaving,
+        secondaries: staying,
+    })
 }
 
 /// Up to `count` of `candidates` (member id, hash of the queue id with the member's name) for
@@ -536,6 +584,7 @@ mod tests {
             in_sync: &in_sync,
             unreachable: &|_| false,
             majority_reachable: true,
+            draining: &|_| false,
         };
         repair_step(p, NodeId(1), &seen)
     }
@@ -581,6 +630,7 @@ mod tests {
             in_sync: &|_| true,
             unreachable: &|n| n == NodeId(3),
             majority_reachable,
+            draining: &|_| false,
         };
         assert_eq!(
             repair_step(&p, NodeId(1), &seen(&[], true)),
@@ -599,6 +649,105 @@ mod tests {
                 secondaries: vec![NodeId(3)]
             }
         );
+    }
+
+    #[test]
+    fn copies_leave_a_draining_member_once_their_replacements_are_in_sync() {
+        use RepairStep::*;
+        let (n1, n2, n3, n4) = (NodeId(1), NodeId(2), NodeId(3), NodeId(4));
+        let with = |secondaries: &[NodeId], syncing: &[NodeId], redundancy| Placement {
+            redundancy,
+            ..placed(n1, secondaries, syncing, 20)
+        };
+        let n2_draining = |n| n == n2;
+        // Room in the set: the replacement is added first...
+        assert_eq!(
+            drain_step(&with(&[n2], &[], 1), n1, &n2_draining),
+            Some(Add {
+                want: 1,
+                exclude: vec![n2, n1]
+            })
+        );
+        // ...and the draining copy leaves once it is in sync, not before.
+        assert_eq!(
+            drain_step(&with(&[n2, n3], &[n3], 1), n1, &n2_draining),
+            None
+        );
+        let settled = TakeOutDraining {
+            draining: vec![n2],
+            secondaries: vec![n3],
+        };
+        assert_eq!(
+            drain_step(&with(&[n2, n3], &[], 1), n1, &n2_draining),
+            Some(settled.clone())
+        );
+        // A full set (redundancy 2) makes room first: the draining copy leaves, and the
+        // usual repair adds another member.
+        assert_eq!(
+            drain_step(&with(&[n2, n3], &[], 2), n1, &n2_draining),
+            Some(TakeOutDraining {
+                draining: vec![n2],
+                secondaries: vec![n3],
+            })
+        );
+        let p = with(&[n3], &[], 2);
+        assert_eq!(
+            drain_step(&p, n1, &n2_draining),
+            Some(Add {
+                want: 1,
+                exclude: vec![n3, n1]
+            })
+        );
+        // Nothing draining: nothing to do.
+        assert_eq!(drain_step(&with(&[n3, n4], &[], 2), n1, &|_| false), None);
+        // In the whole repair, a synced replacement is reported before the draining copy
+        // leaves, and lost copies still go first.
+        let seen = |regressed: &'static [NodeId]| CopiesSeen {
+            regressed,
+            in_sync: &|_| true,
+            unreachable: &|_| false,
+            majority_reachable: true,
+            draining: &|n| n == NodeId(2),
+        };
+        assert_eq!(
+            repair_step(&with(&[n2, n3], &[n3], 1), n1, &seen(&[])),
+            Synced(n3)
+        );
+        assert_eq!(
+            repair_step(&with(&[n2, n3], &[], 1), n1, &seen(&[])),
+            settled
+        );
+        assert_eq!(
+            repair_step(&with(&[n2, n3], &[], 1), n1, &seen(&[NodeId(3)])),
+            TakeOut {
+                lost: vec![n3],
+                secondaries: vec![n2]
+            }
+        );
+    }
+
+    #[test]
+    fn a_draining_primary_gets_a_copy_to_hand_its_queue_to_even_at_redundancy_0() {
+        use RepairStep::*;
+        let (n1, n2) = (NodeId(1), NodeId(2));
+        let alone = Placement {
+            redundancy: 0,
+            ..placed(n1, &[], &[], 20)
+        };
+        assert_eq!(drain_step(&alone, n1, &|_| false), None);
+        assert_eq!(
+            drain_step(&alone, n1, &|n| n == n1),
+            Some(Add {
+                want: 1,
+                exclude: vec![n1]
+            })
+        );
+        // One copy elsewhere is enough to hand it over.
+        let copied = Placement {
+            redundancy: 0,
+            ..placed(n1, &[n2], &[], 20)
+        };
+        assert_eq!(drain_step(&copied, n1, &|n| n == n1), None);
     }
 
     #[test]

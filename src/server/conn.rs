@@ -1163,7 +1163,8 @@ fn authorize(
         RequestBody::Publish { ops, .. } => authorize_publish(shared, principal, ops),
         RequestBody::ListQueues
         | RequestBody::ListQueuesPage(_)
-        | RequestBody::CloseDurable { .. } => auth.check(p, Access::Admin),
+        | RequestBody::CloseDurable { .. }
+        | RequestBody::Drain { .. } => auth.check(p, Access::Admin),
         RequestBody::Ready | RequestBody::Close { .. } | RequestBody::ReplayRate { .. } => Ok(()),
     }
 }
@@ -1223,6 +1224,7 @@ async fn request(
             super::placement::forget(shared, &durable_id, super::placement::Ended::Released);
             Ok(ResponseBody::ClosedDurable { durable_id })
         }
+        RequestBody::Drain { node_id, draining } => drain(shared, &node_id, draining).await,
         RequestBody::Close { keepalive } => {
             if keepalive {
                 shared.wait_acks_durable(session).await?;
@@ -1230,6 +1232,54 @@ async fn request(
             Ok(ResponseBody::Closed { keepalive })
         }
     }
+}
+
+/// `tether cluster drain`: marks member `name` draining or not (`draining`), through the
+/// metadata, and reports what it still holds in the metadata applied here.
+async fn drain(
+    shared: &Arc<Shared>,
+    name: &str,
+    draining: Option<bool>,
+) -> Result<ResponseBody, WireError> {
+    let Some(cluster) = shared.member.cluster.get() else {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            "this node is not a cluster member: there is nothing to drain",
+        ));
+    };
+    let Some(node) = cluster.members().id_of(name) else {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            format!("{name:?} is not a member of this cluster"),
+        ));
+    };
+    if let Some(draining) = draining {
+        let cmd = crate::cluster::meta::MetaCommand::SetDraining { node, draining };
+        cluster
+            .write(cmd)
+            .await
+            .map_err(super::placement::metadata_unavailable)?;
+        tracing::info!(node = name, draining, "drain set");
+    }
+    let report = cluster.read(|s| {
+        let mut report = DrainReport {
+            node_id: name.to_string(),
+            draining: s.draining.contains(&node),
+            primaries: 0,
+            copies: 0,
+        };
+        for p in s.queues.values() {
+            report.primaries += u64::from(p.primary == node);
+            report.copies += u64::from(p.secondaries.contains(&node));
+        }
+        report
+    });
+    // The write is applied on the leader; this node's metadata may not say so yet.
+    let report = DrainReport {
+        draining: draining.unwrap_or(report.draining),
+        ..report
+    };
+    Ok(ResponseBody::Drain(report))
 }
 
 /// Body bytes of a session's first delivery frame; each next frame doubles it up to

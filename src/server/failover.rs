@@ -944,6 +944,8 @@ enum TakenOut {
     Regressed,
     /// This node has not reached them for a while.
     Unreachable,
+    /// Their members are draining, and enough copies elsewhere are in sync.
+    Draining,
 }
 
 /// Takes `nodes` out of `id`'s replica set (placed as `p`), leaving `secondaries`.
@@ -969,6 +971,7 @@ async fn take_out(
             m::REPLICATION_COPIES_UNREACHABLE,
             "this node cannot reach a secondary",
         ),
+        TakenOut::Draining => (m::DRAIN_COPIES_MOVED, "a secondary's member is draining"),
     };
     match cluster.write(cmd).await {
         Ok(MetaResponse::Placed(_)) => {
@@ -998,6 +1001,7 @@ async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Plac
         .as_ref()
         .map(|sq| sq.regressed())
         .unwrap_or_default();
+    let draining = cluster.read(|s| s.draining.clone());
     let step = {
         let in_sync = |n| shipped.as_ref().is_some_and(|sq| sq.in_sync(n));
         let unreachable = |n| shared.member.liveness.unreachable(n);
@@ -1006,6 +1010,7 @@ async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Plac
             in_sync: &in_sync,
             unreachable: &unreachable,
             majority_reachable: shared.member.liveness.majority_reachable(cluster),
+            draining: &|n| draining.contains(&n),
         };
         reconcile::repair_step(p, cluster.id(), &seen)
     };
@@ -1027,6 +1032,10 @@ async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Plac
         RepairStep::TakeOut { lost, secondaries } => {
             take_out(cluster, id, p, secondaries, &lost, TakenOut::Regressed).await
         }
+        RepairStep::TakeOutDraining {
+            draining,
+            secondaries,
+        } => take_out(cluster, id, p, secondaries, &draining, TakenOut::Draining).await,
         RepairStep::Synced(node) => {
             let cmd = MetaCommand::Synced {
                 id: id.to_string(),
@@ -1062,9 +1071,9 @@ async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Plac
     }
 }
 
-/// Up to `count` live members for copies of `id`, none of them in `exclude`: the members with
-/// the highest rendezvous hash of (id, member), so each id has a stable preference order and
-/// queues spread over the members.
+/// Up to `count` live members for copies of `id`, none of them in `exclude` or draining: the
+/// members with the highest rendezvous hash of (id, member), so each id has a stable
+/// preference order and queues spread over the members.
 pub(crate) fn choose_secondaries(
     shared: &Shared,
     cluster: &Cluster,
@@ -1073,10 +1082,13 @@ pub(crate) fn choose_secondaries(
     exclude: &[NodeId],
 ) -> Vec<NodeId> {
     let members = cluster.members();
+    let draining = cluster.read(|s| s.draining.clone());
     let candidates = members
         .nodes
         .iter()
-        .filter(|(n, _)| !exclude.contains(n) && shared.member.liveness.is_live(**n))
+        .filter(|(n, _)| {
+            !exclude.contains(n) && !draining.contains(n) && shared.member.liveness.is_live(**n)
+        })
         .map(|(&n, node)| (n, fnv1a(&format!("{id}\u{0}{}", node.name))));
     crate::control::reconcile::rendezvous(candidates, count)
 }

@@ -1138,12 +1138,12 @@ fn spawn_cluster_tasks(
     tasks.push(tokio::spawn(failover::detect_loop(weak(), cluster.clone())));
     tasks.push(tokio::spawn(failover::catch_up(weak(), cluster.clone())));
     tasks.push(tokio::spawn(failover::recent_trim_loop(weak())));
-    if rebalance {
-        tasks.push(tokio::spawn(rebalance::rebalance_loop(
-            weak(),
-            cluster.clone(),
-        )));
-    }
+    // Without `rebalance`, the loop still hands queues over while this node drains.
+    tasks.push(tokio::spawn(rebalance::rebalance_loop(
+        weak(),
+        cluster.clone(),
+        rebalance,
+    )));
     tasks
 }
 

@@ -140,6 +140,13 @@ pub(crate) async fn place_durable(
                     .apply(|core| Ok(((), core.note_expired_elsewhere(&d.id, owner.as_deref()))))
                     .await?;
             }
+            // A draining node places no queue: the member that would hold its first copy does.
+            if cluster.read(|s| s.draining.contains(&me))
+                && let Some(&to) =
+                    super::failover::choose_secondaries(shared, cluster, &d.id, 1, &[me]).first()
+            {
+                return redirect(cluster, to);
+            }
             let cmd = MetaCommand::Place {
                 id: d.id.clone(),
                 primary: me,
@@ -247,12 +254,35 @@ pub(crate) async fn place_durable(
                 super::shipping::CUT_OFF_REASON,
             ));
         }
+        if let Some(refused) = draining_refusal(shared, cluster, &d.id, &placement) {
+            return Err(refused);
+        }
         // Promoted (by a client's failover or by the cluster): the copy must be a queue of the
         // core before the session attaches, or the client would find a new, empty queue.
         super::failover::adopt_promoted_copy(shared, &d.id, &placement).await?;
         return Ok(Placed::Here(placement));
     }
     redirect(cluster, placement.primary)
+}
+
+/// On a draining node, a queue that can move (a copy in sync on a member that is not
+/// draining) takes no client: it is handed over at the next rebalancing round, and its client,
+/// told `unavailable`, comes back to the taker. A queue that cannot move yet is served here.
+fn draining_refusal(
+    shared: &Shared,
+    cluster: &Cluster,
+    id: &str,
+    p: &crate::cluster::meta::Placement,
+) -> Option<WireError> {
+    let draining = cluster.read(|s| s.draining.clone());
+    if !draining.contains(&cluster.id()) {
+        return None;
+    }
+    let shipped = shared.member.shipping.get(id)?;
+    p.secondaries
+        .iter()
+        .any(|s| !draining.contains(s) && shipped.in_sync(*s))
+        .then(|| WireError::new(ErrorCode::Unavailable, super::rebalance::DRAINING_REASON))
 }
 
 /// Sends the client to member `node`, which holds the queue.
@@ -270,7 +300,7 @@ fn redirect(cluster: &Cluster, node: crate::cluster::meta::NodeId) -> Result<Pla
 }
 
 /// The metadata could not be written or read through consensus: the client retries.
-fn metadata_unavailable(e: crate::cluster::ClusterError) -> WireError {
+pub(crate) fn metadata_unavailable(e: crate::cluster::ClusterError) -> WireError {
     WireError::new(
         ErrorCode::Unavailable,
         format!("cluster metadata unavailable, retry: {e}"),

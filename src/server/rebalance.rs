@@ -43,6 +43,7 @@ use crate::cluster::meta::{MetaCommand, MetaResponse, NodeId, Placement};
 use crate::control::rebalance::{self, Candidate};
 use crate::core::QueueState;
 use crate::metrics as m;
+use crate::protocol::ErrorCode;
 
 /// Interval between rebalancing rounds, in milliseconds.
 pub const REBALANCE_INTERVAL_MS: u64 = 1_000;
@@ -53,9 +54,9 @@ pub const HANDOVER_COPY_WAIT_MS: u64 = 5_000;
 /// milliseconds.
 pub const HANDOVER_DECIDE_RETRY_MS: u64 = 1_000;
 
-/// Rebalances every [`REBALANCE_INTERVAL_MS`] (clustered nodes with `[cluster] rebalance`),
-/// until the node stops.
-pub(crate) async fn rebalance_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
+/// Rebalances every [`REBALANCE_INTERVAL_MS`] (with `[cluster] rebalance`, else only while this
+/// node drains), until the node stops.
+pub(crate) async fn rebalance_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, rebalance: bool) {
     let mut interval = tokio::time::interval(Duration::from_millis(REBALANCE_INTERVAL_MS));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -66,23 +67,37 @@ pub(crate) async fn rebalance_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
         if !*shared.member.meta_caught_up.borrow() {
             continue;
         }
-        round(&shared, &cluster).await;
+        round(&shared, &cluster, rebalance).await;
     }
 }
 
 /// One round: plans from the metadata ([`control::rebalance`]), reads which of this node's
-/// queues are away, hands the picked ones over (all at once).
-async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
+/// queues are away, hands the picked ones over (all at once). A draining node offers every
+/// queue to every other member ([`rebalance::drain_takers`]), first sending the clients of
+/// those it could hand over away ([`DRAINING_REASON`]); draining members take no queue.
+async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>, rebalance: bool) {
     let me = cluster.id();
+    let draining = cluster.read(|s| s.draining.clone());
+    let me_draining = draining.contains(&me);
+    if !rebalance && !me_draining {
+        return;
+    }
     let live: Vec<NodeId> = cluster
         .members()
         .nodes
         .keys()
         .copied()
         .filter(|&n| n == me || shared.member.liveness.is_live(n))
+        .filter(|n| !draining.contains(n) || *n == me)
         .collect();
     let (counts, syncing) = cluster.read(|s| rebalance::primary_counts(&live, s.queues.values()));
-    let mut wanted = rebalance::wanted(&counts, &syncing, me);
+    let mut wanted = match me_draining {
+        true => {
+            let mine = counts.get(&me).copied().unwrap_or(0);
+            rebalance::drain_takers(&counts, me, mine)
+        }
+        false => rebalance::wanted(&counts, &syncing, me),
+    };
     if wanted.is_empty() {
         return;
     }
@@ -94,6 +109,14 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
             .map(|(id, p)| (id.clone(), p.clone()))
             .collect()
     });
+    let in_sync = |id: &str, taker| {
+        shared
+            .member
+            .shipping
+            .get(id)
+            .is_some_and(|s| s.in_sync(taker))
+    };
+    let mut attached = Vec::new();
     let candidates: Vec<Candidate> = {
         let core = shared.core();
         mine.into_iter()
@@ -102,6 +125,11 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
                 // (Its epoch is the one it became primary at here: a later change of its
                 // secondaries raised the placement's, not the queue's.)
                 let away = matches!(q.state, QueueState::Away { .. }) && !q.moving;
+                if me_draining && !away && !q.moving {
+                    // Attached: its client is sent away below if a taker holds its copy.
+                    attached.push((id, placement, core.attached_session(q.id)));
+                    return None;
+                }
                 let pending_bytes = q.pending_bytes();
                 away.then_some(Candidate {
                     id,
@@ -111,13 +139,18 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
             })
             .collect()
     };
-    let in_sync = |id: &str, taker| {
-        shared
-            .member
-            .shipping
-            .get(id)
-            .is_some_and(|s| s.in_sync(taker))
-    };
+    // A draining node's clients go first, so their queues are away and move next round (a
+    // hello meanwhile is refused: `placement::draining_refusal`).
+    for (id, p, session) in attached {
+        let movable = p
+            .secondaries
+            .iter()
+            .any(|&t| wanted.iter().any(|&(w, _)| w == t) && in_sync(&id, t));
+        if let (true, Some(session)) = (movable, session) {
+            tracing::info!(durable_id = %id, "draining: the queue's client is sent away");
+            shared.disconnect_session(session, ErrorCode::Unavailable, DRAINING_REASON);
+        }
+    }
     let mut moves = tokio::task::JoinSet::new();
     for (c, target) in rebalance::pick(candidates, &mut wanted, in_sync) {
         let (shared, cluster) = (shared.clone(), cluster.clone());
@@ -125,6 +158,10 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     }
     while moves.join_next().await.is_some() {}
 }
+
+/// The reason a draining node gives the clients it sends away.
+pub const DRAINING_REASON: &str =
+    "this node is draining: the queue is moving to another member; reconnect";
 
 /// Hands `id` (placed as `p`, primary here) over to `target`; see the module documentation.
 async fn hand_over(
