@@ -117,30 +117,23 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>, rebalance: bool) {
             .is_some_and(|s| s.in_sync(taker))
     };
     let mut attached = Vec::new();
-    let candidates: Vec<Candidate> = {
+    let mut candidates: Vec<Candidate> = {
         let core = shared.core();
         mine.into_iter()
             .filter_map(|(id, placement)| {
                 let q = core.durable_queue(&id)?;
-                // (Its epoch is the one it became primary at here: a later change of its
-                // secondaries raised the placement's, not the queue's.)
-                let away = matches!(q.state, QueueState::Away { .. }) && !q.moving;
-                if me_draining && !away && !q.moving {
+                if me_draining && !matches!(q.state, QueueState::Away { .. }) && !q.moving {
                     // Attached: its client is sent away below if a taker holds its copy.
                     attached.push((id, placement, core.attached_session(q.id)));
                     return None;
                 }
-                let pending_bytes = q.pending_bytes();
-                away.then_some(Candidate {
-                    id,
-                    placement,
-                    pending_bytes,
-                })
+                away_candidate(&core, id, placement)
             })
             .collect()
     };
-    // A draining node's clients go first, so their queues are away and move next round (a
-    // hello meanwhile is refused: `placement::draining_refusal`).
+    // A draining node's clients go first; their queues move in this round once their
+    // sessions have ended (a hello meanwhile is refused: `placement::draining_refusal`).
+    let mut sent_away = Vec::new();
     for (id, p, session) in attached {
         let movable = p
             .secondaries
@@ -149,7 +142,28 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>, rebalance: bool) {
         if let (true, Some(session)) = (movable, session) {
             tracing::info!(durable_id = %id, "draining: the queue's client is sent away");
             shared.disconnect_session(session, ErrorCode::Unavailable, DRAINING_REASON);
+            sent_away.push((id, p));
         }
+    }
+    if !sent_away.is_empty() {
+        let deadline =
+            tokio::time::Instant::now() + Duration::from_millis(DRAIN_SESSION_END_WAIT_MS);
+        let away = |shared: &Shared, id: &str| {
+            let core = shared.core();
+            core.durable_queue(id)
+                .is_none_or(|q| matches!(q.state, QueueState::Away { .. }))
+        };
+        while tokio::time::Instant::now() < deadline
+            && !sent_away.iter().all(|(id, _)| away(shared, id))
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let core = shared.core();
+        candidates.extend(
+            sent_away
+                .into_iter()
+                .filter_map(|(id, p)| away_candidate(&core, id, p)),
+        );
     }
     let mut moves = tokio::task::JoinSet::new();
     for (c, target) in rebalance::pick(candidates, &mut wanted, in_sync) {
@@ -158,6 +172,28 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>, rebalance: bool) {
     }
     while moves.join_next().await.is_some() {}
 }
+
+/// A queue of this node placed as `placement` that could be handed over now: away, not
+/// moving already.
+fn away_candidate(
+    core: &crate::core::NodeCore,
+    id: String,
+    placement: Placement,
+) -> Option<Candidate> {
+    let q = core.durable_queue(&id)?;
+    // (Its epoch is the one it became primary at here: a later change of its secondaries
+    // raised the placement's, not the queue's.)
+    let away = matches!(q.state, QueueState::Away { .. }) && !q.moving;
+    away.then(|| Candidate {
+        id,
+        placement,
+        pending_bytes: q.pending_bytes(),
+    })
+}
+
+/// How long a draining node's rebalancing round waits for the sessions it ended to end, so
+/// their queues move in the same round, in milliseconds.
+pub const DRAIN_SESSION_END_WAIT_MS: u64 = 500;
 
 /// The reason a draining node gives the clients it sends away.
 pub const DRAINING_REASON: &str =
