@@ -1091,6 +1091,7 @@ impl SessionSim {
             _ => 1 + u.below(600) as u64,
         };
         DurableHello {
+            redirect_epoch: None,
             id,
             timeout_secs,
             redundancy: 0,
@@ -1216,6 +1217,7 @@ impl SessionSim {
             28 | 29 => {
                 // A typical durable subscriber: connect, register in a common region, ready.
                 let hello = DurableHello {
+                    redirect_epoch: None,
                     id: pick(u, DURABLE_IDS).to_string(),
                     timeout_secs: 1 + u.below(600) as u64,
                     redundancy: 0,
@@ -1278,6 +1280,7 @@ pub fn session_with(data: &[u8], check_op_kind: bool) -> SessionStats {
     for id in DURABLE_IDS {
         sim.connect(
             Some(DurableHello {
+                redirect_epoch: None,
                 id: id.to_string(),
                 timeout_secs: 60,
                 redundancy: 0,
@@ -1334,6 +1337,7 @@ pub fn hello_frame(version: u32, durable: Option<(&str, u64)>) -> Vec<u8> {
     frame_of(&ClientMsg::Hello {
         version,
         durable: durable.map(|(id, t)| DurableHello {
+            redirect_epoch: None,
             id: id.into(),
             timeout_secs: t,
             redundancy: 0,

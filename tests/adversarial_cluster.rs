@@ -527,6 +527,7 @@ async fn a_bad_durable_hello_never_reaches_consensus() {
     let long_id = "x".repeat(tether::limits::DURABLE_ID_BYTES_MAX * 40);
     let bad = [
         DurableHello {
+            redirect_epoch: None,
             id: long_id.clone(),
             timeout_secs: 60,
             redundancy: 1,
@@ -534,6 +535,7 @@ async fn a_bad_durable_hello_never_reaches_consensus() {
             seen: None,
         },
         DurableHello {
+            redirect_epoch: None,
             id: "timeout-too-long".into(),
             timeout_secs: tether::limits::DURABLE_TIMEOUT_SECS_MAX + 1,
             redundancy: 1,
@@ -541,6 +543,7 @@ async fn a_bad_durable_hello_never_reaches_consensus() {
             seen: None,
         },
         DurableHello {
+            redirect_epoch: None,
             id: "bad-failed-primary".into(),
             timeout_secs: 60,
             redundancy: 1,
@@ -625,6 +628,7 @@ async fn only_the_owner_can_have_a_copy_promoted() {
     // The copy holds the owner once its primary shipped the queue's info.
     c.nodes[0].take().unwrap().shutdown().await;
     let hello = |id: &str| DurableHello {
+        redirect_epoch: None,
         id: id.into(),
         timeout_secs: 600,
         redundancy: 1,
@@ -1108,6 +1112,7 @@ async fn a_copy_whose_clock_runs_ahead_keeps_the_away_queue() {
 /// Bob's durable hello for `id` (alice's, expired) at `addr` is refused `forbidden`.
 async fn bob_is_refused(addr: SocketAddr, ca: &Path, id: &str) {
     let hello = DurableHello {
+        redirect_epoch: None,
         id: id.into(),
         timeout_secs: 1,
         redundancy: 0,
@@ -1318,5 +1323,68 @@ async fn an_expired_id_keeps_its_owner_on_every_member() {
     assert_eq!(a.node_id(), "n2");
     assert_eq!(a.queue_status(), QueueStatus::Expired);
     a.close(false).await.ok();
+    c.shutdown().await;
+}
+
+/// Issue 25 point 7, redirects converge: a redirect names the placement epoch it sends the
+/// client by, and a node whose metadata has not applied the epoch a hello names does not act
+/// on its older view (it would send the client back): it waits for its metadata, and if that
+/// does not come (here an epoch no log reaches), it answers `unavailable` and places nothing.
+/// (`control::reconcile::redirect_catch_up` has the model of why the chains end.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redirected_hello_waits_for_the_metadata_it_was_sent_by() {
+    let c = TestCluster::start(3).await;
+    c.leader().await;
+    let ca = ca(&c);
+    let hello = |id: &str, redirect_epoch| DurableHello {
+        redirect_epoch,
+        id: id.into(),
+        timeout_secs: 60,
+        redundancy: 1,
+        failed_primary: None,
+        seen: None,
+    };
+    // Placed on n1 by its first hello; n2 redirects there, naming the placement's epoch.
+    let first = ClientBuilder::new()
+        .server(c.node(0).addr())
+        .ca_file(&ca)
+        .durable("q", 60)
+        .redundancy(1)
+        .connect()
+        .await
+        .expect("placed on n1");
+    first.close(true).await.expect("away");
+    let placement = c.node(1).cluster().unwrap().placement("q").expect("placed");
+    match raw_hello(c.node(1).addr(), &ca, hello("q", None)).await {
+        ServerMsg::Redirect { node_id, epoch, .. } => {
+            assert_eq!((node_id.as_str(), epoch), ("n1", Some(placement.epoch)))
+        }
+        other => panic!("n2 answered {other:?}"),
+    }
+    // Naming that epoch, the hello is served where the redirect pointed.
+    match raw_hello(c.node(0).addr(), &ca, hello("q", Some(placement.epoch))).await {
+        ServerMsg::Welcome { node_id, .. } => assert_eq!(node_id, "n1"),
+        other => panic!("n1 answered {other:?}"),
+    }
+    // An epoch this node's metadata has not applied (nor will): refused after the wait, and
+    // not acted on: the unplaced id is not placed.
+    let ahead = c.node(2).cluster().unwrap().applied_index() + 1_000_000;
+    let asked = std::time::Instant::now();
+    match raw_hello(c.node(2).addr(), &ca, hello("fresh", Some(ahead))).await {
+        ServerMsg::Error(e) => {
+            assert_eq!(e.code, ErrorCode::Unavailable, "{e:?}");
+            assert!(
+                e.message.contains("behind the node that redirected"),
+                "{e:?}"
+            );
+        }
+        other => panic!("n3 answered {other:?}"),
+    }
+    let waited = asked.elapsed();
+    assert!(
+        waited >= Duration::from_millis(tether::server::REDIRECT_CATCH_UP_MS),
+        "answered after {waited:?}, without waiting for the metadata"
+    );
+    assert!(c.node(2).cluster().unwrap().placement("fresh").is_none());
     c.shutdown().await;
 }

@@ -242,6 +242,7 @@ fn hello_msg(version: u32, durable: Option<DurableHello>) -> ClientMsg {
 
 fn durable_hello(id: &str, timeout_secs: u64) -> Option<DurableHello> {
     Some(DurableHello {
+        redirect_epoch: None,
         id: id.into(),
         timeout_secs,
         redundancy: 0,

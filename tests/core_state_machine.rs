@@ -31,6 +31,7 @@ impl Sim {
 
     fn connect(&mut self, id: Option<&str>, timeout: u64) -> (u64, QueueStatus, Option<u64>) {
         let hello = id.map(|id| DurableHello {
+            redirect_epoch: None,
             id: id.into(),
             timeout_secs: timeout,
             redundancy: 0,
@@ -242,6 +243,7 @@ fn acks_beyond_delivery_are_refused_and_duplicates_attached_ids_conflict() {
     assert_eq!(
         sim.core
             .connect(Some(&DurableHello {
+                redirect_epoch: None,
                 id: "X".into(),
                 timeout_secs: 1,
                 redundancy: 0,
@@ -267,6 +269,7 @@ fn expiry_happens_once_at_the_timeout_and_is_reported_once() {
     let mut core = sim.recover(20_000);
     let c = core
         .connect(Some(&DurableHello {
+            redirect_epoch: None,
             id: "X".into(),
             timeout_secs: 10,
             redundancy: 0,
@@ -278,6 +281,7 @@ fn expiry_happens_once_at_the_timeout_and_is_reported_once() {
     core.disconnect(21_000, c.session, false);
     let c = core
         .connect(Some(&DurableHello {
+            redirect_epoch: None,
             id: "X".into(),
             timeout_secs: 10,
             redundancy: 0,
@@ -565,6 +569,7 @@ fn distinct_regexes_per_principal_are_bounded() {
     use tether::protocol::ErrorCode;
     let connect = |sim: &mut Sim, id: Option<&str>, who: Option<&str>| {
         let hello = id.map(|id| DurableHello {
+            redirect_epoch: None,
             id: id.into(),
             timeout_secs: 60,
             redundancy: 0,
@@ -732,6 +737,7 @@ fn a_publishs_fan_out_is_bounded_in_bytes() {
 fn an_expired_durable_id_stays_its_owners() {
     use tether::core::ConnectError;
     let hello = |id: &str| DurableHello {
+        redirect_epoch: None,
         id: id.into(),
         timeout_secs: 1,
         redundancy: 0,

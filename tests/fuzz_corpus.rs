@@ -605,6 +605,7 @@ mod findings {
         let (p, b) = core.publisher_session();
         store.write(&b, true).unwrap();
         let hello = DurableHello {
+            redirect_epoch: None,
             id: "X".into(),
             timeout_secs: 60,
             redundancy: 0,

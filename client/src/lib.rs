@@ -65,8 +65,9 @@ pub const REDIRECTS_MAX: usize = 3;
 enum Attempt {
     Connected(Box<Client>),
     /// The node does not hold this durable queue; the one at this address (`IP:PORT` or
-    /// `HOST:PORT`, as the cluster's member list gives it) does.
-    Redirect(String),
+    /// `HOST:PORT`, as the cluster's member list gives it) does, by the placement of this
+    /// epoch (named in the next hello).
+    Redirect(String, Option<u64>),
 }
 
 /// Batches of decoded events buffered between the delivery stream and the application (each
@@ -445,6 +446,7 @@ impl ClientBuilder {
     /// Makes the client durable with this id and timeout (seconds; the latest presented wins).
     pub fn durable(mut self, id: impl Into<String>, timeout_secs: u64) -> Self {
         self.durable = Some(DurableHello {
+            redirect_epoch: None,
             id: id.into(),
             timeout_secs,
             redundancy: self.redundancy,
@@ -624,6 +626,9 @@ impl ClientBuilder {
         }
         let mut errors = Vec::new();
         let mut refused = None;
+        // The newest placement epoch a redirect named: every later hello names it, so a node
+        // with older metadata catches up instead of sending the client back.
+        let mut redirect_epoch = None;
         for &first in &servers {
             let mut addr = first;
             // A cluster node that does not hold this durable queue redirects to the one that
@@ -631,13 +636,14 @@ impl ClientBuilder {
             for hop in 0..=REDIRECTS_MAX {
                 match tokio::time::timeout(
                     this.attempt_timeout,
-                    this.connect_one(addr, config.clone()),
+                    this.connect_one(addr, config.clone(), redirect_epoch),
                 )
                 .await
                 {
                     Ok(Ok(Attempt::Connected(c))) => return Ok(*c),
-                    Ok(Ok(Attempt::Redirect(to))) if hop < REDIRECTS_MAX => {
-                        tracing::debug!(from = %addr, to = %to, "redirected");
+                    Ok(Ok(Attempt::Redirect(to, epoch))) if hop < REDIRECTS_MAX => {
+                        tracing::debug!(from = %addr, to = %to, ?epoch, "redirected");
+                        redirect_epoch = redirect_epoch.max(epoch);
                         match resolve_server(&to, Some(addr)).await {
                             Ok((sock, host)) => {
                                 // Verified against the member's own host name, unless the
@@ -651,7 +657,7 @@ impl ClientBuilder {
                             Err(e) => errors.push(format!("{addr}: redirected to {to}: {e}")),
                         }
                     }
-                    Ok(Ok(Attempt::Redirect(to))) => {
+                    Ok(Ok(Attempt::Redirect(to, _))) => {
                         errors.push(format!("{addr}: too many redirects (last to {to})"));
                     }
                     // A member that cannot serve now (cut off from the cluster, stopping,
@@ -681,6 +687,7 @@ impl ClientBuilder {
         &self,
         addr: SocketAddr,
         config: quinn::ClientConfig,
+        redirect_epoch: Option<u64>,
     ) -> Result<Attempt, ClientError> {
         let endpoint = tether_transport::endpoint::client_endpoint(config, addr)
             .map_err(|e| ClientError::Connect(e.to_string()))?;
@@ -712,6 +719,9 @@ impl ClientBuilder {
         if let (Some(d), Some(dedup)) = (durable.as_mut(), &self.dedup) {
             d.seen = dedup.seen(&d.id);
         }
+        if let Some(d) = durable.as_mut() {
+            d.redirect_epoch = redirect_epoch;
+        }
         let hello = ClientMsg::Hello {
             version: PROTOCOL_VERSION,
             durable,
@@ -734,10 +744,14 @@ impl ClientBuilder {
                     ..
                 })) => (node_id, queue, pending, queue_servers, diverged),
                 Ok(Some(ServerMsg::Error(e))) => return Err(ClientError::Server(e)),
-                Ok(Some(ServerMsg::Redirect { addr: to, node_id })) => {
+                Ok(Some(ServerMsg::Redirect {
+                    addr: to,
+                    node_id,
+                    epoch,
+                })) => {
                     conn.close(0u32.into(), b"redirected");
-                    tracing::debug!(node = %node_id, to = %to, "redirect");
-                    return Ok(Attempt::Redirect(to));
+                    tracing::debug!(node = %node_id, to = %to, ?epoch, "redirect");
+                    return Ok(Attempt::Redirect(to, epoch));
                 }
                 Ok(Some(other)) => {
                     return Err(ClientError::Protocol(format!(

@@ -225,6 +225,12 @@ pub struct DurableHello {
     /// entry it holds `possible_duplicate`. Otherwise entries up to it are flagged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seen: Option<SeenEntry>,
+    /// The epoch named by the redirect that sent this client here (`Redirect::epoch`). A node
+    /// whose cluster metadata has not applied that far waits until it has (or answers
+    /// `unavailable`) instead of acting on an older placement: so a redirect never sends the
+    /// client back to where it came from, and redirects converge.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redirect_epoch: Option<u64>,
 }
 
 /// The newest queue entry a client was shown: its offset and, when known, its event id.
@@ -475,6 +481,10 @@ pub enum ServerMsg {
     Redirect {
         node_id: String,
         addr: String,
+        /// The queue's placement epoch (a metadata log index) this node redirects by: the
+        /// client names it in its next hello (`DurableHello::redirect_epoch`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        epoch: Option<u64>,
     },
 }
 

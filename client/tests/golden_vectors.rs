@@ -225,6 +225,7 @@ fn vectors() -> Vec<Vector> {
             Msg::Client(ClientMsg::Hello {
                 version: PROTOCOL_VERSION,
                 durable: Some(DurableHello {
+                    redirect_epoch: None,
                     id: s("d1"),
                     timeout_secs: 300,
                     redundancy: 0,
@@ -242,6 +243,7 @@ fn vectors() -> Vec<Vector> {
             Msg::Client(ClientMsg::Hello {
                 version: PROTOCOL_VERSION,
                 durable: Some(DurableHello {
+                    redirect_epoch: None,
                     id: s("d1"),
                     timeout_secs: 300,
                     redundancy: 1,
@@ -259,6 +261,7 @@ fn vectors() -> Vec<Vector> {
             Msg::Client(ClientMsg::Hello {
                 version: PROTOCOL_VERSION,
                 durable: Some(DurableHello {
+                    redirect_epoch: None,
                     id: s("d1"),
                     timeout_secs: 300,
                     redundancy: 0,
@@ -275,6 +278,24 @@ fn vectors() -> Vec<Vector> {
                 token: None,
                 client: s("app"),
                 going_away: false,
+            }),
+        ),
+        v(
+            "hello-durable-redirected",
+            "Hello of a durable client sent here by a redirect that named placement epoch 12.",
+            Msg::Client(ClientMsg::Hello {
+                version: PROTOCOL_VERSION,
+                durable: Some(DurableHello {
+                    redirect_epoch: Some(12),
+                    id: s("d1"),
+                    timeout_secs: 300,
+                    redundancy: 1,
+                    failed_primary: None,
+                    seen: None,
+                }),
+                token: None,
+                client: s("app"),
+                going_away: true,
             }),
         ),
         v(
@@ -744,6 +765,16 @@ fn vectors() -> Vec<Vector> {
             Msg::Server(ServerMsg::Redirect {
                 node_id: s("n2"),
                 addr: s("127.0.0.1:7502"),
+                epoch: None,
+            }),
+        ),
+        v(
+            "redirect-epoch",
+            "A redirect naming the placement epoch (a metadata log index, 12) it sends the client by: the next hello names it (redirect_epoch).",
+            Msg::Server(ServerMsg::Redirect {
+                node_id: s("n2"),
+                addr: s("127.0.0.1:7502"),
+                epoch: Some(12),
             }),
         ),
         // Stored events, as delivery entries carry them.

@@ -2280,6 +2280,7 @@ mod tests {
     fn a_queue_being_handed_over_takes_no_client_until_the_handover_ends() {
         let mut core = NodeCore::new("n1");
         let hello = DurableHello {
+            redirect_epoch: None,
             id: "d".into(),
             timeout_secs: 60,
             redundancy: 1,

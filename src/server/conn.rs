@@ -420,8 +420,17 @@ async fn attach(
         placing = Some(shared.member.placing.enter(&d.id));
         match super::placement::place_durable(shared, cluster, d, owner).await {
             Ok(super::placement::Placed::Here(p)) => placed = Some(p),
-            Ok(super::placement::Placed::Elsewhere { node_id, addr }) => {
-                let _ = codec::write_frame(send, &ServerMsg::Redirect { node_id, addr }).await;
+            Ok(super::placement::Placed::Elsewhere {
+                node_id,
+                addr,
+                epoch,
+            }) => {
+                let redirect = ServerMsg::Redirect {
+                    node_id,
+                    addr,
+                    epoch,
+                };
+                let _ = codec::write_frame(send, &redirect).await;
                 let _ = send.finish();
                 // The client closes once it has read the redirect; do not wait forever.
                 let _ = tokio::time::timeout(Duration::from_millis(200), send.stopped()).await;

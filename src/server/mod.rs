@@ -40,7 +40,8 @@ use tether_transport::tls::{self, TlsFiles};
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
 
 pub use auth_reload::AUTH_RELOAD_INTERVAL_MS;
-pub use rebalance::REBALANCE_INTERVAL_MS;
+pub use placement::REDIRECT_CATCH_UP_MS;
+pub use rebalance::{DRAIN_SESSION_END_WAIT_MS, REBALANCE_INTERVAL_MS};
 pub use revocation::CRL_RELOAD_INTERVAL_MS;
 pub use writer::{GROUP_COMMIT_REQUESTS_MAX, WriteError, Writer, WriterThread};
 

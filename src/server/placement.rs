@@ -19,17 +19,22 @@
 //!   sends such a queue's client away (`control::reconcile::step_aside`).
 //! - A client naming a lost primary has a copy promoted only if it is the queue's owner
 //!   (`check_copy_owner`).
+//! - A redirect names the placement epoch it sends the client by, and the client names it in
+//!   its next hello; a node that has not applied that far waits for its metadata (at most
+//!   [`REDIRECT_CATCH_UP_MS`]) or answers `unavailable`, and never redirects by an older
+//!   placement: so redirects converge (`control::reconcile::redirect_catch_up`).
 
 use crate::bug::LockExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tether_transport::ErrorCode;
 
 use super::Shared;
 use crate::cluster::Cluster;
 use crate::cluster::meta::{MetaCommand, MetaResponse, REDUNDANCY_MAX};
-use crate::control::reconcile::PlacedHereStep;
+use crate::control::reconcile::{self, PlacedHereStep};
 use crate::protocol::{DurableHello, WireError};
 
 /// Durable ids whose hellos are between placing and attaching on this node, with how many.
@@ -90,11 +95,20 @@ pub(crate) fn release_unused(shared: &Arc<Shared>, guard: &PlacingGuard<'_>) {
 }
 
 /// Where a durable hello should be served.
+/// Longest wait of a redirected hello for this node's metadata to apply the epoch the
+/// redirect named, in milliseconds; it is refused with `unavailable` after it.
+pub const REDIRECT_CATCH_UP_MS: u64 = 1_000;
+
 pub(crate) enum Placed {
     /// Here: proceed with the connection; the queue's placement.
     Here(crate::cluster::meta::Placement),
-    /// On another member: redirect the client to (node name, address).
-    Elsewhere { node_id: String, addr: String },
+    /// On another member: redirect the client to (node name, address), by the placement of
+    /// `epoch` (None for a queue not placed yet).
+    Elsewhere {
+        node_id: String,
+        addr: String,
+        epoch: Option<u64>,
+    },
 }
 
 /// Finds (or makes, through consensus) the placement of durable id `d` and says whether this
@@ -117,6 +131,19 @@ pub(crate) async fn place_durable(
         ));
     }
     super::failover::metadata_caught_up(shared).await?;
+    // Sent here by a node whose metadata is newer: catch up first, so this node does not send
+    // the client back by an older placement.
+    if let Some(index) = reconcile::redirect_catch_up(d.redirect_epoch, cluster.applied_index())
+        && !cluster
+            .wait_applied(index, Duration::from_millis(REDIRECT_CATCH_UP_MS))
+            .await
+    {
+        return Err(WireError::new(
+            ErrorCode::Unavailable,
+            "this node's cluster metadata is behind the node that redirected this client \
+             here; retry",
+        ));
+    }
     // Whether this hello placed the queue (a new queue, nothing to confirm).
     let mut placed_now = false;
     let placement = match cluster.placement(&d.id) {
@@ -145,7 +172,7 @@ pub(crate) async fn place_durable(
                 && let Some(&to) =
                     super::failover::choose_secondaries(shared, cluster, &d.id, 1, &[me]).first()
             {
-                return redirect(cluster, to);
+                return redirect(cluster, to, None);
             }
             let cmd = MetaCommand::Place {
                 id: d.id.clone(),
@@ -215,7 +242,13 @@ pub(crate) async fn place_durable(
             );
             match step {
                 PlacedHereStep::Serve => break,
-                PlacedHereStep::Elsewhere(Some(node)) => return redirect(cluster, node),
+                PlacedHereStep::Elsewhere(Some(node)) => {
+                    // The newer primary known here (a rival, by its epoch) or the placement's.
+                    let epoch = rival
+                        .filter(|&(n, _)| n == Some(node))
+                        .map_or(placement.epoch, |(_, e)| e);
+                    return redirect(cluster, node, Some(epoch));
+                }
                 PlacedHereStep::Elsewhere(None) => {
                     return Err(WireError::new(
                         ErrorCode::Unavailable,
@@ -262,7 +295,7 @@ pub(crate) async fn place_durable(
         super::failover::adopt_promoted_copy(shared, &d.id, &placement).await?;
         return Ok(Placed::Here(placement));
     }
-    redirect(cluster, placement.primary)
+    redirect(cluster, placement.primary, Some(placement.epoch))
 }
 
 /// On a draining node, a queue that can move (a copy in sync on a member that is not
@@ -285,12 +318,17 @@ fn draining_refusal(
         .then(|| WireError::new(ErrorCode::Unavailable, super::rebalance::DRAINING_REASON))
 }
 
-/// Sends the client to member `node`, which holds the queue.
-fn redirect(cluster: &Cluster, node: crate::cluster::meta::NodeId) -> Result<Placed, WireError> {
+/// Sends the client to member `node`, which holds the queue by the placement of `epoch`.
+fn redirect(
+    cluster: &Cluster,
+    node: crate::cluster::meta::NodeId,
+    epoch: Option<u64>,
+) -> Result<Placed, WireError> {
     match cluster.members().nodes.get(&node) {
         Some(n) => Ok(Placed::Elsewhere {
             node_id: n.name.clone(),
             addr: n.addr.clone(),
+            epoch,
         }),
         None => Err(WireError::new(
             ErrorCode::Unavailable,
