@@ -2055,24 +2055,27 @@ fn cluster_redundancy_replicated_ack_and_queue_copies() {
     let addr = |i: usize| p.get(i).addr.to_string();
     let ca = p.get(0).ca.display().to_string();
     let (n1, n2) = (addr(0), addr(1));
-    let lines = run(&[
-        "subscribe",
-        "--server",
-        &n1,
-        "--ca",
-        &ca,
-        "--region",
-        "R",
-        "--all-keys",
-        "--durable-id",
-        "d",
-        "--redundancy",
-        "1",
-        "--exit-on-live",
-        "--close",
-        "keepalive",
-    ])
-    .ok();
+    // Durable client "d" through n1, until live, then away.
+    let subscribe_d = |extra: &[&str]| {
+        let mut args = vec![
+            "subscribe",
+            "--server",
+            &n1,
+            "--ca",
+            &ca,
+            "--region",
+            "R",
+            "--all-keys",
+            "--durable-id",
+            "d",
+            "--exit-on-live",
+            "--close",
+            "keepalive",
+        ];
+        args.extend_from_slice(extra);
+        run(&args).ok()
+    };
+    let lines = subscribe_d(&["--redundancy", "1"]);
     assert_eq!(lines[0]["queue"], "new");
     let lines = run(&[
         "put",
@@ -2173,22 +2176,7 @@ fn cluster_redundancy_replicated_ack_and_queue_copies() {
     let status = drain(&["--status"]).ok();
     assert_eq!(status, vec![last.clone()]);
     // The queue resumes on its new primary, its event there.
-    let lines = run(&[
-        "subscribe",
-        "--server",
-        &n1,
-        "--ca",
-        &ca,
-        "--region",
-        "R",
-        "--all-keys",
-        "--durable-id",
-        "d",
-        "--exit-on-live",
-        "--close",
-        "keepalive",
-    ])
-    .ok();
+    let lines = subscribe_d(&[]);
     assert_eq!(
         (&lines[0]["queue"], &lines[0]["pending"]),
         (&Value::from("resumed"), &Value::from(1))
