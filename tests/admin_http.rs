@@ -139,6 +139,7 @@ async fn a_node_reports_health_and_each_durable_queues_lag() {
     let c = get(http, "/api/v1/cluster").await.json();
     assert_eq!(c["clustered"], false);
     assert_eq!(c["members"][0]["self"], true);
+    assert_eq!(c["members"][0]["draining"], false);
 
     // Lag per queue, most pending first.
     let page = get(http, "/api/v1/queues").await;
@@ -504,6 +505,42 @@ async fn any_member_lists_the_queues_of_the_whole_cluster() {
     let c = get(http(2), "/api/v1/cluster").await.json();
     assert_eq!(c["clustered"], true);
     assert_eq!(c["members"].as_array().unwrap().len(), 3);
+    let members = c["members"].as_array().unwrap();
+    assert!(members.iter().all(|m| m["draining"] == false), "{c}");
+    let primaries: u64 = members
+        .iter()
+        .map(|m| m["primaries"].as_u64().unwrap())
+        .sum();
+    assert_eq!(primaries, 6, "every queue's primary counted once: {c}");
+    // A member marked draining says so (`tether cluster drain`).
+    let admin = tether::client::ClientBuilder::new()
+        .server(cluster.node(0).addr())
+        .ca_file(cluster.node(0).ca_file())
+        .connect()
+        .await
+        .unwrap();
+    admin.drain("n3", Some(true)).await.unwrap();
+    admin.close(false).await.unwrap();
+    // (Asked of n3, whose metadata may apply the change a moment later than n1's.)
+    let started = std::time::Instant::now();
+    loop {
+        let c = get(http(2), "/api/v1/cluster").await.json();
+        let draining: Vec<String> = c["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["draining"] == true)
+            .map(|m| m["node_id"].as_str().unwrap().to_string())
+            .collect();
+        if draining == ["n3"] {
+            break;
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "{c}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     assert_eq!(c["leader"], cluster.names[leader].as_str());
     assert!(
         c["members"]

@@ -397,6 +397,16 @@ impl MetaState {
         }
     }
 
+    /// How many queues member `node` is primary of, and how many copies it holds.
+    pub fn held_by(&self, node: NodeId) -> (u64, u64) {
+        self.queues.values().fold((0, 0), |(primaries, copies), p| {
+            (
+                primaries + u64::from(p.primary == node),
+                copies + u64::from(p.secondaries.contains(&node)),
+            )
+        })
+    }
+
     fn unknown(&self, id: &str) -> MetaResponse {
         MetaResponse::Unknown {
             expired: self.expired.iter().any(|e| e == id),
@@ -476,6 +486,14 @@ mod tests {
         let mut s = MetaState::default();
         s.apply(1, &place("q", NodeId(1), &[NodeId(2)]));
         let before = s.queues.clone();
+        assert_eq!(
+            (
+                s.held_by(NodeId(1)),
+                s.held_by(NodeId(2)),
+                s.held_by(NodeId(3))
+            ),
+            ((1, 0), (0, 1), (0, 0))
+        );
         let drain = |node, draining| MetaCommand::SetDraining { node, draining };
         assert_eq!(drain(NodeId(1), true).validate(), Ok(()));
         assert_eq!(

@@ -316,6 +316,9 @@ async fn api_cluster(
                 "alive": true,
                 "leader": false,
                 "self": true,
+                "draining": false,
+                "primaries": null,
+                "copies": null,
             }],
         });
         return Ok(axum::Json(body).into_response());
@@ -327,12 +330,17 @@ async fn api_cluster(
         .nodes
         .iter()
         .map(|(&id, node)| {
+            let (draining, (primaries, copies)) =
+                cluster.read(|s| (s.draining.contains(&id), s.held_by(id)));
             json!({
                 "node_id": node.name,
                 "addr": node.addr,
                 "alive": id == me || shared.member.liveness.is_live(id),
                 "leader": leader == Some(id),
                 "self": id == me,
+                "draining": draining,
+                "primaries": primaries,
+                "copies": copies,
             })
         })
         .collect();

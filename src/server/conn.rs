@@ -1271,17 +1271,13 @@ async fn drain(
         tracing::info!(node = name, draining, "drain set");
     }
     let report = cluster.read(|s| {
-        let mut report = DrainReport {
+        let (primaries, copies) = s.held_by(node);
+        DrainReport {
             node_id: name.to_string(),
             draining: s.draining.contains(&node),
-            primaries: 0,
-            copies: 0,
-        };
-        for p in s.queues.values() {
-            report.primaries += u64::from(p.primary == node);
-            report.copies += u64::from(p.secondaries.contains(&node));
+            primaries,
+            copies,
         }
-        report
     });
     // The write is applied on the leader; this node's metadata may not say so yet.
     let report = DrainReport {

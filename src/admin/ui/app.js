@@ -364,7 +364,8 @@ function renderCluster(cl) {
   const rows = (cl.members || []).map((m) => el('tr', { 'data-node-id': m.node_id, class: m.self ? 'self' : '' },
     el('td', { 'data-field': 'node_id' }, el('span', { class: 'mono', text: m.node_id }),
       m.leader ? el('span', { class: 'tag leader', 'data-field': 'leader', text: 'leader' }) : null,
-      m.self ? el('span', { class: 'tag', text: 'this node' }) : null),
+      m.self ? el('span', { class: 'tag', text: 'this node' }) : null,
+      m.draining ? el('span', { class: 'tag', 'data-field': 'draining', text: 'draining' }) : null),
     el('td', { class: 'mono', 'data-field': 'addr', text: m.addr ?? '–' }),
     el('td', { 'data-field': 'alive', 'data-value': m.alive ? 'true' : 'false' },
       el('span', { class: `dot ${m.alive ? 'ready' : 'down'}`, 'aria-hidden': 'true' }), m.alive ? 'alive' : 'down')));
