@@ -2155,6 +2155,9 @@ fn cluster_redundancy_replicated_ack_and_queue_copies() {
         args.extend_from_slice(extra);
         run(&args)
     };
+    // A wait that ends before the drain does: exit 1, naming what is left.
+    let err = drain(&["--wait", "0"]).failed();
+    assert!(err.contains("n1 still holds 1 primaries"), "{err}");
     let lines = drain(&["--wait", "60"]).ok();
     for l in &lines {
         assert_fields(l, &["type", "node_id", "draining", "primaries", "copies"]);

@@ -59,14 +59,11 @@ pub fn movable(p: &Placement, me: NodeId) -> bool {
 /// The takers of a draining member `me` (`tether cluster drain`), from the primary counts of
 /// the live members that are not draining (`counts`, which may hold `me`): every other member
 /// of `counts`, the fewest primaries first (ties by id), each wanted for as many queues as
-/// `mine`. [`pick`] then gives each queue to the first of them that holds an in-sync copy of
+/// `me` holds. [`pick`] then gives each queue to the first of them that holds an in-sync copy of
 /// it, so a drain is never held up by a member's share, and the usual plan evens the counts
 /// out afterwards.
-pub fn drain_takers(
-    counts: &BTreeMap<NodeId, usize>,
-    me: NodeId,
-    mine: usize,
-) -> Vec<(NodeId, usize)> {
+pub fn drain_takers(counts: &BTreeMap<NodeId, usize>, me: NodeId) -> Vec<(NodeId, usize)> {
+    let mine = counts.get(&me).copied().unwrap_or(0);
     let mut takers: Vec<(usize, NodeId)> = counts
         .iter()
         .filter(|&(&n, _)| n != me)
@@ -162,9 +159,9 @@ mod tests {
     #[test]
     fn a_draining_member_offers_every_queue_to_the_least_loaded_members_first() {
         let (n1, n2, n3) = (NodeId(1), NodeId(2), NodeId(3));
-        let c = counts(&[(n2, 7), (n3, 2)]);
-        assert_eq!(drain_takers(&c, n1, 5), vec![(n3, 5), (n2, 5)]);
-        assert!(drain_takers(&counts(&[]), n1, 5).is_empty());
+        let c = counts(&[(n1, 5), (n2, 7), (n3, 2)]);
+        assert_eq!(drain_takers(&c, n1), vec![(n3, 5), (n2, 5)]);
+        assert!(drain_takers(&counts(&[(n1, 5)]), n1).is_empty());
         // A queue whose only in-sync copy is on the busier member still goes there.
         let candidate = |id: &str| Candidate {
             id: id.into(),
@@ -179,7 +176,7 @@ mod tests {
             },
             pending_bytes: 0,
         };
-        let mut wanted = drain_takers(&c, n1, 2);
+        let mut wanted = drain_takers(&counts(&[(n1, 2), (n2, 7), (n3, 2)]), n1);
         let moves = pick(vec![candidate("a"), candidate("b")], &mut wanted, |_, t| {
             t == n2
         });

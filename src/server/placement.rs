@@ -94,11 +94,11 @@ pub(crate) fn release_unused(shared: &Arc<Shared>, guard: &PlacingGuard<'_>) {
     }
 }
 
-/// Where a durable hello should be served.
 /// Longest wait of a redirected hello for this node's metadata to apply the epoch the
 /// redirect named, in milliseconds; it is refused with `unavailable` after it.
 pub const REDIRECT_CATCH_UP_MS: u64 = 1_000;
 
+/// Where a durable hello should be served.
 pub(crate) enum Placed {
     /// Here: proceed with the connection; the queue's placement.
     Here(crate::cluster::meta::Placement),
@@ -298,9 +298,9 @@ pub(crate) async fn place_durable(
     redirect(cluster, placement.primary, Some(placement.epoch))
 }
 
-/// On a draining node, a queue that can move (a copy in sync on a member that is not
-/// draining) takes no client: it is handed over at the next rebalancing round, and its client,
-/// told `unavailable`, comes back to the taker. A queue that cannot move yet is served here.
+/// On a draining node, a queue that can move ([`super::rebalance::can_leave`]) takes no
+/// client: the rebalancing round hands it over, and its client, told `unavailable`, comes back
+/// to the taker. A queue that cannot move yet is served here.
 fn draining_refusal(
     shared: &Shared,
     cluster: &Cluster,
@@ -308,13 +308,7 @@ fn draining_refusal(
     p: &crate::cluster::meta::Placement,
 ) -> Option<WireError> {
     let draining = cluster.read(|s| s.draining.clone());
-    if !draining.contains(&cluster.id()) {
-        return None;
-    }
-    let shipped = shared.member.shipping.get(id)?;
-    p.secondaries
-        .iter()
-        .any(|s| !draining.contains(s) && shipped.in_sync(*s))
+    (draining.contains(&cluster.id()) && super::rebalance::can_leave(shared, &draining, id, p))
         .then(|| WireError::new(ErrorCode::Unavailable, super::rebalance::DRAINING_REASON))
 }
 

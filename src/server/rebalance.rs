@@ -92,10 +92,7 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>, rebalance: bool) {
         .collect();
     let (counts, syncing) = cluster.read(|s| rebalance::primary_counts(&live, s.queues.values()));
     let mut wanted = match me_draining {
-        true => {
-            let mine = counts.get(&me).copied().unwrap_or(0);
-            rebalance::drain_takers(&counts, me, mine)
-        }
+        true => rebalance::drain_takers(&counts, me),
         false => rebalance::wanted(&counts, &syncing, me),
     };
     if wanted.is_empty() {
@@ -135,11 +132,7 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>, rebalance: bool) {
     // sessions have ended (a hello meanwhile is refused: `placement::draining_refusal`).
     let mut sent_away = Vec::new();
     for (id, p, session) in attached {
-        let movable = p
-            .secondaries
-            .iter()
-            .any(|&t| wanted.iter().any(|&(w, _)| w == t) && in_sync(&id, t));
-        if let (true, Some(session)) = (movable, session) {
+        if let (true, Some(session)) = (can_leave(shared, &draining, &id, &p), session) {
             tracing::info!(durable_id = %id, "draining: the queue's client is sent away");
             shared.disconnect_session(session, ErrorCode::Unavailable, DRAINING_REASON);
             sent_away.push((id, p));
@@ -171,6 +164,23 @@ async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>, rebalance: bool) {
         moves.spawn(async move { hand_over(&shared, &cluster, &c.id, &c.placement, target).await });
     }
     while moves.join_next().await.is_some() {}
+}
+
+/// Whether a draining node's queue `id`, placed as `p`, has a taker: a live member that is
+/// not draining and holds an in-sync copy (the takers of [`rebalance::drain_takers`]). Its
+/// client is then sent away, and its hellos refused, until the queue has moved.
+pub(crate) fn can_leave(
+    shared: &Shared,
+    draining: &std::collections::BTreeSet<NodeId>,
+    id: &str,
+    p: &Placement,
+) -> bool {
+    let Some(shipped) = shared.member.shipping.get(id) else {
+        return false;
+    };
+    p.secondaries
+        .iter()
+        .any(|&s| !draining.contains(&s) && shared.member.liveness.is_live(s) && shipped.in_sync(s))
 }
 
 /// A queue of this node placed as `placement` that could be handed over now: away, not
