@@ -1998,6 +1998,16 @@ fn bad_arguments_give_one_error_line() {
             "cluster", "drain", "n1", "--undo", "--wait", "5", "--server", addr,
         ],
         vec!["cluster", "drain", "bad id!", "--server", addr, "--ca", ca],
+        vec!["cluster", "remove-node", "--server", addr, "--ca", ca],
+        vec![
+            "cluster",
+            "remove-node",
+            "bad id!",
+            "--server",
+            addr,
+            "--ca",
+            ca,
+        ],
         vec!["cluster", "frobnicate"],
     ];
     let procs: Vec<(String, Proc)> = cases
@@ -2021,6 +2031,10 @@ fn bad_arguments_give_one_error_line() {
     }
     // A valid request a single node cannot serve: exit status 1, the reason.
     let out = run(&["cluster", "drain", "n1", "--server", addr, "--ca", ca]);
+    assert_eq!(out.status.code(), Some(1), "{:?}", out.stderr);
+    let err = out.failed();
+    assert!(err.contains("not a cluster member"), "{err}");
+    let out = run(&["cluster", "remove-node", "n1", "--server", addr, "--ca", ca]);
     assert_eq!(out.status.code(), Some(1), "{:?}", out.stderr);
     let err = out.failed();
     assert!(err.contains("not a cluster member"), "{err}");
@@ -2188,6 +2202,17 @@ fn cluster_redundancy_replicated_ack_and_queue_copies() {
     let undone = drain(&["--undo"]).ok();
     assert_eq!(undone[0]["draining"], false);
     let err = run(&["cluster", "drain", "n9", "--server", &n2, "--ca", &ca]).failed();
+    assert!(err.contains("not a member"), "{err}");
+
+    // `cluster remove-node`: n1, primary of nothing now, leaves the cluster; the answer names
+    // the members left.
+    let lines = run(&["cluster", "remove-node", "n1", "--server", &n2, "--ca", &ca]).ok();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_fields(&lines[0], &["type", "node_id", "members"]);
+    assert_eq!(lines[0]["type"], "node-removed");
+    assert_eq!(lines[0]["node_id"], "n1");
+    assert_eq!(lines[0]["members"], serde_json::json!(["n2", "n3"]));
+    let err = run(&["cluster", "remove-node", "n1", "--server", &n2, "--ca", &ca]).failed();
     assert!(err.contains("not a member"), "{err}");
 }
 

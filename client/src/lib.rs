@@ -1311,6 +1311,22 @@ impl Client {
         }
     }
 
+    /// Admin, on a cluster: removes member `node_id` (marked draining first; refused while it
+    /// is still the primary of a queue: drain it, or wait for its queues' failover if it is
+    /// down). Returns the members left, by name. See `docs/cluster.md`.
+    pub async fn remove_node(&self, node_id: &str) -> Result<Vec<String>, ClientError> {
+        match self
+            .inner
+            .call(RequestBody::RemoveNode {
+                node_id: node_id.into(),
+            })
+            .await?
+        {
+            ResponseBody::NodeRemoved { members, .. } => Ok(members),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Publishes a batch of operations; resolves once the server committed them (or, with
     /// [`ClientBuilder::publish_ack`] replicated, once every matching queue's copies hold them).
     pub async fn publish(&self, ops: Vec<PublishOp>) -> Result<u64, ClientError> {

@@ -348,6 +348,13 @@ pub enum RequestBody {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         draining: Option<bool>,
     },
+    /// Admin, on a cluster: removes member `node_id` from the cluster (it is marked draining
+    /// first, and refused while it is still the primary of a queue). Its copies are dropped
+    /// (their primaries place new ones) and nothing more is kept for it in the other members'
+    /// publish logs. Answered with [`ResponseBody::NodeRemoved`].
+    RemoveNode {
+        node_id: String,
+    },
 }
 
 /// A member's drain, as the answering node's cluster metadata says.
@@ -605,6 +612,11 @@ pub enum ResponseBody {
         events_per_s: u64,
     },
     Drain(DrainReport),
+    /// Member `node_id` was removed; `members` are the cluster's members after it, by name.
+    NodeRemoved {
+        node_id: String,
+        members: Vec<String>,
+    },
 }
 
 /// One queue entry on the delivery stream. Borrows its record, so the server encodes straight

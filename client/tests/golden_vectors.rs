@@ -482,6 +482,11 @@ fn vectors() -> Vec<Vector> {
             ),
         ),
         v(
+            "request-remove-node",
+            "Admin, on a cluster: removes member n3 (drained first: it must be the primary of no queue).",
+            request(15, RequestBody::RemoveNode { node_id: s("n3") }),
+        ),
+        v(
             "ack",
             "Cumulative acknowledgement: every entry up to offset 2 is processed.",
             Msg::Client(ClientMsg::Ack { offset: 2 }),
@@ -733,6 +738,17 @@ fn vectors() -> Vec<Vector> {
                     primaries: 3,
                     copies: 1,
                 })),
+            ),
+        ),
+        v(
+            "response-remove-node",
+            "Answer to remove-node: n3 is no longer a member; n1 and n2 are.",
+            response(
+                15,
+                Ok(ResponseBody::NodeRemoved {
+                    node_id: s("n3"),
+                    members: vec![s("n1"), s("n2")],
+                }),
             ),
         ),
         v(

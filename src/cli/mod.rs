@@ -74,6 +74,17 @@ enum ClusterCommand {
         #[arg(long, value_name = "SECS")]
         wait: Option<u64>,
     },
+    /// Remove a member from the cluster for good: it is marked draining, and refused while it
+    /// is still the primary of a queue (drain it first; a member that is down must first have
+    /// its queues failed over). Its copies are dropped (their primaries place new ones), and
+    /// the other members keep no more publishes for it. Stop its process afterwards.
+    RemoveNode {
+        #[command(flatten)]
+        conn: Conn,
+        /// The member's node id.
+        #[arg(value_parser = node_id_arg)]
+        node_id: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -880,6 +891,16 @@ async fn run(cmd: Command, settings: Option<Settings>) -> Result<(), Fail> {
                 (false, undo) => Some(!undo),
             };
             let r = drain(&c, &node_id, draining, wait).await;
+            close_after(c, false, r).await
+        }
+        Command::Cluster(ClusterCommand::RemoveNode { conn, node_id }) => {
+            let c = connect(&conn, None, 100).await?;
+            let r = async {
+                let members = c.remove_node(&node_id).await?;
+                emit(json!({"type":"node-removed","node_id":node_id,"members":members}));
+                Ok(())
+            }
+            .await;
             close_after(c, false, r).await
         }
         Command::CloseDurable { conn, id } => {

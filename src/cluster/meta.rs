@@ -218,6 +218,9 @@ pub enum MetaResponse {
     Changed(u64),
     /// The members draining after a `SetDraining`.
     Draining(BTreeSet<NodeId>),
+    /// A membership that left members out: the queues that changed as they were forgotten
+    /// ([`MetaState::forget_members`]).
+    Forgot(u64),
     /// Response to entries without a command (blank and membership entries).
     #[default]
     None,
@@ -397,6 +400,26 @@ impl MetaState {
         }
     }
 
+    /// Forgets members that left the group (a membership entry at `index` without them): each
+    /// is dropped from every replica set and from the draining set, and a queue it was primary
+    /// of is promoted as for [`MetaCommand::NodeFailed`] (a member is removed only once it is
+    /// primary of nothing, so that is a race's fallback). Returns how many queues changed.
+    pub fn forget_members(&mut self, index: u64, gone: &[NodeId]) -> MetaResponse {
+        if gone.is_empty() {
+            return MetaResponse::None;
+        }
+        let mut changed = 0;
+        for node in gone {
+            self.draining.remove(node);
+            if let MetaResponse::Changed(n) =
+                self.apply(index, &MetaCommand::NodeFailed { node: *node })
+            {
+                changed += n;
+            }
+        }
+        MetaResponse::Forgot(changed)
+    }
+
     /// How many queues member `node` is primary of, and how many copies it holds.
     pub fn held_by(&self, node: NodeId) -> (u64, u64) {
         self.queues.values().fold((0, 0), |(primaries, copies), p| {
@@ -470,6 +493,39 @@ mod tests {
             MetaCommand::NodeFailed { node: NodeId(3) }.validate(),
             Ok(())
         );
+    }
+
+    #[test]
+    fn a_removed_member_is_forgotten_by_every_placement() {
+        let (n1, n2, n3) = (NodeId(1), NodeId(2), NodeId(3));
+        let mut s = MetaState::default();
+        s.apply(1, &place("copy-on-3", n1, &[n3]));
+        s.apply(2, &place("copies-on-2-3", n1, &[n2, n3]));
+        s.apply(3, &place("primary-3", n3, &[n2]));
+        s.apply(4, &place("untouched", n1, &[n2]));
+        s.apply(
+            5,
+            &MetaCommand::SetDraining {
+                node: n3,
+                draining: true,
+            },
+        );
+        assert_eq!(s.forget_members(6, &[]), MetaResponse::None);
+        assert_eq!(s.forget_members(7, &[n3]), MetaResponse::Forgot(3));
+        assert_eq!(s.held_by(n3), (0, 0));
+        assert!(s.draining.is_empty());
+        let p = |id: &str| s.queues[id].clone();
+        assert_eq!(
+            (p("copy-on-3").secondaries, p("copy-on-3").epoch),
+            (vec![], 7)
+        );
+        assert_eq!(p("copies-on-2-3").secondaries, vec![n2]);
+        // The race's fallback: a queue it was still primary of goes to its copy.
+        assert_eq!(
+            (p("primary-3").primary, p("primary-3").secondaries),
+            (n2, vec![])
+        );
+        assert_eq!(p("untouched").epoch, 4);
     }
 
     #[test]

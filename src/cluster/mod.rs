@@ -4,9 +4,12 @@
 //! * `store` — openraft's log storage and state machine over RocksDB ([`tether_storage::RaftLogDb`]).
 //! * [`network`] — openraft RPCs and forwarded writes over QUIC with mutual TLS.
 //!
-//! Membership is static for now: every node is configured with the same `--peer` list, and
-//! the node with the smallest raft id initializes the group once (openraft's recommended
-//! bootstrap: one node, all voters). A restarted node resumes from its data directory.
+//! Every node of a new cluster is configured with the same `--peer` list, and the node with
+//! the smallest raft id initializes the group once (openraft's recommended bootstrap: one
+//! node, all voters). A restarted node resumes from its data directory. From then on the
+//! members are the group's membership ([`Cluster::members`]): `tether cluster remove-node`
+//! changes it ([`Cluster::remove_member`]), and the metadata forgets a removed member in the
+//! same step ([`meta::MetaState::forget_members`]).
 
 pub mod meta;
 pub mod network;
@@ -85,6 +88,8 @@ pub enum ClusterError {
     Refused(#[from] meta::CommandRefused),
     #[error("no metadata leader reachable within {0} ms")]
     NoLeader(u64),
+    #[error("membership change refused: {0}")]
+    Membership(String),
     #[error("consensus stopped: {0}")]
     Fatal(String),
 }
@@ -108,6 +113,27 @@ impl Members {
         self.nodes
             .get(&id)
             .map_or_else(|| id.to_string(), |n| n.name.clone())
+    }
+
+    /// The members of `membership` (voters and learners), with the addresses of `configured`
+    /// where it names the same node (a configured address wins, so moving a node to a new
+    /// address is a configuration change); `configured` itself while the membership is empty
+    /// (a group not initialized yet).
+    pub fn effective(
+        membership: &openraft::Membership<NodeId, PeerNode>,
+        configured: &Members,
+    ) -> Arc<Members> {
+        let mut nodes: BTreeMap<NodeId, PeerNode> =
+            membership.nodes().map(|(id, n)| (*id, n.clone())).collect();
+        if nodes.is_empty() {
+            return Arc::new(configured.clone());
+        }
+        for (id, n) in nodes.iter_mut() {
+            if let Some(c) = configured.nodes.get(id).filter(|c| c.name == n.name) {
+                n.addr.clone_from(&c.addr);
+            }
+        }
+        Arc::new(Members { nodes })
     }
 
     /// Builds the member list from this node's name and address and its `--peer` list
@@ -156,13 +182,19 @@ impl Members {
     }
 }
 
+/// openraft's change that removes voter `node` (and, with `retain` false, the node).
+fn remove_voter(node: NodeId) -> openraft::ChangeMembers<NodeId, PeerNode> {
+    openraft::ChangeMembers::RemoveVoters(BTreeSet::from([node]))
+}
+
 /// A running member of the metadata group.
 pub struct Cluster {
     me: NodeId,
     raft: Raft,
     applied: Arc<RwLock<Applied>>,
     pool: Arc<PeerPool>,
-    members: Members,
+    /// The members, as the applied membership says ([`Members::effective`]).
+    members: tokio::sync::watch::Receiver<Arc<Members>>,
     /// When each peer last answered an RPC of this node (any kind): a node too busy to answer
     /// pings in time but answering replication is alive.
     answered: std::sync::Mutex<std::collections::HashMap<NodeId, Instant>>,
@@ -192,7 +224,8 @@ impl Cluster {
             .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))?;
         let db = Arc::new(db);
         let log = LogStore::new(Arc::clone(&db));
-        let sm = StateMachine::open(Arc::clone(&db))?;
+        let sm = StateMachine::open(Arc::clone(&db), members.clone())?;
+        let current = sm.members();
         let applied = sm.applied();
         let config = openraft::Config {
             cluster_name: "tether".into(),
@@ -242,7 +275,7 @@ impl Cluster {
             raft,
             applied,
             pool,
-            members,
+            members: current,
             answered: Default::default(),
         }))
     }
@@ -252,9 +285,80 @@ impl Cluster {
         self.me
     }
 
-    /// The configured members.
-    pub fn members(&self) -> &Members {
-        &self.members
+    /// The members as this node applied them: the group's membership once it has one, the
+    /// configured members before.
+    pub fn members(&self) -> Arc<Members> {
+        Arc::clone(&self.members.borrow())
+    }
+
+    /// The members, changed whenever an applied membership changes them.
+    pub fn members_changes(&self) -> tokio::sync::watch::Receiver<Arc<Members>> {
+        self.members.clone()
+    }
+
+    /// Removes member `node` from the group (through the leader: a joint membership, then one
+    /// without it). The metadata forgets it as the change applies. Refused when `node` is not
+    /// a voter or would be the last one; a change already in progress is waited out and retried
+    /// until [`network::FORWARD_TIMEOUT_MS`].
+    pub async fn remove_member(&self, node: NodeId) -> Result<(), ClusterError> {
+        let deadline = Instant::now() + Duration::from_millis(network::FORWARD_TIMEOUT_MS);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            // Committing the change needs a majority of the members before and after it.
+            let Ok(changed) =
+                tokio::time::timeout(left, self.raft.change_membership(remove_voter(node), false))
+                    .await
+            else {
+                return Err(ClusterError::NoLeader(network::FORWARD_TIMEOUT_MS));
+            };
+            let result = match changed {
+                Ok(_) => return Ok(()),
+                Err(e) => match e.forward_to_leader() {
+                    Some(f) => match f.leader_id.zip(f.leader_node.clone()) {
+                        Some((id, leader)) => {
+                            let left = deadline.saturating_duration_since(Instant::now());
+                            let addr = self
+                                .members()
+                                .nodes
+                                .get(&id)
+                                .map_or(leader.addr.clone(), |n| n.addr.clone());
+                            match self
+                                .pool
+                                .call(id, &addr, PeerRequest::RemoveMember(node), left)
+                                .await
+                            {
+                                Ok(PeerResponse::Write(Ok(_))) => return Ok(()),
+                                Ok(PeerResponse::Write(Err(e))) => Err(e),
+                                Ok(PeerResponse::BadRequest(why)) => {
+                                    return Err(ClusterError::Membership(why));
+                                }
+                                _ => Ok(()),
+                            }
+                        }
+                        None => Ok(()),
+                    },
+                    None => Err(e),
+                },
+            };
+            // `Ok` here: no leader answered; `Err`: the leader refused or failed.
+            if let Err(e) = result {
+                use openraft::error::{ChangeMembershipError, ClientWriteError, RaftError};
+                match e {
+                    RaftError::APIError(ClientWriteError::ChangeMembershipError(
+                        ChangeMembershipError::InProgress(_),
+                    )) => {}
+                    RaftError::APIError(ClientWriteError::ChangeMembershipError(c)) => {
+                        return Err(ClusterError::Membership(c.to_string()));
+                    }
+                    RaftError::APIError(ClientWriteError::ForwardToLeader(_)) => {}
+                    RaftError::Fatal(f) => return Err(ClusterError::Fatal(f.to_string())),
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(ClusterError::NoLeader(network::FORWARD_TIMEOUT_MS));
+            }
+            tokio::time::sleep(Duration::from_millis(WRITE_RETRY_MS)).await;
+        }
     }
 
     /// The current leader as this node last heard (not linearizable).
@@ -321,7 +425,8 @@ impl Cluster {
             };
             if let Some((id, node)) = leader {
                 let left = deadline.saturating_duration_since(Instant::now());
-                let addr = self.members.nodes.get(&id).map_or(&node.addr, |n| &n.addr);
+                let members = self.members();
+                let addr = members.nodes.get(&id).map_or(&node.addr, |n| &n.addr);
                 match self
                     .pool
                     .call(id, addr, PeerRequest::Write(cmd.clone()), left)
@@ -364,7 +469,7 @@ impl Cluster {
     ) {
         let peer = network::PeerIdentity {
             id: peer,
-            name: self.members.name(peer),
+            name: self.members().name(peer),
         };
         tokio::spawn(network::serve_peer(
             conn,
@@ -372,6 +477,7 @@ impl Cluster {
             self.me,
             peer,
             sink,
+            self.members_changes(),
         ));
     }
 
@@ -389,7 +495,7 @@ impl Cluster {
         timeout: Duration,
     ) -> Result<PeerResponse, network::PeerError> {
         let addr = self
-            .members
+            .members()
             .nodes
             .get(&to)
             .map(|n| n.addr.clone())

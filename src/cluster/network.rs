@@ -71,6 +71,9 @@ pub enum PeerRequest {
     InstallSnapshot(InstallSnapshotRequest<TypeConfig>),
     /// A metadata command forwarded to the node believed to lead.
     Write(MetaCommand),
+    /// Removes a member from the group (`tether cluster remove-node`), forwarded to the node
+    /// believed to lead; answered like [`PeerRequest::Write`].
+    RemoveMember(NodeId),
     /// Publishes made on node `origin`, in its publish-log order: each is (offset in the
     /// origin's publish log, the publish). The receiver applies each once (it remembers the
     /// highest offset applied per origin) and in order.
@@ -284,7 +287,10 @@ pub fn check_sender(peer: &PeerIdentity, request: &PeerRequest) -> Result<(), Se
             origin: origin.clone(),
         }),
         PeerRequest::Replicate(m) => claimed("queue replication", Some(m.from)),
-        PeerRequest::Write(_) | PeerRequest::Ping | PeerRequest::ListQueues(_) => Ok(()),
+        PeerRequest::Write(_)
+        | PeerRequest::RemoveMember(_)
+        | PeerRequest::Ping
+        | PeerRequest::ListQueues(_) => Ok(()),
     }
 }
 
@@ -711,6 +717,7 @@ pub async fn serve_peer(
     me: NodeId,
     peer: PeerIdentity,
     sink: Option<Arc<dyn PublishSink>>,
+    members: tokio::sync::watch::Receiver<Arc<super::Members>>,
 ) {
     let peer = Arc::new(peer);
     // The endpoint's transport settings are a client's; a peer gets more streams at once.
@@ -720,6 +727,18 @@ pub async fn serve_peer(
             Ok(s) => s,
             Err(_) => return,
         };
+        // A member removed from the group is served no more, on the connections it already had
+        // either.
+        if !members.borrow().nodes.contains_key(&peer.id) {
+            metrics::counter!(crate::metrics::PEER_REFUSED, "reason" => "not_a_member")
+                .increment(1);
+            tracing::warn!(peer = %peer.name, "connection of a removed member closed");
+            conn.close(
+                tether_transport::ErrorCode::Unauthenticated.varint(),
+                b"this node is no longer a member of the cluster",
+            );
+            return;
+        }
         let raft = raft.clone();
         let sink = sink.clone();
         let peer = peer.clone();
@@ -763,6 +782,13 @@ async fn dispatch(
             Ok(()) => PeerResponse::Write(raft.client_write(cmd).await),
             Err(e) => PeerResponse::BadRequest(format!("metadata command refused: {e}")),
         },
+        PeerRequest::RemoveMember(node) => PeerResponse::Write(
+            raft.change_membership(
+                openraft::ChangeMembers::RemoveVoters(std::collections::BTreeSet::from([node])),
+                false,
+            )
+            .await,
+        ),
         PeerRequest::Publish {
             origin,
             entries,

@@ -8,6 +8,7 @@
 // openraft's traits fix the error type (`StorageError`, over 200 bytes).
 #![allow(clippy::result_large_err)]
 
+use std::collections::BTreeSet;
 use std::fmt::Debug;
 use std::io::Cursor;
 use std::ops::{Bound, RangeBounds};
@@ -21,9 +22,10 @@ use openraft::{
 use serde::{Deserialize, Serialize};
 use tether_storage::RaftLogDb;
 use tether_transport::codec;
+use tokio::sync::watch;
 
 use super::meta::{MetaResponse, MetaState, NodeId};
-use super::{PeerNode, TypeConfig};
+use super::{Members, PeerNode, TypeConfig};
 
 type StoreResult<T> = Result<T, StorageError<NodeId>>;
 
@@ -206,11 +208,16 @@ struct StoredSnapshot {
 pub struct StateMachine {
     db: Arc<RaftLogDb>,
     applied: Arc<RwLock<Applied>>,
+    /// The members as the applied membership says (the configured ones before the group has
+    /// one), sent again whenever an applied membership changes them.
+    members: Arc<watch::Sender<Arc<Members>>>,
+    /// The members from this node's configuration: their addresses win over the membership's.
+    configured: Arc<Members>,
 }
 
 impl StateMachine {
     /// The state machine as of the last stored snapshot (or empty).
-    pub fn open(db: Arc<RaftLogDb>) -> Result<Self, super::ClusterError> {
+    pub fn open(db: Arc<RaftLogDb>, configured: Members) -> Result<Self, super::ClusterError> {
         let applied = match db.meta_get(META_SNAPSHOT)? {
             None => Applied::default(),
             Some(b) => {
@@ -218,10 +225,31 @@ impl StateMachine {
                 codec::decode_body(&snap.data)?
             }
         };
+        let configured = Arc::new(configured);
+        let members = Members::effective(applied.membership.membership(), &configured);
         Ok(StateMachine {
             db,
             applied: Arc::new(RwLock::new(applied)),
+            members: Arc::new(watch::channel(members).0),
+            configured,
         })
+    }
+
+    /// The members, kept current as memberships are applied.
+    pub fn members(&self) -> watch::Receiver<Arc<Members>> {
+        self.members.subscribe()
+    }
+
+    /// Sends the members of `membership` if they differ from the last sent.
+    fn publish_members(&self, membership: &openraft::Membership<NodeId, PeerNode>) {
+        let next = Members::effective(membership, &self.configured);
+        self.members.send_if_modified(|cur| {
+            let changed = cur.nodes != next.nodes;
+            if changed {
+                *cur = next;
+            }
+            changed
+        });
     }
 
     /// The shared, applied state.
@@ -293,17 +321,35 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     {
         let mut a = self.applied.write().expect("metadata lock poisoned");
         let mut out = Vec::new();
+        let mut membership_changed = false;
         for e in entries {
             a.last_applied = Some(e.log_id);
             let r = match &e.payload {
                 EntryPayload::Blank => MetaResponse::None,
                 EntryPayload::Normal(cmd) => a.state.apply(e.log_id.index, cmd),
                 EntryPayload::Membership(m) => {
+                    // A member no longer in the group is forgotten by the metadata in the
+                    // same step (its copies dropped, its queues promoted), on every node.
+                    let before: BTreeSet<NodeId> = a
+                        .membership
+                        .membership()
+                        .nodes()
+                        .map(|(id, _)| *id)
+                        .collect();
+                    let gone: Vec<NodeId> = before
+                        .into_iter()
+                        .filter(|id| m.get_node(id).is_none())
+                        .collect();
+                    let forgotten = a.state.forget_members(e.log_id.index, &gone);
                     a.membership = StoredMembership::new(Some(e.log_id), m.clone());
-                    MetaResponse::None
+                    membership_changed = true;
+                    forgotten
                 }
             };
             out.push(r);
+        }
+        if membership_changed {
+            self.publish_members(a.membership.membership());
         }
         Ok(out)
     }
@@ -326,7 +372,9 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         applied.last_applied = meta.last_log_id;
         applied.membership = meta.last_membership.clone();
         self.persist(meta, &data)?;
+        let membership = applied.membership.membership().clone();
         *self.applied.write().expect("metadata lock poisoned") = applied;
+        self.publish_members(&membership);
         Ok(())
     }
 

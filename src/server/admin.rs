@@ -512,21 +512,17 @@ impl Shared {
             return (local, Vec::new());
         };
         let me = cluster.id();
-        let calls = cluster
-            .members()
-            .nodes
-            .keys()
-            .filter(|&&id| id != me)
-            .map(|&id| {
-                let cluster = cluster.clone();
-                let request = PeerRequest::ListQueues(q.clone());
-                async move {
-                    let r = cluster
-                        .call(id, request, Duration::from_millis(ADMIN_PEER_TIMEOUT_MS))
-                        .await;
-                    (id, r)
-                }
-            });
+        let members = cluster.members();
+        let calls = members.nodes.keys().filter(|&&id| id != me).map(|&id| {
+            let cluster = cluster.clone();
+            let request = PeerRequest::ListQueues(q.clone());
+            async move {
+                let r = cluster
+                    .call(id, request, Duration::from_millis(ADMIN_PEER_TIMEOUT_MS))
+                    .await;
+                (id, r)
+            }
+        });
         let answers = futures_join_all(calls).await;
         let mut pages = vec![local];
         let mut unreachable = Vec::new();

@@ -1173,7 +1173,8 @@ fn authorize(
         RequestBody::ListQueues
         | RequestBody::ListQueuesPage(_)
         | RequestBody::CloseDurable { .. }
-        | RequestBody::Drain { .. } => auth.check(p, Access::Admin),
+        | RequestBody::Drain { .. }
+        | RequestBody::RemoveNode { .. } => auth.check(p, Access::Admin),
         RequestBody::Ready | RequestBody::Close { .. } | RequestBody::ReplayRate { .. } => Ok(()),
     }
 }
@@ -1234,6 +1235,7 @@ async fn request(
             Ok(ResponseBody::ClosedDurable { durable_id })
         }
         RequestBody::Drain { node_id, draining } => drain(shared, &node_id, draining).await,
+        RequestBody::RemoveNode { node_id } => remove_node(shared, &node_id).await,
         RequestBody::Close { keepalive } => {
             if keepalive {
                 shared.wait_acks_durable(session).await?;
@@ -1285,6 +1287,64 @@ async fn drain(
         ..report
     };
     Ok(ResponseBody::Drain(report))
+}
+
+/// `tether cluster remove-node`: marks member `name` draining (so nothing new goes to it),
+/// refuses while the metadata still makes it the primary of a queue, then removes it from the
+/// group; the metadata forgets it as the change applies (`MetaState::forget_members`).
+async fn remove_node(shared: &Arc<Shared>, name: &str) -> Result<ResponseBody, WireError> {
+    let Some(cluster) = shared.member.cluster.get() else {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            "this node is not a cluster member: there is no member to remove",
+        ));
+    };
+    let Some(node) = cluster.members().id_of(name) else {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            format!("{name:?} is not a member of this cluster"),
+        ));
+    };
+    let unavailable = super::placement::metadata_unavailable;
+    let draining = crate::cluster::meta::MetaCommand::SetDraining {
+        node,
+        draining: true,
+    };
+    cluster.write(draining).await.map_err(unavailable)?;
+    // Read after everything committed before: a queue placed or promoted there just now counts.
+    cluster.barrier().await.map_err(unavailable)?;
+    let (primaries, _) = cluster.read(|s| s.held_by(node));
+    if primaries > 0 {
+        return Err(WireError::new(
+            ErrorCode::Refused,
+            format!(
+                "{name} is still the primary of {primaries} queues (it is now draining): wait until \
+                 `tether cluster drain {name} --status` shows 0 primaries, or, if it is down, \
+                 until its queues fail over to their copies; a queue without a copy elsewhere \
+                 needs {name} back"
+            ),
+        ));
+    }
+    cluster.remove_member(node).await.map_err(|e| match e {
+        crate::cluster::ClusterError::Membership(why) => {
+            WireError::new(ErrorCode::Refused, format!("cannot remove {name}: {why}"))
+        }
+        e => unavailable(e),
+    })?;
+    tracing::info!(node = name, "member removed");
+    // The change is applied on the leader; this node's view may be a moment behind.
+    let mut members: Vec<String> = cluster
+        .members()
+        .nodes
+        .iter()
+        .filter(|(id, _)| **id != node)
+        .map(|(_, n)| n.name.clone())
+        .collect();
+    members.sort();
+    Ok(ResponseBody::NodeRemoved {
+        node_id: name.to_string(),
+        members,
+    })
 }
 
 /// Body bytes of a session's first delivery frame; each next frame doubles it up to

@@ -570,34 +570,43 @@ impl Liveness {
     /// Whether this node reaches a majority of the cluster's members (see
     /// [`FailureDetector::majority_reachable`]).
     pub(crate) fn majority_reachable(&self, cluster: &Cluster) -> bool {
-        let members = cluster.members().nodes.keys().copied();
+        let members = cluster.members();
         let now = self.ms(Instant::now());
         self.detector()
-            .majority_reachable(cluster.id(), members, now)
+            .majority_reachable(cluster.id(), members.nodes.keys().copied(), now)
     }
 }
 
 /// Pings every member and, on the leader, declares silent members failed.
 pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
     let me = cluster.id();
-    let others: Vec<NodeId> = cluster
-        .members()
-        .nodes
-        .keys()
-        .copied()
-        .filter(|&n| n != me)
-        .collect();
-    {
-        let Some(shared) = weak.upgrade() else {
-            return;
-        };
-        let l = &shared.member.liveness;
-        let start = l.ms(Instant::now());
-        l.detector().start(others.iter().copied(), start);
-    }
+    let mut others: Vec<NodeId> = Vec::new();
     let mut interval = tokio::time::interval(Duration::from_millis(PING_INTERVAL_MS));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        // The members as they are now: a member new to this loop is watched from now on (as
+        // if it had just answered), a removed one no more.
+        let now_members: Vec<NodeId> = cluster
+            .members()
+            .nodes
+            .keys()
+            .copied()
+            .filter(|&n| n != me)
+            .collect();
+        let new: Vec<NodeId> = now_members
+            .iter()
+            .copied()
+            .filter(|n| !others.contains(n))
+            .collect();
+        others = now_members;
+        {
+            let Some(shared) = weak.upgrade() else {
+                return;
+            };
+            let l = &shared.member.liveness;
+            let start = l.ms(Instant::now());
+            l.detector().start(new, start);
+        }
         interval.tick().await;
         let pings = others.iter().map(|&n| {
             let cluster = cluster.clone();

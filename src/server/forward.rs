@@ -46,9 +46,9 @@ use tether_transport::codec;
 use tokio::sync::watch;
 
 use super::Shared;
-use crate::cluster::Cluster;
 use crate::cluster::meta::{NodeId, raft_id};
 use crate::cluster::network::{ForwardedPublish, PeerRequest, PeerResponse, PublishSink};
+use crate::cluster::{Cluster, Members};
 use crate::config::Limits;
 use crate::core::bytes::{QueueBytes, mark_interval_bytes, stored_entry_bytes};
 use crate::core::{EventOrigin, RecoveryError, SessionId};
@@ -99,10 +99,17 @@ fn read_u64(store: &dyn Store, key: &str) -> Option<u64> {
     Some(u64::from_be_bytes(b.as_slice().try_into().ok()?))
 }
 
+/// Where forwarding to `peer` resumes: its stored cursor, never below what is trimmed (`acked`).
+/// A peer without a cursor (new to this node), or with one older than the trim (a member that
+/// was removed and is back), gets the publishes from the trim on.
+fn start_cursor(store: &dyn Store, peer: &str, acked: Offset) -> Offset {
+    read_u64(store, &sent_key(peer)).unwrap_or(acked).max(acked)
+}
+
 /// A node's forwarding state (clustered nodes only).
 pub(crate) struct Forwarding {
-    /// Peers (name, raft id), this node excluded.
-    pub(crate) peers: Vec<(String, NodeId)>,
+    /// Peers (name, raft id), this node excluded: the members (`set_peers`).
+    peers: std::sync::RwLock<Vec<(String, NodeId)>>,
     /// Highest publish-log offset assigned (under the core lock, so in commit order).
     pub(crate) log_end: AtomicU64,
     /// Highest publish-log offset committed; forwarding tasks wait on it.
@@ -240,19 +247,12 @@ impl Forwarding {
             .filter(|(name, _)| name != me)
             .map(|(name, _)| (name.clone(), raft_id(name)))
             .collect();
-        // A peer without a cursor (new to this node) starts at what is trimmed: it gets the
-        // publishes from now on.
         let sent = peers
             .iter()
-            .map(|(name, _)| {
-                (
-                    name.clone(),
-                    read_u64(store, &sent_key(name)).unwrap_or(acked),
-                )
-            })
+            .map(|(name, _)| (name.clone(), start_cursor(store, name, acked)))
             .collect();
         Ok(Forwarding {
-            peers,
+            peers: std::sync::RwLock::new(peers),
             log_end: AtomicU64::new(end),
             committed: watch::channel(end).0,
             sent: Mutex::new(sent),
@@ -277,7 +277,7 @@ impl Forwarding {
         ops: &[PublishOp],
     ) -> Option<Offset> {
         let first_id = first_id?;
-        if self.peers.is_empty() {
+        if self.peers.read().expect("forward lock").is_empty() {
             return None;
         }
         // Encoded from the borrowed operations (same fields as `ForwardedPublish`): no copy
@@ -318,7 +318,7 @@ impl Forwarding {
     /// Refuses a new publish while the log holds `publish-log-bytes-max` (so it holds at most
     /// that plus one publish). Call under the core lock, before planning the publish.
     pub(crate) fn check_room(&self) -> Result<(), WireError> {
-        if self.peers.is_empty() {
+        if self.peers.read().expect("forward lock").is_empty() {
             return Ok(());
         }
         let held = self.pending_bytes();
@@ -352,9 +352,30 @@ impl Forwarding {
             .unwrap_or(0)
     }
 
-    /// The names of the peers this node forwards to.
-    pub(crate) fn peer_names(&self) -> impl Iterator<Item = &str> {
-        self.peers.iter().map(|(name, _)| name.as_str())
+    /// The peers this node forwards to (name, raft id).
+    pub(crate) fn peers(&self) -> Vec<(String, NodeId)> {
+        self.peers.read().expect("forward lock").clone()
+    }
+
+    /// Whether this node forwards to `peer`.
+    pub(crate) fn forwards_to(&self, peer: &str) -> bool {
+        self.peers
+            .read()
+            .expect("forward lock")
+            .iter()
+            .any(|(name, _)| name == peer)
+    }
+
+    /// Trims the log through `min` (what every peer has applied) in `batch`, if that is past
+    /// the trim: the trim only moves forward.
+    fn trim_to(&self, batch: &mut Batch, min: Offset) {
+        let mut bytes = self.lock_bytes();
+        if min > self.trimmed.load(Ordering::SeqCst) {
+            batch.set_acked(PUBLISH_LOG_QUEUE, min);
+            self.trimmed.store(min, Ordering::SeqCst);
+            let all = min >= self.log_end.load(Ordering::SeqCst);
+            bytes.ack(min, all);
+        }
     }
 
     /// Every peer has applied this node's publish log up to here (what is trimmed).
@@ -381,7 +402,8 @@ impl Forwarding {
     ) -> Replication {
         let unconfirmed = self.unconfirmed.lock_or_stop();
         let mut r = Replication::default();
-        for (name, id) in &self.peers {
+        for (name, id) in self.peers() {
+            let (name, id) = (&name, &id);
             let into = if self.sent(name) < offset {
                 if is_live(*id) {
                     &mut r.pending
@@ -480,6 +502,10 @@ pub(crate) async fn forward_loop(
                 let Some(f) = &s.member.forwarding else {
                     return;
                 };
+                if !f.forwards_to(&peer) {
+                    tracing::debug!(peer, "forwarding stopped: no longer a member");
+                    return;
+                }
                 let end = *committed.borrow_and_update();
                 let floor = f.all_applied();
                 let entries = if end > handed {
@@ -592,7 +618,10 @@ async fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) {
     };
     let (moved, min) = {
         let mut sent = f.sent.lock().expect("forward lock");
-        let cur = sent.entry(peer.to_string()).or_insert(0);
+        // A peer removed meanwhile has no cursor any more: nothing to record.
+        let Some(cur) = sent.get_mut(peer) else {
+            return;
+        };
         let moved = through > *cur;
         if moved {
             *cur = through;
@@ -604,15 +633,75 @@ async fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) {
     }
     let mut b = Batch::new();
     b.state_put(&sent_key(peer), through.to_be_bytes().to_vec());
-    if min > f.trimmed.load(Ordering::SeqCst) {
-        b.set_acked(PUBLISH_LOG_QUEUE, min);
-        f.trimmed.store(min, Ordering::SeqCst);
-        let mut bytes = f.lock_bytes();
-        let all = min >= f.log_end.load(Ordering::SeqCst);
-        bytes.ack(min, all);
-    }
+    f.trim_to(&mut b, min);
     let _ = s.writer.submit(b, None).await;
     f.sent_changed.notify_waiters();
+}
+
+/// Makes the members other than this node the peers it forwards to, and returns the peers
+/// new to it (their forwarding tasks are the caller's to start). A new peer starts at what is
+/// trimmed. A peer that is no longer a member is forgotten: nothing more is kept for it, and
+/// what only it had not applied is trimmed (a removed member's share of the log is released).
+pub(crate) async fn set_peers(s: &Arc<Shared>, members: &Members) -> Vec<(String, NodeId)> {
+    let Some(f) = &s.member.forwarding else {
+        return Vec::new();
+    };
+    let next: Vec<(String, NodeId)> = members
+        .nodes
+        .iter()
+        .filter(|(_, n)| n.name != s.node_id)
+        .map(|(id, n)| (n.name.clone(), *id))
+        .collect();
+    let (added, gone, min) = {
+        let mut peers = f.peers.write().expect("forward lock");
+        let added: Vec<(String, NodeId)> = next
+            .iter()
+            .filter(|p| !peers.contains(p))
+            .cloned()
+            .collect();
+        let gone: Vec<String> = peers
+            .iter()
+            .filter(|p| !next.contains(p))
+            .map(|(name, _)| name.clone())
+            .collect();
+        if added.is_empty() && gone.is_empty() {
+            return Vec::new();
+        }
+        let mut sent = f.sent.lock().expect("forward lock");
+        let trimmed = f.trimmed.load(Ordering::SeqCst);
+        for (name, _) in &added {
+            sent.insert(name.clone(), start_cursor(&*s.store, name, trimmed));
+        }
+        for name in &gone {
+            sent.remove(name);
+        }
+        f.unconfirmed
+            .lock_or_stop()
+            .retain(|name, _| !gone.contains(name));
+        *peers = next;
+        // With no peer left, nothing is kept for anyone.
+        let min = sent
+            .values()
+            .copied()
+            .min()
+            .unwrap_or_else(|| f.log_end.load(Ordering::SeqCst));
+        (added, gone, min)
+    };
+    for name in &gone {
+        tracing::info!(peer = %name, "no longer a member: publishes are not kept for it");
+    }
+    for (name, _) in &added {
+        tracing::info!(peer = %name, "a new member: publishes are kept for it from here");
+    }
+    if !gone.is_empty() {
+        let mut b = Batch::new();
+        f.trim_to(&mut b, min);
+        if !b.is_empty() {
+            let _ = s.writer.submit(b, None).await;
+        }
+        f.sent_changed.notify_waiters();
+    }
+    added
 }
 
 /// Applies publishes forwarded by peers (held weakly: a stopping node refuses them).

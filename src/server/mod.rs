@@ -32,7 +32,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tether_storage::{Batch, RocksStore, Store};
@@ -1113,39 +1113,71 @@ fn recover(
     })
 }
 
-/// Starts a clustered node's tasks: forwarding to each peer, the reconciler, the failure
-/// detector, the metadata catch-up, the trim of recent publishes and (if enabled) rebalancing.
+/// Follows the cluster's members: forwards this node's publishes to each (a task per peer,
+/// started for the members of the configuration and for each member that joins), and stops
+/// keeping publishes for a member that is removed. A node that finds itself removed says so.
+async fn membership_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
+    let mut changes = cluster.members_changes();
+    let mut forwarders = tokio::task::JoinSet::new();
+    let mut told_removed = false;
+    if let Some(s) = weak.upgrade()
+        && let Some(f) = &s.member.forwarding
+    {
+        for (peer, id) in f.peers() {
+            forwarders.spawn(forward::forward_loop(
+                weak.clone(),
+                cluster.clone(),
+                peer,
+                id,
+            ));
+        }
+    }
+    loop {
+        let members = Arc::clone(&changes.borrow_and_update());
+        let Some(s) = weak.upgrade() else { return };
+        if !members.nodes.contains_key(&cluster.id()) && !told_removed {
+            told_removed = true;
+            tracing::warn!("this node was removed from the cluster: it holds no queue; stop it");
+        }
+        for (peer, id) in forward::set_peers(&s, &members).await {
+            forwarders.spawn(forward::forward_loop(
+                weak.clone(),
+                cluster.clone(),
+                peer,
+                id,
+            ));
+        }
+        drop(s);
+        tokio::select! {
+            changed = changes.changed() => if changed.is_err() { return },
+            // Reap forwarders that ended (a removed peer's).
+            Some(_) = forwarders.join_next(), if !forwarders.is_empty() => {}
+        }
+    }
+}
+
+/// Starts a clustered node's tasks: the members' follower (forwarding to each peer), the
+/// reconciler, the failure detector, the metadata catch-up, the trim of recent publishes and
+/// rebalancing.
 fn spawn_cluster_tasks(
     shared: &Arc<Shared>,
     cluster: &Arc<Cluster>,
     rebalance: bool,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     let weak = || Arc::downgrade(shared);
-    let mut tasks = Vec::new();
-    if let Some(f) = &shared.member.forwarding {
-        for (peer, id) in &f.peers {
-            tasks.push(tokio::spawn(forward::forward_loop(
-                weak(),
-                cluster.clone(),
-                peer.clone(),
-                *id,
-            )));
-        }
-    }
-    tasks.push(tokio::spawn(failover::reconcile_loop(
-        weak(),
-        cluster.clone(),
-    )));
-    tasks.push(tokio::spawn(failover::detect_loop(weak(), cluster.clone())));
-    tasks.push(tokio::spawn(failover::catch_up(weak(), cluster.clone())));
-    tasks.push(tokio::spawn(failover::recent_trim_loop(weak())));
-    // Without `rebalance`, the loop still hands queues over while this node drains.
-    tasks.push(tokio::spawn(rebalance::rebalance_loop(
-        weak(),
-        cluster.clone(),
-        rebalance,
-    )));
-    tasks
+    vec![
+        tokio::spawn(membership_loop(weak(), cluster.clone())),
+        tokio::spawn(failover::reconcile_loop(weak(), cluster.clone())),
+        tokio::spawn(failover::detect_loop(weak(), cluster.clone())),
+        tokio::spawn(failover::catch_up(weak(), cluster.clone())),
+        tokio::spawn(failover::recent_trim_loop(weak())),
+        // Without `rebalance`, the loop still hands queues over while this node drains.
+        tokio::spawn(rebalance::rebalance_loop(
+            weak(),
+            cluster.clone(),
+            rebalance,
+        )),
+    ]
 }
 
 impl Shared {
@@ -1609,8 +1641,8 @@ async fn tick_loop(shared: Arc<Shared>) {
         if let Some(f) = &shared.member.forwarding {
             metrics::gauge!(m::PUBLISH_LOG_BYTES).set(f.pending_bytes() as f64);
             // Also between forwarding rounds: new publishes raise the lag before they go out.
-            for peer in f.peer_names() {
-                metrics::gauge!(m::FORWARD_LAG, "peer" => peer.to_string()).set(f.lag(peer) as f64);
+            for (peer, _) in f.peers() {
+                metrics::gauge!(m::FORWARD_LAG, "peer" => peer.clone()).set(f.lag(&peer) as f64);
             }
         }
         metrics::gauge!(m::OLDEST_UNACKED_AGE).set(c.oldest_unacked_age_ms as f64 / 1e3);
