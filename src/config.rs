@@ -325,6 +325,10 @@ pub struct ServerConfig {
     /// Whether this node hands durable queues over to members holding fewer primaries
     /// (`server/rebalance.rs`). TOML `[cluster] rebalance`, default true.
     pub rebalance: bool,
+    /// This node joins a running cluster (`tether cluster add-node`): it never starts a
+    /// consensus group of its own, and serves clients once a member added it and it copied the
+    /// regions' values. TOML `[cluster] join`, default false.
+    pub join: bool,
     /// Host names or IP addresses clients reach this node by, besides `localhost`, the
     /// loopback addresses and the machine's host name: the dev server certificate carries
     /// them (`--advertise`, TOML `advertise`). Unused with `[tls]` (the operator's certificate
@@ -386,6 +390,7 @@ impl Default for ServerConfig {
             peers: Vec::new(),
             node_failure_ms: NODE_FAILURE_MS_DEFAULT,
             rebalance: true,
+            join: false,
             advertise: Vec::new(),
             metrics_top_queues: METRICS_TOP_QUEUES_DEFAULT,
             clock_offset_ms: 0,
@@ -440,6 +445,8 @@ pub struct ClusterFileConfig {
     pub node_failure_ms: Option<u64>,
     /// See [`ServerConfig::rebalance`].
     pub rebalance: Option<bool>,
+    /// See [`ServerConfig::join`].
+    pub join: Option<bool>,
 }
 
 /// Parses a `--peer` value `ID=ADDR` (ADDR an `IP:PORT`).
@@ -676,6 +683,10 @@ pub struct ServerArgs {
     /// Hand durable queues over to members holding fewer primaries.
     #[arg(long, env = "TETHER_REBALANCE", value_name = "BOOL", action = clap::ArgAction::Set, default_value_t = true, value_parser = clap::value_parser!(bool), help_heading = "Cluster")]
     pub rebalance: bool,
+    /// Join a running cluster: wait to be added (`tether cluster add-node`) instead of starting
+    /// a new one. Give --peer the running members and this node.
+    #[arg(long, env = "TETHER_JOIN", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false, value_parser = clap::value_parser!(bool), help_heading = "Cluster")]
+    pub join: bool,
 
     /// Entries a subscription queue may hold beyond its acked offset.
     #[arg(long, env = "TETHER_QUEUE_ENTRIES_MAX", value_name = "N", default_value_t = crate::limits::QUEUE_ENTRIES_MAX, value_parser = clap::value_parser!(u64).range(1..=TOML_INT_MAX), help_heading = "Limits")]
@@ -844,6 +855,7 @@ pub fn resolve(args: &ServerArgs, matches: &clap::ArgMatches) -> Result<Settings
     );
     validate_node_failure_ms(cfg.node_failure_ms).map_err(in_file)?;
     cfg.rebalance = pick(given("rebalance"), &args.rebalance, cluster.rebalance);
+    cfg.join = pick(given("join"), &args.join, cluster.join);
     let peers = if args.peers.is_empty() {
         &cluster.peers
     } else {
@@ -923,6 +935,7 @@ pub fn render_toml(s: &Settings, rust_log: Option<&str>) -> Result<String, Confi
         peers: Vec<String>,
         node_failure_ms: u64,
         rebalance: bool,
+        join: bool,
     }
     let c = &s.server;
     let auth = c.auth.as_ref().map(|a| {
@@ -971,6 +984,7 @@ pub fn render_toml(s: &Settings, rust_log: Option<&str>) -> Result<String, Confi
             peers: c.peers.iter().map(|(id, a)| format!("{id}={a}")).collect(),
             node_failure_ms: c.node_failure_ms,
             rebalance: c.rebalance,
+            join: c.join,
         },
         tls: c.tls.as_ref(),
         auth,
@@ -1148,6 +1162,14 @@ mod tests {
         let f: FileConfig = toml::from_str("[cluster]\nrebalance = false\n").unwrap();
         assert_eq!(f.cluster.unwrap().rebalance, Some(false));
         assert!(toml::from_str::<FileConfig>("[cluster]\nrebalance = \"no\"\n").is_err());
+    }
+
+    #[test]
+    fn join_is_off_unless_asked() {
+        assert!(!ServerConfig::default().join);
+        let f: FileConfig = toml::from_str("[cluster]\njoin = true\n").unwrap();
+        assert_eq!(f.cluster.unwrap().join, Some(true));
+        assert!(toml::from_str::<FileConfig>("[cluster]\njoin = 1\n").is_err());
     }
 
     #[test]

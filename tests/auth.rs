@@ -235,11 +235,15 @@ async fn admin_commands_need_the_admin_role() {
     assert_eq!(e.code, ErrorCode::Forbidden);
     let e = refusal(alice.remove_node("n1").await.unwrap_err());
     assert_eq!(e.code, ErrorCode::Forbidden);
+    let e = refusal(alice.add_node("n4", "127.0.0.1:7400").await.unwrap_err());
+    assert_eq!(e.code, ErrorCode::Forbidden);
     let ops = n.builder().token("ops-secret").connect().await.unwrap();
     // Allowed, and refused for what it is: this node is no cluster member.
     let e = refusal(ops.drain("n1", Some(true)).await.unwrap_err());
     assert_eq!(e.code, ErrorCode::InvalidArgument, "{}", e.message);
     let e = refusal(ops.remove_node("n1").await.unwrap_err());
+    assert_eq!(e.code, ErrorCode::InvalidArgument, "{}", e.message);
+    let e = refusal(ops.add_node("n4", "127.0.0.1:7400").await.unwrap_err());
     assert_eq!(e.code, ErrorCode::InvalidArgument, "{}", e.message);
     assert_eq!(ops.queues().await.unwrap().len(), 1);
     ops.close_durable("dash").await.unwrap();

@@ -2008,6 +2008,30 @@ fn bad_arguments_give_one_error_line() {
             "--ca",
             ca,
         ],
+        vec!["cluster", "add-node", "n4", "--server", addr, "--ca", ca],
+        vec![
+            "cluster",
+            "add-node",
+            "bad id!",
+            "127.0.0.1:7400",
+            "--server",
+            addr,
+            "--ca",
+            ca,
+        ],
+        vec![
+            "cluster",
+            "add-node",
+            "n4",
+            "127.0.0.1:0",
+            "--server",
+            addr,
+            "--ca",
+            ca,
+        ],
+        vec![
+            "cluster", "add-node", "n4", "no-port", "--server", addr, "--ca", ca,
+        ],
         vec!["cluster", "frobnicate"],
     ];
     let procs: Vec<(String, Proc)> = cases
@@ -2035,6 +2059,19 @@ fn bad_arguments_give_one_error_line() {
     let err = out.failed();
     assert!(err.contains("not a cluster member"), "{err}");
     let out = run(&["cluster", "remove-node", "n1", "--server", addr, "--ca", ca]);
+    assert_eq!(out.status.code(), Some(1), "{:?}", out.stderr);
+    let err = out.failed();
+    assert!(err.contains("not a cluster member"), "{err}");
+    let out = run(&[
+        "cluster",
+        "add-node",
+        "n4",
+        "127.0.0.1:7400",
+        "--server",
+        addr,
+        "--ca",
+        ca,
+    ]);
     assert_eq!(out.status.code(), Some(1), "{:?}", out.stderr);
     let err = out.failed();
     assert!(err.contains("not a cluster member"), "{err}");
@@ -2214,6 +2251,19 @@ fn cluster_redundancy_replicated_ack_and_queue_copies() {
     assert_eq!(lines[0]["members"], serde_json::json!(["n2", "n3"]));
     let err = run(&["cluster", "remove-node", "n1", "--server", &n2, "--ca", &ca]).failed();
     assert!(err.contains("not a member"), "{err}");
+
+    // `cluster add-node` of a member answers as its addition did: the members, it among them
+    // (adding a new node: `tests/cluster_membership.rs`).
+    let n3 = addr(2);
+    let lines = run(&[
+        "cluster", "add-node", "n3", &n3, "--server", &n2, "--ca", &ca,
+    ])
+    .ok();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_fields(&lines[0], &["type", "node_id", "members"]);
+    assert_eq!(lines[0]["type"], "node-added");
+    assert_eq!(lines[0]["node_id"], "n3");
+    assert_eq!(lines[0]["members"], serde_json::json!(["n2", "n3"]));
 }
 
 /// `tether server --queue-bytes-max N` applies the byte limit (the refusal names it), and the

@@ -239,3 +239,220 @@ async fn a_member_is_removed_only_once_it_is_the_primary_of_nothing() {
     admin.close(false).await.unwrap();
     c.shutdown().await;
 }
+
+/// A builder trying every running node of `c`, `first` first.
+fn builder_over(c: &TestCluster, first: usize) -> ClientBuilder {
+    let others = (0..c.nodes.len()).filter(move |&i| i != first && c.nodes[i].is_some());
+    ClientBuilder::new()
+        .servers(
+            std::iter::once(first)
+                .chain(others)
+                .map(|i| c.node(i).addr()),
+        )
+        .ca_file(c.node(0).ca_file())
+        .ack_interval(Duration::from_millis(50))
+}
+
+/// Waits until member `name` is the primary of no queue and holds no copy.
+async fn drained(admin: &tether::client::Client, name: &str) {
+    let started = std::time::Instant::now();
+    loop {
+        let r = admin.drain(name, None).await.unwrap();
+        if r.primaries == 0 && r.copies == 0 {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "{name} not drained: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Issue 25 #3: a three-node cluster grows to five (`tether cluster add-node`, each new node
+/// started with `--join`) and then retires two of its first members (drained, then removed),
+/// while a publisher publishes all along and durable clients stay connected (reconnecting) or
+/// away. The new members copy the regions' values before they serve anyone, take queues, and
+/// every acknowledged publish reaches every queue; an event shown twice is flagged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_grows_to_five_and_retires_two_under_load_losing_nothing() {
+    let mut c = TestCluster::start(3).await;
+    c.leader().await;
+    let publisher = c.node(0).publisher().await.unwrap();
+    // Values the new members must copy: published before they join, to no queue.
+    for i in 0..20 {
+        publisher
+            .put("V", &format!("old{i}"), format!("v{i}").into_bytes())
+            .await
+            .unwrap();
+    }
+    publisher.destroy("V", "old0").await.unwrap();
+    let policy = tether::client::ReconnectPolicy {
+        delay_initial: Duration::from_millis(100),
+        delay_max: Duration::from_millis(500),
+        ..Default::default()
+    };
+    // Connected clients, reading all along (a subscription reconnects as it is read).
+    let mut readers = Vec::new();
+    for (k, first) in [0, 1, 2].into_iter().enumerate() {
+        let mut sub = builder_over(&c, first)
+            .durable(format!("on{k}"), 300)
+            .redundancy(1)
+            .reconnect(policy.clone())
+            .subscribe([("R".to_string(), Interest::all_keys())])
+            .await
+            .unwrap();
+        readers.push(tokio::spawn(async move {
+            let mut seen = std::collections::HashSet::new();
+            loop {
+                match sub.next().await {
+                    Some(tether::client::ClientEvent::Event(e)) => {
+                        assert!(
+                            seen.insert(e.key.clone()) || e.possible_duplicate,
+                            "{} shown twice without the flag",
+                            e.key
+                        );
+                        if e.key == "end" {
+                            break;
+                        }
+                    }
+                    Some(_) => {}
+                    None => panic!("the subscription ended"),
+                }
+            }
+            sub.close(false).await.unwrap();
+            seen
+        }));
+    }
+    // Away clients (one queue without copies).
+    let away: Vec<(String, u8)> = vec![
+        ("away0".into(), 1),
+        ("away1".into(), 1),
+        ("away2".into(), 1),
+        ("away3".into(), 0),
+    ];
+    for (k, (id, redundancy)) in away.iter().enumerate() {
+        let d = builder_over(&c, k % 3)
+            .durable(id.clone(), 300)
+            .redundancy(*redundancy)
+            .connect()
+            .await
+            .unwrap();
+        d.region("R").register(Interest::all_keys()).await.unwrap();
+        d.close(true).await.unwrap();
+    }
+    // The load: puts through n1 until told to stop; the acknowledged ones are kept.
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let load = tokio::spawn(async move {
+        let mut acked = Vec::new();
+        for i in 0.. {
+            if *stopped.borrow_and_update() {
+                break;
+            }
+            let key = format!("e{i}");
+            if publisher.put("R", &key, b"v".to_vec()).await.is_ok() {
+                acked.push(key);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        (publisher, acked)
+    });
+
+    let admin = builder(c.node(0)).connect().await.unwrap();
+    for name in ["n4", "n5"] {
+        let i = c.grow().await;
+        assert!(c.node(i).joining(), "{name} waits to be added");
+        let members = admin
+            .add_node(name, &c.node(i).addr().to_string())
+            .await
+            .unwrap();
+        assert!(members.iter().any(|m| m == name), "{members:?}");
+        let node = c.node(i);
+        eventually(&format!("{name} joins"), || !node.joining()).await;
+        for k in 1..20 {
+            let v = node.get("V", &format!("old{k}")).unwrap();
+            assert_eq!(
+                v.as_deref(),
+                Some(format!("v{k}").as_bytes()),
+                "{name} old{k}"
+            );
+        }
+        assert_eq!(node.get("V", "old0").unwrap(), None, "{name}");
+        // Undrained once joined.
+        let joined = node.cluster().unwrap().id();
+        let (n1, own) = (c.node(0).cluster().unwrap(), node.cluster().unwrap());
+        eventually(&format!("{name} undrained"), || {
+            [n1, own]
+                .iter()
+                .all(|cl| cl.read(|s| !s.draining.contains(&joined)))
+        })
+        .await;
+    }
+    assert_eq!(member_names(c.node(0)), ["n1", "n2", "n3", "n4", "n5"]);
+    // A new member takes queues: a new queue placed through it...
+    let d = builder_over(&c, 3)
+        .durable("new-on-n4", 300)
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(d.server_addr(), c.node(3).addr());
+    d.close(false).await.unwrap();
+
+    // Retire n2 and n3: drained, then removed.
+    for name in ["n2", "n3"] {
+        let r = admin.drain(name, Some(true)).await.unwrap();
+        assert!(r.draining, "{r:?}");
+    }
+    for name in ["n2", "n3"] {
+        drained(&admin, name).await;
+        admin.remove_node(name).await.unwrap();
+    }
+    assert_eq!(member_names(c.node(0)), ["n1", "n4", "n5"]);
+    // ...and rebalancing moves queues to the new members (away ones, where they hold a copy).
+    eventually("a queue moves to n4 or n5", || {
+        c.node(3).queues().len() + c.node(4).queues().len() > 0
+    })
+    .await;
+    for i in [1, 2] {
+        c.nodes[i].take().unwrap().shutdown().await;
+    }
+
+    stop.send_replace(true);
+    let (publisher, acked) = load.await.unwrap();
+    publisher.put("R", "end", b"v".to_vec()).await.unwrap();
+    eprintln!("{} publishes acknowledged under load", acked.len());
+    assert!(acked.len() > 50, "the load ran: {}", acked.len());
+    for reader in readers {
+        let seen = tokio::time::timeout(Duration::from_secs(60), reader)
+            .await
+            .expect("every connected client gets to the end")
+            .unwrap();
+        let lost: Vec<&String> = acked.iter().filter(|k| !seen.contains(*k)).collect();
+        assert!(lost.is_empty(), "lost: {lost:?}");
+    }
+    for (id, redundancy) in &away {
+        let d = builder_over(&c, 0)
+            .durable(id.clone(), 300)
+            .redundancy(*redundancy)
+            .connect()
+            .await
+            .unwrap();
+        assert_eq!(d.queue_status(), QueueStatus::Resumed, "{id}");
+        d.ready_for_events().await.unwrap();
+        let got = until_live(&mut d.events().unwrap(), "R").await;
+        let mut seen = std::collections::HashSet::new();
+        for e in entries(&got) {
+            assert!(
+                seen.insert(e.key.clone()) || e.possible_duplicate,
+                "{id}: {} shown twice without the flag",
+                e.key
+            );
+        }
+        let lost: Vec<&String> = acked.iter().filter(|k| !seen.contains(*k)).collect();
+        assert!(lost.is_empty(), "{id} lost: {lost:?}");
+        assert!(seen.contains("end"), "{id}");
+        d.close(false).await.unwrap();
+    }
+    admin.close(false).await.unwrap();
+    c.shutdown().await;
+}

@@ -1327,6 +1327,23 @@ impl Client {
         }
     }
 
+    /// Admin, on a cluster: adds node `node_id`, reachable by peers at `addr` (`HOST:PORT`;
+    /// started with `--join`). Returns the members after it, by name. The new member serves
+    /// clients once it has copied the regions' values. See `docs/cluster.md`.
+    pub async fn add_node(&self, node_id: &str, addr: &str) -> Result<Vec<String>, ClientError> {
+        match self
+            .inner
+            .call(RequestBody::AddNode {
+                node_id: node_id.into(),
+                addr: addr.into(),
+            })
+            .await?
+        {
+            ResponseBody::NodeAdded { members, .. } => Ok(members),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Publishes a batch of operations; resolves once the server committed them (or, with
     /// [`ClientBuilder::publish_ack`] replicated, once every matching queue's copies hold them).
     pub async fn publish(&self, ops: Vec<PublishOp>) -> Result<u64, ClientError> {

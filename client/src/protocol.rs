@@ -355,6 +355,14 @@ pub enum RequestBody {
     RemoveNode {
         node_id: String,
     },
+    /// Admin, on a cluster: adds node `node_id`, reachable by peers at `addr` (`HOST:PORT`),
+    /// to the cluster. The node must have been started with `--join` and the cluster's CA; it
+    /// is marked draining until it has copied the regions' values, then takes queues as
+    /// rebalancing moves them. Answered with [`ResponseBody::NodeAdded`].
+    AddNode {
+        node_id: String,
+        addr: String,
+    },
 }
 
 /// A member's drain, as the answering node's cluster metadata says.
@@ -614,6 +622,11 @@ pub enum ResponseBody {
     Drain(DrainReport),
     /// Member `node_id` was removed; `members` are the cluster's members after it, by name.
     NodeRemoved {
+        node_id: String,
+        members: Vec<String>,
+    },
+    /// Member `node_id` was added; `members` are the cluster's members after it, by name.
+    NodeAdded {
         node_id: String,
         members: Vec<String>,
     },

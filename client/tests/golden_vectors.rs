@@ -487,6 +487,17 @@ fn vectors() -> Vec<Vector> {
             request(15, RequestBody::RemoveNode { node_id: s("n3") }),
         ),
         v(
+            "request-add-node",
+            "Admin, on a cluster: adds node n4, started with --join, which peers reach at 10.0.0.4:7400.",
+            request(
+                16,
+                RequestBody::AddNode {
+                    node_id: s("n4"),
+                    addr: s("10.0.0.4:7400"),
+                },
+            ),
+        ),
+        v(
             "ack",
             "Cumulative acknowledgement: every entry up to offset 2 is processed.",
             Msg::Client(ClientMsg::Ack { offset: 2 }),
@@ -748,6 +759,17 @@ fn vectors() -> Vec<Vector> {
                 Ok(ResponseBody::NodeRemoved {
                     node_id: s("n3"),
                     members: vec![s("n1"), s("n2")],
+                }),
+            ),
+        ),
+        v(
+            "response-add-node",
+            "Answer to add-node: n4 is a member, with n1, n2 and n3.",
+            response(
+                16,
+                Ok(ResponseBody::NodeAdded {
+                    node_id: s("n4"),
+                    members: vec![s("n1"), s("n2"), s("n3"), s("n4")],
                 }),
             ),
         ),

@@ -85,6 +85,19 @@ enum ClusterCommand {
         #[arg(value_parser = node_id_arg)]
         node_id: String,
     },
+    /// Add a node to the cluster. Start it first with --join, the cluster's CA and --peer
+    /// listing the members and itself. It is draining until it has copied the regions' values
+    /// from a member, then serves clients and takes queues as rebalancing moves them.
+    AddNode {
+        #[command(flatten)]
+        conn: Conn,
+        /// The new node's node id.
+        #[arg(value_parser = node_id_arg)]
+        node_id: String,
+        /// Where the members reach it: IP:PORT or HOST:PORT.
+        #[arg(value_parser = peer_addr_arg)]
+        addr: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -250,6 +263,11 @@ fn server_name_arg(n: &str) -> Result<String, ArgError> {
 
 fn node_id_arg(id: &str) -> Result<String, tether::config::ConfigError> {
     validate_node_id(id).map(|()| id.to_string())
+}
+
+/// Checks a member's peer address (`IP:PORT` or `HOST:PORT`, as in `--peer`).
+fn peer_addr_arg(addr: &str) -> Result<String, tether::config::ConfigError> {
+    tether::config::parse_peer(&format!("node={addr}")).map(|(_, a)| a)
 }
 
 /// Checks the form of a `--server` list (each entry `HOST:PORT`); names are resolved later,
@@ -898,6 +916,20 @@ async fn run(cmd: Command, settings: Option<Settings>) -> Result<(), Fail> {
             let r = async {
                 let members = c.remove_node(&node_id).await?;
                 emit(json!({"type":"node-removed","node_id":node_id,"members":members}));
+                Ok(())
+            }
+            .await;
+            close_after(c, false, r).await
+        }
+        Command::Cluster(ClusterCommand::AddNode {
+            conn,
+            node_id,
+            addr,
+        }) => {
+            let c = connect(&conn, None, 100).await?;
+            let r = async {
+                let members = c.add_node(&node_id, &addr).await?;
+                emit(json!({"type":"node-added","node_id":node_id,"members":members}));
                 Ok(())
             }
             .await;

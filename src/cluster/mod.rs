@@ -7,9 +7,10 @@
 //! Every node of a new cluster is configured with the same `--peer` list, and the node with
 //! the smallest raft id initializes the group once (openraft's recommended bootstrap: one
 //! node, all voters). A restarted node resumes from its data directory. From then on the
-//! members are the group's membership ([`Cluster::members`]): `tether cluster remove-node`
-//! changes it ([`Cluster::remove_member`]), and the metadata forgets a removed member in the
-//! same step ([`meta::MetaState::forget_members`]).
+//! members are the group's membership ([`Cluster::members`]): `tether cluster add-node` and
+//! `remove-node` change it ([`Cluster::add_member`], [`Cluster::remove_member`]), and the
+//! metadata forgets a removed member in the same step ([`meta::MetaState::forget_members`]).
+//! A node started with `join` never initializes a group: it waits to be added.
 
 pub mod meta;
 pub mod network;
@@ -182,9 +183,46 @@ impl Members {
     }
 }
 
-/// openraft's change that removes voter `node` (and, with `retain` false, the node).
-fn remove_voter(node: NodeId) -> openraft::ChangeMembers<NodeId, PeerNode> {
-    openraft::ChangeMembers::RemoveVoters(BTreeSet::from([node]))
+/// A change of the group's members (`tether cluster add-node` / `remove-node`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MembershipChange {
+    /// Adds the node as a learner (waiting until it caught up with the log), then as a voter.
+    Add(NodeId, PeerNode),
+    /// Removes the voter (and the node).
+    Remove(NodeId),
+}
+
+impl MembershipChange {
+    /// Makes the change on `raft`, which must lead (else the error names the leader), and
+    /// returns the answer to its last step.
+    pub(crate) async fn apply(&self, raft: &Raft) -> network::WriteResult {
+        match self {
+            MembershipChange::Add(id, node) => {
+                // Re-adding a learner or a voter changes nothing.
+                raft.add_learner(*id, node.clone(), true).await?;
+                let voters = BTreeSet::from([*id]);
+                raft.change_membership(openraft::ChangeMembers::AddVoterIds(voters), false)
+                    .await
+            }
+            MembershipChange::Remove(id) => {
+                let ids = BTreeSet::from([*id]);
+                let voter = raft
+                    .metrics()
+                    .borrow()
+                    .membership_config
+                    .membership()
+                    .voter_ids()
+                    .any(|v| v == *id);
+                // A learner (a node whose addition did not finish) is no voter to remove.
+                let change = if voter {
+                    openraft::ChangeMembers::RemoveVoters(ids)
+                } else {
+                    openraft::ChangeMembers::RemoveNodes(ids)
+                };
+                raft.change_membership(change, false).await
+            }
+        }
+    }
 }
 
 /// A running member of the metadata group.
@@ -208,10 +246,13 @@ impl std::fmt::Debug for Cluster {
 
 impl Cluster {
     /// Opens the metadata log in `dir`, joins the group and, on the member with the smallest
-    /// raft id of a never-initialized group, initializes it with every member as a voter.
+    /// raft id of a never-initialized group, initializes it with every member as a voter. A
+    /// node that `join`s a running group never initializes one: it waits for a member to add
+    /// it ([`Cluster::add_member`]).
     pub async fn start(
         me: &str,
         members: Members,
+        join: bool,
         dir: &Path,
         endpoint: quinn::Endpoint,
         peer_client_config: quinn::ClientConfig,
@@ -261,7 +302,7 @@ impl Cluster {
             .is_initialized()
             .await
             .map_err(|e| ClusterError::Fatal(e.to_string()))?;
-        if !initialized && smallest == my_id {
+        if !initialized && !join && smallest == my_id {
             match raft.initialize(members.nodes.clone()).await {
                 Ok(()) => tracing::info!(members = members.nodes.len(), "initialized the cluster"),
                 Err(openraft::error::RaftError::APIError(
@@ -291,6 +332,18 @@ impl Cluster {
         Arc::clone(&self.members.borrow())
     }
 
+    /// Whether the group's membership, as this node knows it, includes this node (a node
+    /// started with `join` is not in the group until a member adds it).
+    pub fn in_group(&self) -> bool {
+        self.raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .get_node(&self.me)
+            .is_some()
+    }
+
     /// The members, changed whenever an applied membership changes them.
     pub fn members_changes(&self) -> tokio::sync::watch::Receiver<Arc<Members>> {
         self.members.clone()
@@ -298,17 +351,41 @@ impl Cluster {
 
     /// Removes member `node` from the group (through the leader: a joint membership, then one
     /// without it). The metadata forgets it as the change applies. Refused when `node` is not
-    /// a voter or would be the last one; a change already in progress is waited out and retried
-    /// until [`network::FORWARD_TIMEOUT_MS`].
+    /// a voter or would be the last one.
     pub async fn remove_member(&self, node: NodeId) -> Result<(), ClusterError> {
+        self.change_members(MembershipChange::Remove(node)).await
+    }
+
+    /// Adds `node` to the group as a voter (through the leader: first as a learner that has
+    /// caught up with the log, then a voter). Adding a member again changes nothing.
+    pub async fn add_member(&self, id: NodeId, node: PeerNode) -> Result<(), ClusterError> {
+        let members = self.members();
+        if let Some(m) = members.nodes.get(&id)
+            && m.name != node.name
+        {
+            return Err(ClusterError::Membership(format!(
+                "node names {} and {} hash to the same id; rename one",
+                node.name, m.name
+            )));
+        }
+        if !members.nodes.contains_key(&id) && members.nodes.len() >= CLUSTER_NODES_MAX {
+            return Err(ClusterError::Membership(format!(
+                "the cluster has {} members already (at most {CLUSTER_NODES_MAX})",
+                members.nodes.len()
+            )));
+        }
+        self.change_members(MembershipChange::Add(id, node)).await
+    }
+
+    /// Makes `change` through the leader (forwarded with [`PeerRequest::ChangeMembers`] when
+    /// this node does not lead). A change already in progress is waited out and retried until
+    /// [`network::FORWARD_TIMEOUT_MS`].
+    async fn change_members(&self, change: MembershipChange) -> Result<(), ClusterError> {
         let deadline = Instant::now() + Duration::from_millis(network::FORWARD_TIMEOUT_MS);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             // Committing the change needs a majority of the members before and after it.
-            let Ok(changed) =
-                tokio::time::timeout(left, self.raft.change_membership(remove_voter(node), false))
-                    .await
-            else {
+            let Ok(changed) = tokio::time::timeout(left, change.apply(&self.raft)).await else {
                 return Err(ClusterError::NoLeader(network::FORWARD_TIMEOUT_MS));
             };
             let result = match changed {
@@ -324,7 +401,7 @@ impl Cluster {
                                 .map_or(leader.addr.clone(), |n| n.addr.clone());
                             match self
                                 .pool
-                                .call(id, &addr, PeerRequest::RemoveMember(node), left)
+                                .call(id, &addr, PeerRequest::ChangeMembers(change.clone()), left)
                                 .await
                             {
                                 Ok(PeerResponse::Write(Ok(_))) => return Ok(()),

@@ -71,9 +71,18 @@ pub enum PeerRequest {
     InstallSnapshot(InstallSnapshotRequest<TypeConfig>),
     /// A metadata command forwarded to the node believed to lead.
     Write(MetaCommand),
-    /// Removes a member from the group (`tether cluster remove-node`), forwarded to the node
-    /// believed to lead; answered like [`PeerRequest::Write`].
-    RemoveMember(NodeId),
+    /// A change of the group's members (`tether cluster add-node` / `remove-node`), forwarded
+    /// to the node believed to lead; answered like [`PeerRequest::Write`].
+    ChangeMembers(super::MembershipChange),
+    /// How far member `peer` has applied the receiver's publish log, once the receiver
+    /// forwards to it (a joining member asks every member before it copies the regions). Answered with
+    /// [`PeerResponse::ForwardCursor`].
+    ForwardCursor(String),
+    /// A page of the receiver's regions, from the first key after `after` (a joining member
+    /// copies them). Answered with [`PeerResponse::Regions`].
+    Regions {
+        after: Option<(String, String)>,
+    },
     /// Publishes made on node `origin`, in its publish-log order: each is (offset in the
     /// origin's publish log, the publish). The receiver applies each once (it remembers the
     /// highest offset applied per origin) and in order.
@@ -165,7 +174,8 @@ pub struct ForwardedPublish {
     pub ops: Vec<PublishOp>,
 }
 
-type WriteResult =
+/// The answer to a metadata write or a membership change.
+pub type WriteResult =
     Result<ClientWriteResponse<TypeConfig>, RaftError<NodeId, ClientWriteError<NodeId, PeerNode>>>;
 
 /// The answer to a [`PeerRequest`].
@@ -209,6 +219,23 @@ pub enum PeerResponse {
     Pong,
     /// The answer to a [`PeerRequest::ListQueues`].
     Queues(crate::admin::Page),
+    /// The answer to a [`PeerRequest::ForwardCursor`]: how far the peer has applied this
+    /// node's publish log (None: this node does not forward to it yet).
+    ForwardCursor(Option<u64>),
+    /// The answer to a [`PeerRequest::Regions`].
+    Regions(RegionsPage),
+}
+
+/// A page of a node's regions, for a joining member.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RegionsPage {
+    /// (region, key, value as stored), in the store's order.
+    pub entries: Vec<(String, String, serde_bytes::ByteBuf)>,
+    /// More follow: ask again after the last entry.
+    pub more: bool,
+    /// On the first page (`after` None) only: per origin member, how far this node had applied
+    /// its publishes before the page was read (every later page holds at least that much).
+    pub applied: std::collections::BTreeMap<String, u64>,
 }
 
 /// Where a node applies the publishes its peers forward to it (the server implements it).
@@ -228,6 +255,15 @@ pub trait PublishSink: Send + Sync + 'static {
     fn replicate(
         &self,
         msg: ReplicateMsg,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>>;
+
+    /// How far `peer` has applied this node's publish log, once this node forwards to it.
+    fn forward_cursor(&self, peer: &str) -> Option<u64>;
+
+    /// A page of this node's regions after `after` (see [`PeerRequest::Regions`]).
+    fn regions(
+        &self,
+        after: Option<(String, String)>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>>;
 
     /// This node's page of an admin queue listing.
@@ -288,7 +324,9 @@ pub fn check_sender(peer: &PeerIdentity, request: &PeerRequest) -> Result<(), Se
         }),
         PeerRequest::Replicate(m) => claimed("queue replication", Some(m.from)),
         PeerRequest::Write(_)
-        | PeerRequest::RemoveMember(_)
+        | PeerRequest::ChangeMembers(_)
+        | PeerRequest::ForwardCursor(_)
+        | PeerRequest::Regions { .. }
         | PeerRequest::Ping
         | PeerRequest::ListQueues(_) => Ok(()),
     }
@@ -782,13 +820,24 @@ async fn dispatch(
             Ok(()) => PeerResponse::Write(raft.client_write(cmd).await),
             Err(e) => PeerResponse::BadRequest(format!("metadata command refused: {e}")),
         },
-        PeerRequest::RemoveMember(node) => PeerResponse::Write(
-            raft.change_membership(
-                openraft::ChangeMembers::RemoveVoters(std::collections::BTreeSet::from([node])),
-                false,
-            )
-            .await,
-        ),
+        PeerRequest::ChangeMembers(change) => {
+            // Adding a learner waits for it to catch up, however long: not past the caller.
+            let wait = std::time::Duration::from_millis(FORWARD_TIMEOUT_MS);
+            match tokio::time::timeout(wait, change.apply(raft)).await {
+                Ok(r) => PeerResponse::Write(r),
+                Err(_) => PeerResponse::BadRequest(format!(
+                    "the membership change did not complete within {FORWARD_TIMEOUT_MS} ms (a new member not reachable, or not catching up?)"
+                )),
+            }
+        }
+        PeerRequest::ForwardCursor(peer) => match sink {
+            Some(sink) => PeerResponse::ForwardCursor(sink.forward_cursor(&peer)),
+            None => PeerResponse::ForwardCursor(None),
+        },
+        PeerRequest::Regions { after } => match sink {
+            Some(sink) => sink.regions(after).await,
+            None => PeerResponse::BadRequest("this node serves no regions".into()),
+        },
         PeerRequest::Publish {
             origin,
             entries,

@@ -195,6 +195,11 @@ fn not_ready_reasons(shared: &Shared) -> Vec<String> {
         if cluster.leader().is_none() {
             reasons.push("no cluster metadata leader known".into());
         }
+        if !*shared.member.joined.borrow() {
+            reasons.push(
+                "joining the cluster: not added yet, or the regions' values not copied yet".into(),
+            );
+        }
     }
     reasons
 }

@@ -350,6 +350,12 @@ fn admit(
         // Stopping: the client tries its next server.
         return Err(WireError::new(ErrorCode::Shutdown, "the node is stopping"));
     }
+    if !*shared.member.joined.borrow() {
+        return Err(WireError::new(
+            ErrorCode::Unavailable,
+            "this node is joining the cluster: it serves clients once it holds the regions' values; try another member",
+        ));
+    }
     if version != PROTOCOL_VERSION {
         let msg = format!(
             "unsupported protocol version {version}; this server speaks {PROTOCOL_VERSION}"
@@ -1174,7 +1180,8 @@ fn authorize(
         | RequestBody::ListQueuesPage(_)
         | RequestBody::CloseDurable { .. }
         | RequestBody::Drain { .. }
-        | RequestBody::RemoveNode { .. } => auth.check(p, Access::Admin),
+        | RequestBody::RemoveNode { .. }
+        | RequestBody::AddNode { .. } => auth.check(p, Access::Admin),
         RequestBody::Ready | RequestBody::Close { .. } | RequestBody::ReplayRate { .. } => Ok(()),
     }
 }
@@ -1236,6 +1243,7 @@ async fn request(
         }
         RequestBody::Drain { node_id, draining } => drain(shared, &node_id, draining).await,
         RequestBody::RemoveNode { node_id } => remove_node(shared, &node_id).await,
+        RequestBody::AddNode { node_id, addr } => add_node(shared, &node_id, &addr).await,
         RequestBody::Close { keepalive } => {
             if keepalive {
                 shared.wait_acks_durable(session).await?;
@@ -1252,18 +1260,8 @@ async fn drain(
     name: &str,
     draining: Option<bool>,
 ) -> Result<ResponseBody, WireError> {
-    let Some(cluster) = shared.member.cluster.get() else {
-        return Err(WireError::new(
-            ErrorCode::InvalidArgument,
-            "this node is not a cluster member: there is nothing to drain",
-        ));
-    };
-    let Some(node) = cluster.members().id_of(name) else {
-        return Err(WireError::new(
-            ErrorCode::InvalidArgument,
-            format!("{name:?} is not a member of this cluster"),
-        ));
-    };
+    let cluster = admin_cluster(shared, "there is nothing to drain")?;
+    let node = member_id(cluster, name)?;
     if let Some(draining) = draining {
         let cmd = crate::cluster::meta::MetaCommand::SetDraining { node, draining };
         cluster
@@ -1289,22 +1287,39 @@ async fn drain(
     Ok(ResponseBody::Drain(report))
 }
 
+/// The cluster of this node, for an admin command about its members; refused on a node that
+/// is not a member of one (`why`: what that means for the command).
+fn admin_cluster<'a>(
+    shared: &'a Shared,
+    why: &str,
+) -> Result<&'a Arc<crate::cluster::Cluster>, WireError> {
+    shared.member.cluster.get().ok_or_else(|| {
+        WireError::new(
+            ErrorCode::InvalidArgument,
+            format!("this node is not a cluster member: {why}"),
+        )
+    })
+}
+
+/// The raft id of member `name`; refused if it is not one.
+fn member_id(
+    cluster: &crate::cluster::Cluster,
+    name: &str,
+) -> Result<crate::cluster::meta::NodeId, WireError> {
+    cluster.members().id_of(name).ok_or_else(|| {
+        WireError::new(
+            ErrorCode::InvalidArgument,
+            format!("{name:?} is not a member of this cluster"),
+        )
+    })
+}
+
 /// `tether cluster remove-node`: marks member `name` draining (so nothing new goes to it),
 /// refuses while the metadata still makes it the primary of a queue, then removes it from the
 /// group; the metadata forgets it as the change applies (`MetaState::forget_members`).
 async fn remove_node(shared: &Arc<Shared>, name: &str) -> Result<ResponseBody, WireError> {
-    let Some(cluster) = shared.member.cluster.get() else {
-        return Err(WireError::new(
-            ErrorCode::InvalidArgument,
-            "this node is not a cluster member: there is no member to remove",
-        ));
-    };
-    let Some(node) = cluster.members().id_of(name) else {
-        return Err(WireError::new(
-            ErrorCode::InvalidArgument,
-            format!("{name:?} is not a member of this cluster"),
-        ));
-    };
+    let cluster = admin_cluster(shared, "there is no member to remove")?;
+    let node = member_id(cluster, name)?;
     let unavailable = super::placement::metadata_unavailable;
     let draining = crate::cluster::meta::MetaCommand::SetDraining {
         node,
@@ -1343,6 +1358,61 @@ async fn remove_node(shared: &Arc<Shared>, name: &str) -> Result<ResponseBody, W
     members.sort();
     Ok(ResponseBody::NodeRemoved {
         node_id: name.to_string(),
+        members,
+    })
+}
+
+/// `tether cluster add-node`: marks node `name` draining (no queue goes to it before it holds
+/// the regions' values; it undrains itself once it does, `join.rs`), then adds it to the group.
+/// Adding a member again answers as the first time.
+async fn add_node(shared: &Arc<Shared>, name: &str, addr: &str) -> Result<ResponseBody, WireError> {
+    let cluster = admin_cluster(shared, "there is no cluster to add a node to")?;
+    let (name, addr) = crate::config::parse_peer(&format!("{name}={addr}"))
+        .map_err(|e| WireError::new(ErrorCode::InvalidArgument, e.to_string()))?;
+    let node = crate::cluster::meta::raft_id(&name);
+    let unavailable = super::placement::metadata_unavailable;
+    // Refused before anything is written: the draining mark below would fall on the other.
+    if let Some(other) = cluster.members().nodes.get(&node)
+        && other.name != name
+    {
+        return Err(WireError::new(
+            ErrorCode::Refused,
+            format!(
+                "cannot add {name}: its raft id is member {}'s; choose another name",
+                other.name
+            ),
+        ));
+    }
+    if cluster.members().id_of(&name).is_none() {
+        let draining = crate::cluster::meta::MetaCommand::SetDraining {
+            node,
+            draining: true,
+        };
+        cluster.write(draining).await.map_err(unavailable)?;
+    }
+    let peer = crate::cluster::PeerNode {
+        name: name.clone(),
+        addr,
+    };
+    cluster.add_member(node, peer).await.map_err(|e| match e {
+        crate::cluster::ClusterError::Membership(why) => {
+            WireError::new(ErrorCode::Refused, format!("cannot add {name}: {why}"))
+        }
+        e => unavailable(e),
+    })?;
+    tracing::info!(node = name, "member added");
+    // The change is applied on the leader; this node's view may be a moment behind.
+    let mut members: Vec<String> = cluster
+        .members()
+        .nodes
+        .values()
+        .map(|n| n.name.clone())
+        .chain(std::iter::once(name.clone()))
+        .collect();
+    members.sort();
+    members.dedup();
+    Ok(ResponseBody::NodeAdded {
+        node_id: name,
         members,
     })
 }

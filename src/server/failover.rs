@@ -584,6 +584,15 @@ pub(crate) async fn detect_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
     let mut interval = tokio::time::interval(Duration::from_millis(PING_INTERVAL_MS));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        // A joining node watches no one until it has joined (its peers refuse it until they
+        // know it as a member): then every member is new to it.
+        if weak.upgrade().is_none_or(|s| !*s.member.joined.borrow()) {
+            if weak.strong_count() == 0 {
+                return;
+            }
+            interval.tick().await;
+            continue;
+        }
         // The members as they are now: a member new to this loop is watched from now on (as
         // if it had just answered), a removed one no more.
         let now_members: Vec<NodeId> = cluster

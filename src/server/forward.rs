@@ -708,6 +708,29 @@ pub(crate) async fn set_peers(s: &Arc<Shared>, members: &Members) -> Vec<(String
 pub(crate) struct PeerInbox(pub(crate) Weak<Shared>);
 
 impl PublishSink for PeerInbox {
+    fn forward_cursor(&self, peer: &str) -> Option<u64> {
+        let s = self.0.upgrade()?;
+        let f = s.member.forwarding.as_ref()?;
+        f.forwards_to(peer).then(|| f.sent(peer))
+    }
+
+    fn regions(
+        &self,
+        after: Option<(String, String)>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>> {
+        Box::pin(async move {
+            let Some(s) = self.0.upgrade() else {
+                return PeerResponse::BadRequest("node stopping".into());
+            };
+            if !*s.member.joined.borrow() {
+                return PeerResponse::BadRequest(
+                    "this node is joining the cluster itself: it has no regions to give".into(),
+                );
+            }
+            super::join::regions_page(&s, after).await
+        })
+    }
+
     fn list_queues(
         &self,
         query: crate::admin::ListQuery,
@@ -740,6 +763,15 @@ impl PublishSink for PeerInbox {
                     reason: "not clustered".into(),
                 };
             };
+            // A joining node applies forwarded publishes only on top of the regions it copies
+            // (`join.rs`), from where that copy stands.
+            if !*s.member.joined.borrow() {
+                return PeerResponse::PublishDeferred {
+                    through: 0,
+                    reason: "this node is joining the cluster: it has not copied the regions yet"
+                        .into(),
+                };
+            }
             s.recent_forwards().origin_floor(&origin, floor);
             let deadline = tokio::time::Instant::now() + Duration::from_millis(FORWARD_GAP_WAIT_MS);
             let (mut applied, mut done) = loop {
@@ -885,6 +917,61 @@ pub(crate) struct Origin<'a> {
     pub(crate) node: &'a str,
     pub(crate) offset: Offset,
     pub(crate) ids: EventOrigin,
+}
+
+/// How far this node has applied the publish log of each of `origins` (a region copy for a
+/// joining member starts there).
+pub(crate) async fn applied_of(
+    s: &Shared,
+    origins: impl Iterator<Item = String>,
+) -> std::collections::BTreeMap<String, Offset> {
+    let Some(f) = &s.member.forwarding else {
+        return Default::default();
+    };
+    let applied = f.applied.lock().await;
+    origins
+        .map(|o| {
+            let at = match applied.get(&o) {
+                Some(a) => *a,
+                None => read_u64(&*s.store, &applied_key(&o)).unwrap_or(0),
+            };
+            (o, at)
+        })
+        .collect()
+}
+
+/// A joining node copied the regions holding each origin's publishes up to `applied`: records
+/// that (with `done`, the batch that says the join is finished) and starts applying forwarded
+/// publishes after it. Serialized with forwarded applies, which a joining node refuses until
+/// then.
+pub(crate) async fn joined_at(
+    s: &Arc<Shared>,
+    applied: &std::collections::BTreeMap<String, Offset>,
+    mut done: Batch,
+) -> Result<(), WireError> {
+    let Some(f) = &s.member.forwarding else {
+        return Err(WireError::new(ErrorCode::Internal, "not clustered"));
+    };
+    let mut held = f.applied.lock().await;
+    for (origin, at) in applied {
+        let (k, v) = applied_marker(origin, *at);
+        done.state_put(&k, v);
+    }
+    match s.writer.submit(done, None).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(WireError::new(ErrorCode::Internal, e.to_string())),
+        Err(_) => return Err(WireError::new(ErrorCode::Shutdown, "node stopping")),
+    }
+    for (origin, at) in applied {
+        held.insert(origin.clone(), *at);
+        let mut t = s.member.applied_through.lock_or_stop();
+        let e = t.entry(origin.clone()).or_insert(0);
+        *e = (*e).max(*at);
+    }
+    s.member.joined.send_replace(true);
+    drop(held);
+    f.applied_changed.notify_waiters();
+    Ok(())
 }
 
 /// The state key and value recording that `origin`'s publish `offset` is applied.

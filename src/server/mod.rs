@@ -19,6 +19,7 @@ mod copies;
 mod failover;
 mod forward;
 mod image;
+mod join;
 mod locks;
 mod low_priority;
 mod placement;
@@ -88,6 +89,8 @@ pub enum NodeError {
         "a clustered node needs an explicit node id (--node-id), the name its peers know it by"
     )]
     ClusterWithoutNodeId,
+    #[error("--join needs the members to join: give --peer (the members and this node)")]
+    JoinWithoutPeers,
     #[error("auth.client-crl revokes client certificates: it needs auth.client-ca")]
     CrlWithoutClientCa,
     #[error("auth.client-crl: {0}")]
@@ -206,6 +209,9 @@ pub(crate) struct Member {
     /// Set once this node's metadata holds everything committed before it started (clustered
     /// nodes serve durable clients only then; see `failover::catch_up`).
     pub(crate) meta_caught_up: watch::Sender<bool>,
+    /// False while this node joins a running cluster and has not copied the regions' values
+    /// yet: it serves no client and applies no forwarded publish until then (`join.rs`).
+    pub(crate) joined: watch::Sender<bool>,
 }
 
 impl Shared {
@@ -1053,6 +1059,8 @@ struct Recovered {
     copies: copies::Copies,
     recent: failover::RecentForwards,
     forwarding: Option<forward::Forwarding>,
+    /// This node joins a running cluster and has not copied its regions yet (`join.rs`).
+    joining: bool,
 }
 
 /// Rebuilds the core, the copies held here and (on a clustered node) the recent publishes and
@@ -1105,11 +1113,13 @@ fn recover(
     } else {
         None
     };
+    let joining = clustered && config.join && !join::joined(&**store)?;
     Ok(Recovered {
         core,
         copies,
         recent,
         forwarding,
+        joining,
     })
 }
 
@@ -1246,6 +1256,7 @@ impl Shared {
                 recent: Mutex::new(recovered.recent),
                 applied_through: Mutex::new(Default::default()),
                 meta_caught_up: watch::channel(false).0,
+                joined: watch::channel(!recovered.joining).0,
             },
         }
     }
@@ -1295,6 +1306,9 @@ impl Node {
         if clustered && config.node_id.is_none() {
             return Err(NodeError::ClusterWithoutNodeId);
         }
+        if config.join && !clustered {
+            return Err(NodeError::JoinWithoutPeers);
+        }
         let tls = NodeTls::set_up(&config, &data_dir, clustered)?;
         let server_config = tls.setup.server_config(&tls.crls)?;
         let recovered = recover(&config, &store, &node_id, clock.now_ms(), clustered)?;
@@ -1332,12 +1346,19 @@ impl Node {
             let cluster = Cluster::start(
                 &shared.node_id,
                 members,
+                config.join,
                 &data_dir.join(RAFT_DIR),
                 endpoint.clone(),
                 tls::peer_client_config(&tls.files)?,
             )
             .await?;
             tasks.extend(spawn_cluster_tasks(&shared, &cluster, config.rebalance));
+            if !*shared.member.joined.borrow() {
+                tasks.push(tokio::spawn(join::join_loop(
+                    Arc::downgrade(&shared),
+                    cluster.clone(),
+                )));
+            }
             let _ = shared.member.cluster.set(cluster);
         }
         tasks.push(tokio::spawn(conn::accept_loop(
@@ -1428,6 +1449,12 @@ impl Node {
         let s = &self.shared.stats;
         let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
         (load(&s.seen_flags_raised), load(&s.seen_diverged))
+    }
+
+    /// Whether this node is still joining a running cluster (`--join`): added or waiting to
+    /// be, it has not copied the regions' values yet and serves no client.
+    pub fn joining(&self) -> bool {
+        !*self.shared.member.joined.borrow()
     }
 
     /// The metadata group handle, on a clustered node.

@@ -498,6 +498,46 @@ pub fn regions_isolated(make: MakeStore<'_>) {
     b.region_put(&max, "k", b"v".to_vec());
     write(&*s, &b);
     assert_eq!(s.region_get(&max, "k").unwrap(), Some(b"v".to_vec()));
+    // Every key of every region, in pages that resume after the last key seen: each key once,
+    // with its value, whatever the page size.
+    let mut want: Vec<(String, String, Vec<u8>)> = Vec::new();
+    for r in ["", "a", "ab", "b", max.as_str()] {
+        s.region_scan(r, None, &mut |k, v| {
+            want.push((r.to_owned(), k.to_owned(), v.to_vec()));
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+    }
+    for page in [1, 2, 3, 100] {
+        let mut got: Vec<(String, String, Vec<u8>)> = Vec::new();
+        loop {
+            let last = got.last().map(|(r, k, _)| (r.clone(), k.clone()));
+            let mut n = 0;
+            s.regions_scan(
+                last.as_ref().map(|(r, k)| (r.as_str(), k.as_str())),
+                &mut |r, k, v| {
+                    got.push((r.to_owned(), k.to_owned(), v.to_vec()));
+                    n += 1;
+                    if n == page {
+                        ControlFlow::Break(())
+                    } else {
+                        ControlFlow::Continue(())
+                    }
+                },
+            )
+            .unwrap();
+            if n < page {
+                break;
+            }
+        }
+        let mut sorted = got.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), got.len(), "a key seen twice, pages of {page}");
+        let mut w = want.clone();
+        w.sort();
+        assert_eq!(sorted, w, "pages of {page}");
+    }
 }
 
 /// Node-state put/get/overwrite.

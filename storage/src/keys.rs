@@ -169,6 +169,21 @@ pub fn region_key(region: &str, key: &str) -> Result<Vec<u8>, StorageError> {
     Ok(k)
 }
 
+/// The region and key of a `regions` key ([`region_key`]).
+pub fn split_region_key(k: &[u8]) -> Result<(&str, &str), StorageError> {
+    let corrupt = || StorageError::Corrupt(format!("region key {k:02x?} is not (region, key)"));
+    let len = k
+        .get(..2)
+        .map(|b| usize::from(u16::from_be_bytes([b[0], b[1]])))
+        .ok_or_else(corrupt)?;
+    let region = k.get(2..2 + len).ok_or_else(corrupt)?;
+    let key = &k[2 + len..];
+    Ok((
+        std::str::from_utf8(region).map_err(|_| corrupt())?,
+        std::str::from_utf8(key).map_err(|_| corrupt())?,
+    ))
+}
+
 /// The smallest byte string greater than every string starting with `prefix`, or `None`
 /// when there is none (prefix empty or all `0xFF`).
 pub fn prefix_successor(prefix: &[u8]) -> Option<Vec<u8>> {

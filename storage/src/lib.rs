@@ -63,6 +63,9 @@ pub use rocks::{
     STORAGE_FORMAT_OLDEST,
 };
 
+/// Visits one region entry of [`Store::regions_scan`]: (region, key, value as stored).
+pub type RegionVisitor<'a> = dyn FnMut(&str, &str, &[u8]) -> ControlFlow<()> + 'a;
+
 /// A queue log + metadata + region + node-state store. Synchronous; implementations are
 /// shared between threads.
 pub trait Store: Send + Sync + 'static {
@@ -93,6 +96,14 @@ pub trait Store: Send + Sync + 'static {
         region: &str,
         after: Option<&str>,
         visit: &mut dyn FnMut(&str, &[u8]) -> ControlFlow<()>,
+    ) -> Result<(), StorageError>;
+    /// Visits every key of every region, in the store's own order of (region, key), from the
+    /// first after `after` (from the first of all when None), until `visit` breaks. Resuming
+    /// after the last key visited goes on where a scan stopped (a paged copy of the regions).
+    fn regions_scan(
+        &self,
+        after: Option<(&str, &str)>,
+        visit: &mut RegionVisitor<'_>,
     ) -> Result<(), StorageError>;
     /// Value of a node-state key, None if absent.
     fn state_get(&self, key: &str) -> Result<Option<Vec<u8>>, StorageError>;

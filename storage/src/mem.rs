@@ -198,6 +198,32 @@ impl Store for MemStore {
             .cloned())
     }
 
+    fn regions_scan(
+        &self,
+        after: Option<(&str, &str)>,
+        visit: &mut crate::RegionVisitor<'_>,
+    ) -> Result<(), StorageError> {
+        use std::ops::Bound;
+        let from = match after {
+            Some((r, k)) => Bound::Excluded((r.to_owned(), k.to_owned())),
+            None => Bound::Unbounded,
+        };
+        let items: Vec<((String, String), Vec<u8>)> = {
+            let inner = self.lock()?;
+            inner
+                .regions
+                .range((from, Bound::Unbounded))
+                .map(|(rk, v)| (rk.clone(), v.clone()))
+                .collect()
+        };
+        for ((r, k), v) in &items {
+            if visit(r, k, v).is_break() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
     fn region_scan(
         &self,
         region: &str,

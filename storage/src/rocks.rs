@@ -476,6 +476,32 @@ impl Store for RocksStore {
         Ok(())
     }
 
+    fn regions_scan(
+        &self,
+        after: Option<(&str, &str)>,
+        visit: &mut crate::RegionVisitor<'_>,
+    ) -> Result<(), StorageError> {
+        let mut it = self.db.raw_iterator_cf(self.cf(CF_REGIONS)?);
+        match after {
+            // The first key after it is at least it followed by a zero byte.
+            Some((region, key)) => {
+                let mut k = keys::region_key(region, key)?;
+                k.push(0);
+                it.seek(&k);
+            }
+            None => it.seek_to_first(),
+        }
+        while let Some((k, v)) = it.item() {
+            let (region, key) = keys::split_region_key(k)?;
+            if visit(region, key, v).is_break() {
+                return Ok(());
+            }
+            it.next();
+        }
+        it.status()?;
+        Ok(())
+    }
+
     fn state_get(&self, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
         keys::check_key(key)?;
         Ok(self.db.get_cf(self.cf(CF_STATE)?, key.as_bytes())?)

@@ -16,18 +16,20 @@ pub use super::ports::free_ports;
 /// Data dirs sharing one cluster CA: each node signs its own certificate with it at start.
 pub fn cluster_dirs(n: usize) -> Vec<tempfile::TempDir> {
     let dirs: Vec<tempfile::TempDir> = (0..n).map(|_| tempfile::tempdir().unwrap()).collect();
-    let first = tls::ensure_dev_certs(&dirs[0].path().join("tls")).unwrap();
+    tls::ensure_dev_certs(&dirs[0].path().join("tls")).unwrap();
     for d in &dirs[1..] {
-        let t = d.path().join("tls");
-        std::fs::create_dir_all(&t).unwrap();
-        std::fs::copy(&first.ca, t.join(tls::CA_CERT_FILE)).unwrap();
-        std::fs::copy(
-            first.ca.with_file_name(tls::CA_KEY_FILE),
-            t.join(tls::CA_KEY_FILE),
-        )
-        .unwrap();
+        share_ca(dirs[0].path(), d.path());
     }
     dirs
+}
+
+/// Gives data dir `to` the cluster CA of data dir `from`.
+pub fn share_ca(from: &Path, to: &Path) {
+    let (from, to) = (from.join("tls"), to.join("tls"));
+    std::fs::create_dir_all(&to).unwrap();
+    for file in [tls::CA_CERT_FILE, tls::CA_KEY_FILE] {
+        std::fs::copy(from.join(file), to.join(file)).unwrap();
+    }
 }
 
 pub fn node_config(dir: &Path, name: &str, port: u16, peers: &[(String, String)]) -> ServerConfig {
@@ -50,6 +52,8 @@ pub struct TestCluster {
     pub auth: Option<tether::auth::AuthConfig>,
     /// Applied to every node's configuration last (a test's own settings).
     pub tweak: fn(&mut ServerConfig),
+    /// Nodes from this index on were added to the running cluster ([`TestCluster::grow`]).
+    pub first_joined: usize,
 }
 
 impl TestCluster {
@@ -95,6 +99,7 @@ impl TestCluster {
             limits,
             auth,
             tweak,
+            first_joined: n,
         };
         for i in 0..n {
             let node = c.boot(i).await;
@@ -116,6 +121,7 @@ impl TestCluster {
             );
             cfg.limits = self.limits.clone();
             cfg.auth = self.auth.clone();
+            cfg.join = i >= self.first_joined;
             (self.tweak)(&mut cfg);
             match Node::start(cfg).await {
                 Ok(node) => return node,
@@ -127,6 +133,23 @@ impl TestCluster {
                 Err(e) => panic!("node {i} starts: {e}"),
             }
         }
+    }
+
+    /// Starts one more node (`--join`, the cluster's CA, the members as its peers) and returns
+    /// its index; a member adds it (`tether cluster add-node`).
+    pub async fn grow(&mut self) -> usize {
+        let i = self.names.len();
+        let dir = tempfile::tempdir().unwrap();
+        share_ca(self.dirs[0].path(), dir.path());
+        let port = free_ports(1)[0];
+        let name = format!("n{}", i + 1);
+        self.peers.push((name.clone(), format!("127.0.0.1:{port}")));
+        self.names.push(name);
+        self.ports.push(port);
+        self.dirs.push(dir);
+        let node = self.boot(i).await;
+        self.nodes.push(Some(node));
+        i
     }
 
     pub fn node(&self, i: usize) -> &Node {

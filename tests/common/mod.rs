@@ -400,6 +400,13 @@ macro_rules! store_passthrough {
         ) -> Result<(), tether_storage::StorageError> {
             self.$inner.region_scan(region, after, visit)
         }
+        fn regions_scan(
+            &self,
+            after: Option<(&str, &str)>,
+            visit: &mut tether_storage::RegionVisitor<'_>,
+        ) -> Result<(), tether_storage::StorageError> {
+            self.$inner.regions_scan(after, visit)
+        }
         fn flush(&self) -> Result<(), tether_storage::StorageError> {
             self.$inner.flush()
         }
