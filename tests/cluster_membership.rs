@@ -456,3 +456,17 @@ async fn a_cluster_grows_to_five_and_retires_two_under_load_losing_nothing() {
     admin.close(false).await.unwrap();
     c.shutdown().await;
 }
+
+/// `--join` without the members to join is refused at start, saying what is missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joining_without_peers_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = tether::config::ServerConfig::ephemeral(dir.path());
+    cfg.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.node_id = Some("n4".into());
+    cfg.join = true;
+    match Node::start(cfg).await {
+        Err(e) => assert!(e.to_string().contains("--join needs"), "{e}"),
+        Ok(_) => panic!("a node joining nothing started"),
+    }
+}

@@ -402,8 +402,7 @@ impl Forwarding {
     ) -> Replication {
         let unconfirmed = self.unconfirmed.lock_or_stop();
         let mut r = Replication::default();
-        for (name, id) in self.peers() {
-            let (name, id) = (&name, &id);
+        for (name, id) in &self.peers() {
             let into = if self.sent(name) < offset {
                 if is_live(*id) {
                     &mut r.pending
@@ -675,9 +674,6 @@ pub(crate) async fn set_peers(s: &Arc<Shared>, members: &Members) -> Vec<(String
         for name in &gone {
             sent.remove(name);
         }
-        f.unconfirmed
-            .lock_or_stop()
-            .retain(|name, _| !gone.contains(name));
         *peers = next;
         // With no peer left, nothing is kept for anyone.
         let min = sent
@@ -687,6 +683,10 @@ pub(crate) async fn set_peers(s: &Arc<Shared>, members: &Members) -> Vec<(String
             .unwrap_or_else(|| f.log_end.load(Ordering::SeqCst));
         (added, gone, min)
     };
+    // Not under `sent`: `replication_of` takes `unconfirmed` before `sent`.
+    f.unconfirmed
+        .lock_or_stop()
+        .retain(|name, _| !gone.contains(name));
     for name in &gone {
         tracing::info!(peer = %name, "no longer a member: publishes are not kept for it");
     }
