@@ -347,6 +347,11 @@ pub struct ServerConfig {
     /// [`REPLICATED_ACK_TIMEOUT_MS`](crate::limits::REPLICATED_ACK_TIMEOUT_MS); tests shorten
     /// it. Not read from the configuration file or the command line.
     pub replicated_ack_timeout_ms: u64,
+    /// The peer protocol versions this node speaks, offered when it dials a member and when
+    /// it is dialed: [`PEER_PROTOCOL_VERSION_OLDEST`](tether_transport::PEER_PROTOCOL_VERSION_OLDEST)`..=`[`PEER_PROTOCOL_VERSION`](tether_transport::PEER_PROTOCOL_VERSION)
+    /// in production; tests of a mixed-version cluster make a node of the previous build
+    /// speak fewer. Not read from the configuration file or the command line.
+    pub peer_protocol_versions: std::ops::RangeInclusive<u32>,
 }
 
 /// Default of [`ServerConfig::metrics_top_queues`].
@@ -395,6 +400,8 @@ impl Default for ServerConfig {
             metrics_top_queues: METRICS_TOP_QUEUES_DEFAULT,
             clock_offset_ms: 0,
             replicated_ack_timeout_ms: crate::limits::REPLICATED_ACK_TIMEOUT_MS,
+            peer_protocol_versions: tether_transport::PEER_PROTOCOL_VERSION_OLDEST
+                ..=tether_transport::PEER_PROTOCOL_VERSION,
         }
     }
 }

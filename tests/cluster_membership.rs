@@ -470,3 +470,139 @@ async fn joining_without_peers_is_refused() {
         Ok(_) => panic!("a node joining nothing started"),
     }
 }
+
+/// Issue 25 point 4, a rolling upgrade: a member of the previous build (it speaks peer protocol
+/// version 1 only, as a build before membership changes did) serves beside the new ones:
+/// consensus, forwarded publishes, a durable queue on it with a copy elsewhere. What it could not
+/// read is never sent to it: draining, adding or removing a member are refused with an error
+/// naming it, and a request of the newer version to it fails before anything is sent. Once it
+/// restarts on the new build (its data kept), the drain goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_of_the_previous_build_serves_and_holds_back_only_membership_changes() {
+    fn previous_build(cfg: &mut tether::config::ServerConfig) {
+        if cfg.node_id.as_deref() == Some("n3") {
+            cfg.peer_protocol_versions = 1..=1;
+        }
+    }
+    let mut c = TestCluster::start_tweaked(3, previous_build).await;
+    c.leader().await;
+    // It serves: a durable queue placed on it, with a copy, fed by publishes through n1.
+    let d = builder(c.node(2))
+        .durable("upgrading", 300)
+        .redundancy(1)
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(d.server_addr(), c.node(2).addr());
+    d.region("R").register(Interest::all_keys()).await.unwrap();
+    d.close(true).await.unwrap();
+    let p = c.node(0).publisher().await.unwrap();
+    for i in 0..5 {
+        p.put("R", &format!("k{i}"), b"v".to_vec()).await.unwrap();
+    }
+    let d = builder(c.node(2))
+        .durable("upgrading", 300)
+        .redundancy(1)
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(d.queue_status(), QueueStatus::Resumed);
+    d.ready_for_events().await.unwrap();
+    // Forwarded to it as they were acknowledged on n1 (`--ack local`): stored or live.
+    let mut events = d.events().unwrap();
+    let mut keys = Vec::new();
+    while keys.len() < 5 {
+        let ev = tokio::time::timeout(common::WAIT, events.next())
+            .await
+            .unwrap_or_else(|_| panic!("only {keys:?} reached the member of the previous build"))
+            .expect("stream open");
+        if let tether::client::ClientEvent::Event(e) = ev {
+            keys.push(e.key.clone());
+        }
+    }
+    assert_eq!(keys, ["k0", "k1", "k2", "k3", "k4"]);
+    d.close(true).await.unwrap();
+
+    // What it could not read is refused, naming it, whichever member is asked.
+    let admin = builder(c.node(0)).connect().await.unwrap();
+    let older = |e: tether::client::ClientError| {
+        let tether::client::ClientError::Server(w) = &e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(w.code, ErrorCode::Refused, "{w:?}");
+        assert!(
+            w.message.contains("n3 speaks version 1") && w.message.contains("upgrade"),
+            "{w:?}"
+        );
+    };
+    older(admin.drain("n2", Some(true)).await.unwrap_err());
+    older(admin.remove_node("n2").await.unwrap_err());
+    older(admin.add_node("n4", "127.0.0.1:9").await.unwrap_err());
+    // Nothing was written: nobody is draining and the members are the same.
+    assert!(!admin.drain("n2", None).await.unwrap().draining);
+    assert_eq!(member_names(c.node(0)), ["n1", "n2", "n3"]);
+    // A request of the newer version fails before it is sent, the connection kept.
+    let cluster = c.node(0).cluster().unwrap().clone();
+    let n3 = tether::cluster::meta::raft_id("n3");
+    let Err(e) = cluster
+        .call(
+            n3,
+            tether::cluster::network::PeerRequest::ForwardCursor("n1".into()),
+            Duration::from_secs(5),
+        )
+        .await
+    else {
+        panic!("a request of version 2 was answered by a member speaking version 1")
+    };
+    assert!(
+        matches!(
+            e,
+            tether::cluster::network::PeerError::OlderPeer {
+                speaks: 1,
+                needs: 2,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let pong = cluster
+        .call(
+            n3,
+            tether::cluster::network::PeerRequest::Ping,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(pong, tether::cluster::network::PeerResponse::Pong));
+
+    // n3 restarts on the new build: the drain goes through, and its queue kept everything.
+    c.nodes[2].take().unwrap().shutdown().await;
+    c.tweak = |_| {};
+    let node = c.boot(2).await;
+    c.nodes[2] = Some(node);
+    c.leader().await;
+    let deadline = tokio::time::Instant::now() + common::WAIT;
+    let report = loop {
+        match admin.drain("n2", Some(true)).await {
+            Ok(r) => break r,
+            // The members dial n3 again as it comes back.
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                tracing::info!(%e, "drain not yet");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("the drain stays refused after the upgrade: {e:?}"),
+        }
+    };
+    assert!(report.draining, "{report:?}");
+    admin.drain("n2", Some(false)).await.unwrap();
+    let d = builder(c.node(2))
+        .durable("upgrading", 300)
+        .redundancy(1)
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(d.queue_status(), QueueStatus::Resumed);
+    d.close(false).await.unwrap();
+    admin.close(false).await.unwrap();
+    c.shutdown().await;
+}

@@ -232,7 +232,7 @@ async fn peers_get_through_when_clients_use_every_slot() {
         .connect()
         .await;
     assert!(extra.is_err(), "a second client is refused");
-    // A new peer connection (a member's certificate, ALPN tether-peer/1) still gets in and
+    // A new peer connection (a member's certificate, a peer ALPN) still gets in and
     // is served: here a metadata write sent straight to the leader.
     let leader = c.leader().await;
     let files = member_tls(&c, 0);

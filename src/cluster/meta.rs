@@ -70,6 +70,11 @@ pub struct Placement {
     pub handed_over: bool,
 }
 
+/// The peer protocol version that brought membership changes and draining
+/// ([`MetaCommand::SetDraining`], `PeerRequest::ChangeMembers`, `ForwardCursor`, `Regions`).
+pub const PEER_VERSION_MEMBERSHIP: u32 = 2;
+const _: () = assert!(PEER_VERSION_MEMBERSHIP <= tether_transport::PEER_PROTOCOL_VERSION);
+
 /// A change to the metadata, proposed through consensus.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MetaCommand {
@@ -154,6 +159,15 @@ pub enum CommandRefused {
 }
 
 impl MetaCommand {
+    /// The oldest peer protocol version that has this command: a member speaking an older one
+    /// cannot read it (in a forwarded write or in the consensus log).
+    pub fn version_needed(&self) -> u32 {
+        match self {
+            MetaCommand::SetDraining { .. } => PEER_VERSION_MEMBERSHIP,
+            _ => 1,
+        }
+    }
+
     /// Checks the command's sizes before it is proposed: a durable id of 1 to
     /// [`DURABLE_ID_BYTES_MAX`](crate::limits::DURABLE_ID_BYTES_MAX) bytes, at most
     /// [`REDUNDANCY_MAX`] secondaries. Every command in the log is then small.

@@ -584,6 +584,37 @@ impl Cluster {
         r
     }
 
+    /// The members other than this node that speak an older peer protocol than `version`,
+    /// each with the version it speaks, by name. Every member is asked at once (dialed if
+    /// needed), within `timeout`, except member `except`; a member that cannot be reached is
+    /// not counted (its version
+    /// is not known: it learns what it missed when it is back, or refuses to, loudly).
+    pub async fn members_older_than(
+        &self,
+        version: u32,
+        timeout: Duration,
+        except: Option<NodeId>,
+    ) -> Vec<(String, u32)> {
+        let mut asks = tokio::task::JoinSet::new();
+        for (id, node) in &self.members().nodes {
+            if *id == self.me || Some(*id) == except {
+                continue;
+            }
+            let (pool, node) = (Arc::clone(&self.pool), node.clone());
+            asks.spawn(async move { (pool.speaks(&node.addr, timeout).await, node.name) });
+        }
+        let mut older = Vec::new();
+        while let Some(asked) = asks.join_next().await {
+            if let Ok((Ok(speaks), name)) = asked
+                && speaks < version
+            {
+                older.push((name, speaks));
+            }
+        }
+        older.sort();
+        older
+    }
+
     /// When peer `to` last answered an RPC of this node (None: never since start).
     pub fn last_answer(&self, to: NodeId) -> Option<Instant> {
         self.answered.lock_or_stop().get(&to).copied()

@@ -108,6 +108,30 @@ pub enum PeerRequest {
     ListQueues(crate::admin::ListQuery),
 }
 
+impl PeerRequest {
+    /// The oldest peer protocol version that has this request (all it carries included): it
+    /// is sent only over a connection that negotiated that version or a newer one.
+    pub fn version_needed(&self) -> u32 {
+        use super::meta::PEER_VERSION_MEMBERSHIP;
+        match self {
+            PeerRequest::ChangeMembers(_)
+            | PeerRequest::ForwardCursor(_)
+            | PeerRequest::Regions { .. } => PEER_VERSION_MEMBERSHIP,
+            PeerRequest::Write(cmd) => cmd.version_needed(),
+            PeerRequest::AppendEntries(r) => r
+                .entries
+                .iter()
+                .map(|e| match &e.payload {
+                    openraft::EntryPayload::Normal(cmd) => cmd.version_needed(),
+                    _ => 1,
+                })
+                .max()
+                .unwrap_or(1),
+            _ => 1,
+        }
+    }
+}
+
 /// One replication message: the header decided by the primary's
 /// [`Shipper`](crate::replication::Shipper), the entries it names and the queue's info.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -361,6 +385,17 @@ pub enum PeerError {
     Network { addr: String, reason: String },
     #[error("rpc to {addr} timed out")]
     Timeout { addr: String },
+    /// The member speaks an older peer protocol version than the request needs (a member not
+    /// upgraded yet): nothing was sent.
+    #[error(
+        "the member at {addr} speaks peer protocol version {speaks}, and this request needs \
+         version {needs}: upgrade every member first"
+    )]
+    OlderPeer {
+        addr: String,
+        speaks: u32,
+        needs: u32,
+    },
 }
 
 /// Outgoing peer connections, one per address, shared by every RPC client of a node.
@@ -567,6 +602,7 @@ impl PeerPool {
         timeout: Duration,
     ) -> Result<PeerResponse, PeerError> {
         let ping = matches!(request, PeerRequest::Ping | PeerRequest::Vote(_));
+        let needs = request.version_needed();
         let body =
             codec::encode_body(&Envelope { to, request }).map_err(|e| PeerError::Network {
                 addr: addr.to_string(),
@@ -594,6 +630,17 @@ impl PeerPool {
                 )
             };
             let (conn, names) = self.connection(sock).await?;
+            if needs > tether_transport::PEER_PROTOCOL_VERSION_OLDEST {
+                let speaks = negotiated_version(&conn);
+                if speaks < needs {
+                    // The connection is sound: kept for the requests the member does speak.
+                    return Err(PeerError::OlderPeer {
+                        addr: addr.to_string(),
+                        speaks,
+                        needs,
+                    });
+                }
+            }
             *used.lock().expect("used lock") = Some((sock, conn.clone()));
             // The node that answers there must be the one called, by its certificate.
             if !matches!(&names[..], [name] if raft_id(name) == to) {
@@ -638,6 +685,21 @@ impl PeerPool {
             self.state.discard(sock, &conn);
         }
         result
+    }
+
+    /// The peer protocol version the connection to the member at `addr` negotiated (dialed
+    /// now if there is none), within `timeout`.
+    pub async fn speaks(&self, addr: &str, timeout: Duration) -> Result<u32, PeerError> {
+        let dial = async {
+            let sock = self.resolve(addr).await?;
+            let (conn, _) = self.connection(sock).await?;
+            Ok(negotiated_version(&conn))
+        };
+        tokio::time::timeout(timeout, dial)
+            .await
+            .map_err(|_| PeerError::Timeout {
+                addr: addr.to_string(),
+            })?
     }
 
     /// Bytes sent so far on the open outgoing connections (UDP payloads: QUIC framing and
@@ -722,6 +784,15 @@ impl PoolState {
         }
         conn.close(0u32.into(), b"rpc failed");
     }
+}
+
+/// The peer protocol version a peer connection negotiated (the oldest spoken if the ALPN
+/// name is missing, which a peer handshake never leaves).
+fn negotiated_version(conn: &quinn::Connection) -> u32 {
+    tls::negotiated_alpn(conn)
+        .as_deref()
+        .and_then(tether_transport::peer_protocol_version)
+        .unwrap_or(tether_transport::PEER_PROTOCOL_VERSION_OLDEST)
 }
 
 /// Why a handshake with the peer at `addr` failed, for the operator: a member of another build
@@ -1035,6 +1106,47 @@ mod tests {
             through_end: 0,
             placement_epoch: 0,
         })
+    }
+
+    #[test]
+    fn a_request_is_of_the_version_that_brought_it() {
+        use super::super::MembershipChange;
+        use super::super::meta::PEER_VERSION_MEMBERSHIP as V2;
+        let draining = MetaCommand::SetDraining {
+            node: raft_id("n2"),
+            draining: true,
+        };
+        let barrier = MetaCommand::Barrier;
+        let entry = |cmd: &MetaCommand| openraft::Entry::<TypeConfig> {
+            log_id: openraft::LogId::new(openraft::CommittedLeaderId::new(1, raft_id("n1")), 1),
+            payload: openraft::EntryPayload::Normal(cmd.clone()),
+        };
+        let append = |cmds: &[&MetaCommand]| {
+            PeerRequest::AppendEntries(AppendEntriesRequest {
+                vote: openraft::Vote::new_committed(1, raft_id("n1")),
+                prev_log_id: None,
+                entries: cmds.iter().map(|c| entry(c)).collect(),
+                leader_commit: None,
+            })
+        };
+        for (request, version) in [
+            (PeerRequest::Ping, 1),
+            (replicate(raft_id("n1")), 1),
+            (PeerRequest::Write(barrier.clone()), 1),
+            (append(&[]), 1),
+            (append(&[&barrier]), 1),
+            (PeerRequest::Write(draining.clone()), V2),
+            (append(&[&barrier, &draining]), V2),
+            (
+                PeerRequest::ChangeMembers(MembershipChange::Remove(raft_id("n2"))),
+                V2,
+            ),
+            (PeerRequest::ForwardCursor("n1".into()), V2),
+            (PeerRequest::Regions { after: None }, V2),
+        ] {
+            let name = format!("{:?}", std::mem::discriminant(&request));
+            assert_eq!(request.version_needed(), version, "{name}");
+        }
     }
 
     #[test]

@@ -1263,6 +1263,7 @@ async fn drain(
     let cluster = admin_cluster(shared, "there is nothing to drain")?;
     let node = member_id(cluster, name)?;
     if let Some(draining) = draining {
+        require_upgraded(cluster, "drain a member", None).await?;
         let cmd = crate::cluster::meta::MetaCommand::SetDraining { node, draining };
         cluster
             .write(cmd)
@@ -1285,6 +1286,40 @@ async fn drain(
         ..report
     };
     Ok(ResponseBody::Drain(report))
+}
+
+/// How long an admin command that drains or changes members waits for every member to say
+/// which peer protocol version it speaks, in milliseconds.
+const MEMBER_VERSION_ASK_MS: u64 = 2_000;
+
+/// Refuses `what` (a drain or a membership change) while a member, other than `except`,
+/// speaks a peer protocol older than [`PEER_VERSION_MEMBERSHIP`]: in a rolling upgrade not
+/// finished, it could not read what `what` writes to the metadata log.
+async fn require_upgraded(
+    cluster: &crate::cluster::Cluster,
+    what: &str,
+    except: Option<crate::cluster::meta::NodeId>,
+) -> Result<(), WireError> {
+    use crate::cluster::meta::PEER_VERSION_MEMBERSHIP;
+    let ask = Duration::from_millis(MEMBER_VERSION_ASK_MS);
+    let older = cluster
+        .members_older_than(PEER_VERSION_MEMBERSHIP, ask, except)
+        .await;
+    if older.is_empty() {
+        return Ok(());
+    }
+    let named: Vec<String> = older
+        .iter()
+        .map(|(name, v)| format!("{name} speaks version {v}"))
+        .collect();
+    Err(WireError::new(
+        ErrorCode::Refused,
+        format!(
+            "cannot {what}: it needs peer protocol version {PEER_VERSION_MEMBERSHIP} on every \
+             member, and {}: finish the upgrade first (restart each member on the new build)",
+            named.join(", ")
+        ),
+    ))
 }
 
 /// The cluster of this node, for an admin command about its members; refused on a node that
@@ -1320,6 +1355,7 @@ fn member_id(
 async fn remove_node(shared: &Arc<Shared>, name: &str) -> Result<ResponseBody, WireError> {
     let cluster = admin_cluster(shared, "there is no member to remove")?;
     let node = member_id(cluster, name)?;
+    require_upgraded(cluster, "remove a member", Some(node)).await?;
     let unavailable = super::placement::metadata_unavailable;
     let draining = crate::cluster::meta::MetaCommand::SetDraining {
         node,
@@ -1370,6 +1406,7 @@ async fn add_node(shared: &Arc<Shared>, name: &str, addr: &str) -> Result<Respon
     let (name, addr) = crate::config::parse_peer(&format!("{name}={addr}"))
         .map_err(|e| WireError::new(ErrorCode::InvalidArgument, e.to_string()))?;
     let node = crate::cluster::meta::raft_id(&name);
+    require_upgraded(cluster, "add a member", None).await?;
     let unavailable = super::placement::metadata_unavailable;
     // Refused before anything is written: the draining mark below would fall on the other.
     if let Some(other) = cluster.members().nodes.get(&node)

@@ -1038,6 +1038,7 @@ impl NodeTls {
             idle_timeout_ms: config.limits.idle_timeout_ms,
             receive_window_bytes: config.limits.connection_receive_window_bytes,
             send_window_bytes: config.limits.connection_send_window_bytes,
+            peer_versions: config.peer_protocol_versions.clone(),
         };
         let (crls, crl_modified) = match &client_crl {
             Some(path) => revocation::load_at_start(path)?,
@@ -1349,7 +1350,10 @@ impl Node {
                 config.join,
                 &data_dir.join(RAFT_DIR),
                 endpoint.clone(),
-                tls::peer_client_config(&tls.files)?,
+                tls::peer_client_config_speaking(
+                    &tls.files,
+                    config.peer_protocol_versions.clone(),
+                )?,
             )
             .await?;
             tasks.extend(spawn_cluster_tasks(&shared, &cluster, config.rebalance));

@@ -30,15 +30,20 @@ pub(super) struct TlsSetup {
     pub idle_timeout_ms: u64,
     pub receive_window_bytes: u64,
     pub send_window_bytes: u64,
+    /// The peer protocol versions this node speaks ([`crate::config::ServerConfig::peer_protocol_versions`]).
+    pub peer_versions: std::ops::RangeInclusive<u32>,
 }
 
 impl TlsSetup {
     /// The server configuration with these revocation lists.
     pub fn server_config(&self, crls: &Crls) -> Result<quinn::ServerConfig, NodeError> {
         let mut config = match self.client_ca.as_deref() {
-            _ if self.clustered => {
-                tls::server_config_for_cluster(&self.files, self.client_ca.as_deref(), &crls.ders)?
-            }
+            _ if self.clustered => tls::server_config_for_cluster(
+                &self.files,
+                self.client_ca.as_deref(),
+                &crls.ders,
+                self.peer_versions.clone(),
+            )?,
             Some(client_ca) => {
                 tls::server_config_with_client_ca(&self.files, client_ca, &crls.ders)?
             }

@@ -33,10 +33,16 @@ pub const ALPN: &[u8] = b"tether/1";
 /// The TLS application-layer protocol name of node-to-node (cluster) connections at this
 /// build's [`PEER_PROTOCOL_VERSION`]. Served on the same address as clients; only certificates
 /// issued by the cluster CA may speak it.
-pub const PEER_ALPN: &[u8] = b"tether-peer/1";
+pub const PEER_ALPN: &[u8] = b"tether-peer/2";
 
 /// Version of the node-to-node protocol this build speaks first.
-pub const PEER_PROTOCOL_VERSION: u32 = 1;
+///
+/// - 1: consensus, forwarded publishes, queue shipping, pings, queue listings.
+/// - 2: membership changes (`ChangeMembers`, and the `ForwardCursor` and `Regions` requests a
+///   joining member copies with) and draining (the `SetDraining` metadata command). A node
+///   sends a request only over a connection that negotiated a version that has it, and the
+///   cluster drains or changes members only once no member speaks an older version.
+pub const PEER_PROTOCOL_VERSION: u32 = 2;
 /// Oldest node-to-node protocol version this build still speaks: one version back, once there
 /// is one, so that a cluster is upgraded one node at a time (a rolling upgrade) with old and
 /// new members talking meanwhile.

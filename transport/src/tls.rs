@@ -266,11 +266,14 @@ pub fn server_config_with_client_ca(
 /// (`files.ca`) and, if given, the client CA; a client without a certificate is accepted
 /// (tokens, or an open node). Whether a peer connection's certificate comes from the cluster
 /// CA is checked after the handshake with [`peer_issued_by_ca`]. `crls` revoke client
-/// certificates.
+/// certificates. `peer_versions`: the peer protocol versions served, normally
+/// [`PEER_PROTOCOL_VERSION_OLDEST`]`..=`[`PEER_PROTOCOL_VERSION`] (fewer: a node of an older
+/// build, in tests of a mixed-version cluster).
 pub fn server_config_for_cluster(
     files: &TlsFiles,
     client_ca: Option<&Path>,
     crls: &[CertificateRevocationListDer<'static>],
+    peer_versions: std::ops::RangeInclusive<u32>,
 ) -> Result<quinn::ServerConfig, TlsError> {
     let certs = parse_certs(&read_file(&files.cert)?, &files.cert)?;
     let key = parse_key(&read_file(&files.key)?, &files.key)?;
@@ -287,9 +290,7 @@ pub fn server_config_for_cluster(
         .with_client_cert_verifier(verifier)
         .with_single_cert(certs, key)?;
     tls.alpn_protocols = vec![ALPN.to_vec()];
-    tls.alpn_protocols.extend(peer_alpns(
-        PEER_PROTOCOL_VERSION_OLDEST..=PEER_PROTOCOL_VERSION,
-    ));
+    tls.alpn_protocols.extend(peer_alpns(peer_versions));
     let quic = QuicServerConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
     let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(quic));
     cfg.transport_config(Arc::new(transport_config()));
