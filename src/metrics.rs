@@ -55,6 +55,7 @@ pub const FAILOVERS: &str = "tether_failovers_total";
 pub const CLIENT_FAILOVERS: &str = "tether_client_failovers_total";
 pub const REBALANCE_MOVES: &str = "tether_rebalance_moves_total";
 pub const DRAIN_COPIES_MOVED: &str = "tether_drain_copies_moved_total";
+pub const SPREAD_COPIES_MOVED: &str = "tether_spread_copies_moved_total";
 pub const QUEUE_COPIES: &str = "tether_queue_copies";
 pub const RECENT_PUBLISH_OPS: &str = "tether_failover_recent_publish_ops";
 pub const RECENT_PUBLISH_OPS_DROPPED: &str = "tether_failover_recent_publish_ops_dropped_total";
@@ -185,6 +186,10 @@ fn describe() {
     describe_counter!(
         DRAIN_COPIES_MOVED,
         "Copies of this node's primary queues taken off a draining member once their replacements elsewhere were in sync"
+    );
+    describe_counter!(
+        SPREAD_COPIES_MOVED,
+        "Copies of this node's primary queues moved to a member holding far fewer copies, once the new copy was in sync (spreading copies)"
     );
     describe_gauge!(QUEUE_COPIES, "Queue copies this node holds as a secondary");
     describe_gauge!(

@@ -30,6 +30,8 @@
 //!   does not name as the queue's primary is refused (with `network::check_sender`'s identity
 //!   check, `cluster/network.rs`).
 
+use std::collections::BTreeMap;
+
 use crate::cluster::meta::{NodeId, Placement, REDUNDANCY_MAX};
 
 /// What becomes of a durable queue of this node's core, given its placement.
@@ -215,6 +217,15 @@ pub enum RepairStep {
     /// Fewer secondaries than the redundancy asked for: add up to `want` live members, none of
     /// `exclude` (the current secondaries and this node), chosen by [`rendezvous`].
     Add { want: u8, exclude: Vec<NodeId> },
+    /// Spreading copies ([`spread_step`]): add a copy on member `to` (syncing); the copy it
+    /// replaces goes once it is in sync.
+    SpreadTo { to: NodeId },
+    /// More copies than asked for, the ones kept in sync: out of the replica set with the
+    /// `surplus` (the second half of a [`RepairStep::Spread`]).
+    TakeOutSurplus {
+        surplus: Vec<NodeId>,
+        secondaries: Vec<NodeId>,
+    },
     /// Nothing to repair.
     Nothing,
 }
@@ -232,13 +243,17 @@ pub struct CopiesSeen<'a> {
     pub majority_reachable: bool,
     /// Whether a member is draining (`MetaState::draining`).
     pub draining: &'a dyn Fn(NodeId) -> bool,
+    /// What spreading copies needs ([`spread_step`]); None: copies are not spread.
+    pub spread: Option<Spread<'a>>,
 }
 
 /// The repair of a queue this node (`me`) is primary of, placed as `p`, given what it sees
 /// of the copies: copies that lost data go first, then copies this node cannot reach (only
 /// while it reaches a majority: a primary on the minority's side leaves its queue to the
 /// majority, see [`step_aside`]), then a syncing copy that caught up is reported, then
-/// copies move off draining members (see [`drain_step`]), then missing copies are added.
+/// copies move off draining members (see [`drain_step`]), then missing copies are added, then
+/// copies are spread (see [`spread_step`], while this node reaches a majority and is not
+/// draining).
 pub fn repair_step(p: &Placement, me: NodeId, seen: &CopiesSeen<'_>) -> RepairStep {
     let regressed = seen.regressed;
     if regressed.iter().any(|n| p.secondaries.contains(n)) {
@@ -271,7 +286,12 @@ pub fn repair_step(p: &Placement, me: NodeId, seen: &CopiesSeen<'_>) -> RepairSt
     }
     let have = p.secondaries.len();
     if have >= usize::from(p.redundancy) {
-        return RepairStep::Nothing;
+        return match &seen.spread {
+            Some(spread) if seen.majority_reachable && !(seen.draining)(me) => {
+                spread_step(p, me, spread, seen.in_sync).unwrap_or(RepairStep::Nothing)
+            }
+            _ => RepairStep::Nothing,
+        };
     }
     let mut exclude = p.secondaries.clone();
     exclude.push(me);
@@ -314,6 +334,97 @@ pub fn drain_step(
     Some(RepairStep::TakeOutDraining {
         draining: leaving,
         secondaries: staying,
+    })
+}
+
+/// Most copy moves ([`spread_step`]) one primary starts in a reconcile round.
+pub const SPREAD_MOVES_PER_ROUND: usize = 1;
+/// A primary starts no copy move while this many of its queues have a copy syncing (each is a
+/// snapshot under way).
+pub const SPREAD_SYNCING_MAX: usize = 4;
+/// A copy moves to a member only while the member holding it holds over this many copies more.
+pub const SPREAD_SLACK_COPIES: usize = 2;
+
+/// What a primary knows, in one reconcile round, to spread copies over the members
+/// ([`spread_step`]).
+pub struct Spread<'a> {
+    /// The members that may hold this queue's copies (not draining, this node left out), in
+    /// the queue's rendezvous order, best first ([`rendezvous`] over every such member).
+    pub ranked: &'a [NodeId],
+    /// Per member, the copies it holds in the metadata (syncing ones included).
+    pub copies: &'a BTreeMap<NodeId, usize>,
+    /// Whether a member is live.
+    pub live: &'a dyn Fn(NodeId) -> bool,
+    /// Whether this node may start a move now (its budget for the round).
+    pub may_add: bool,
+}
+
+/// Spreading copies over the members, so that a member added (or back after its copies were
+/// placed elsewhere) takes its part of them, and then of the primaries (a handover needs an
+/// in-sync copy on the taker). For a queue this node (`me`) is primary of, placed as `p`, with
+/// its copies all in sync and as many as asked for: the copy on member `s` moves to member `t`
+/// when `t` ranks above `s` in the queue's rendezvous order, is live, and holds over
+/// [`SPREAD_SLACK_COPIES`] copies fewer than `s`. The new copy is added first (syncing, as a
+/// repair's); once it is in sync, the lowest-ranked copies beyond the redundancy go
+/// ([`RepairStep::TakeOutSurplus`]). A copy only ever moves up its queue's fixed order, so no
+/// copy moves back and forth and moves end; the counts keep a balanced cluster from moving
+/// any. A queue whose replica set is full ([`REDUNDANCY_MAX`] copies) is not spread (the copy
+/// would have to go before its replacement is in sync).
+pub fn spread_step(
+    p: &Placement,
+    me: NodeId,
+    spread: &Spread<'_>,
+    in_sync: &dyn Fn(NodeId) -> bool,
+) -> Option<RepairStep> {
+    if p.primary != me || p.redundancy == 0 || !p.syncing.is_empty() {
+        return None;
+    }
+    let want = usize::from(p.redundancy);
+    let rank = |n: NodeId| {
+        spread
+            .ranked
+            .iter()
+            .position(|&r| r == n)
+            .unwrap_or(usize::MAX)
+    };
+    if p.secondaries.len() > want {
+        let mut by_rank = p.secondaries.clone();
+        by_rank.sort_by_key(|&n| rank(n));
+        let (keep, surplus) = by_rank.split_at(want);
+        if !keep.iter().all(|&n| in_sync(n)) {
+            return None;
+        }
+        return Some(RepairStep::TakeOutSurplus {
+            surplus: surplus.to_vec(),
+            secondaries: p
+                .secondaries
+                .iter()
+                .copied()
+                .filter(|n| keep.contains(n))
+                .collect(),
+        });
+    }
+    if !spread.may_add
+        || p.secondaries.len() < want
+        || p.secondaries.len() >= usize::from(REDUNDANCY_MAX)
+    {
+        return None;
+    }
+    let count = |n: NodeId| spread.copies.get(&n).copied().unwrap_or(0);
+    // The lowest-ranked copy first.
+    let mut held = p.secondaries.clone();
+    held.sort_by_key(|&n| std::cmp::Reverse(rank(n)));
+    held.into_iter().find_map(|s| {
+        spread
+            .ranked
+            .iter()
+            .take_while(|&&t| t != s)
+            .find(|&&t| {
+                !p.secondaries.contains(&t)
+                    && (spread.live)(t)
+                    && count(s) > count(t) + SPREAD_SLACK_COPIES
+            })
+            .map(|&to| RepairStep::SpreadTo { to })
     })
 }
 
@@ -596,6 +707,7 @@ mod tests {
             unreachable: &|_| false,
             majority_reachable: true,
             draining: &|_| false,
+            spread: None,
         };
         repair_step(p, NodeId(1), &seen)
     }
@@ -642,6 +754,7 @@ mod tests {
             unreachable: &|n| n == NodeId(3),
             majority_reachable,
             draining: &|_| false,
+            spread: None,
         };
         assert_eq!(
             repair_step(&p, NodeId(1), &seen(&[], true)),
@@ -719,6 +832,7 @@ mod tests {
             unreachable: &|_| false,
             majority_reachable: true,
             draining: &|n| n == NodeId(2),
+            spread: None,
         };
         assert_eq!(
             repair_step(&with(&[n2, n3], &[n3], 1), n1, &seen(&[])),
@@ -837,5 +951,200 @@ mod tests {
             vec![NodeId(2), NodeId(4), NodeId(1), NodeId(3)]
         );
         assert!(rendezvous(c, 0).is_empty());
+    }
+
+    fn spread_placement(secondaries: &[NodeId], syncing: &[NodeId], redundancy: u8) -> Placement {
+        Placement {
+            primary: NodeId(1),
+            secondaries: secondaries.to_vec(),
+            epoch: 10,
+            redundancy,
+            timeout_ms: 60_000,
+            syncing: syncing.to_vec(),
+            handed_over: false,
+        }
+    }
+
+    #[test]
+    fn a_copy_moves_up_its_queue_order_to_a_member_holding_far_fewer() {
+        use RepairStep::*;
+        let (n1, n2, n3, n4) = (NodeId(1), NodeId(2), NodeId(3), NodeId(4));
+        let at = |secondaries: &[NodeId]| spread_placement(secondaries, &[], 1);
+        // The queue's order is n4, n2, n3 (n1 is its primary); n4 was just added.
+        let ranked = [n4, n2, n3];
+        let far = BTreeMap::from([(n2, 10), (n3, 10), (n4, 0)]);
+        let close = BTreeMap::from([(n2, 5), (n3, 5), (n4, 3)]);
+        let live = |_| true;
+        let n4_down = |n| n != n4;
+        fn spread<'a>(
+            ranked: &'a [NodeId],
+            copies: &'a BTreeMap<NodeId, usize>,
+            live: &'a dyn Fn(NodeId) -> bool,
+            may_add: bool,
+        ) -> Spread<'a> {
+            Spread {
+                ranked,
+                copies,
+                live,
+                may_add,
+            }
+        }
+        let synced = |_| true;
+        let step = |p: &Placement, s: &Spread<'_>| spread_step(p, n1, s, &synced);
+
+        // The copy on n2 (or on n3) moves to n4, which holds far fewer: added first.
+        let moving = spread(&ranked, &far, &live, true);
+        assert_eq!(step(&at(&[n2]), &moving), Some(SpreadTo { to: n4 }));
+        assert_eq!(step(&at(&[n3]), &moving), Some(SpreadTo { to: n4 }));
+        // Not without this round's budget, nor to a member that is down, nor while the counts
+        // are within the slack.
+        assert_eq!(step(&at(&[n2]), &spread(&ranked, &far, &live, false)), None);
+        assert_eq!(
+            step(&at(&[n2]), &spread(&ranked, &far, &n4_down, true)),
+            None
+        );
+        assert_eq!(
+            step(&at(&[n2]), &spread(&ranked, &close, &live, true)),
+            None
+        );
+        // A copy never moves down its queue's order, however few the lower member holds.
+        let n4_last = [n2, n3, n4];
+        assert_eq!(step(&at(&[n2]), &spread(&n4_last, &far, &live, true)), None);
+        // The copy on n3 may move up to n2 when n2 holds far fewer.
+        let n2_few = BTreeMap::from([(n2, 1), (n3, 10), (n4, 10)]);
+        assert_eq!(
+            step(&at(&[n3]), &spread(&n4_last, &n2_few, &live, true)),
+            Some(SpreadTo { to: n2 })
+        );
+        // While the new copy syncs nothing more happens; once it is in sync, the copy it
+        // replaces (the lowest ranked) goes.
+        assert_eq!(step(&spread_placement(&[n2, n4], &[n4], 1), &moving), None);
+        assert_eq!(
+            step(&at(&[n2, n4]), &moving),
+            Some(TakeOutSurplus {
+                surplus: vec![n2],
+                secondaries: vec![n4]
+            })
+        );
+        let n4_behind = |n| n != n4;
+        assert_eq!(spread_step(&at(&[n2, n4]), n1, &moving, &n4_behind), None);
+        // A full replica set, a queue without copies, another node's queue: not spread.
+        assert_eq!(step(&spread_placement(&[n2, n3], &[], 2), &moving), None);
+        assert_eq!(step(&spread_placement(&[], &[], 0), &moving), None);
+        assert_eq!(spread_step(&at(&[n2]), n3, &moving, &synced), None);
+        // In the whole repair: only while this node reaches a majority and is not draining.
+        let (nothing_drains, n1_drains) = (|_| false, |n| n == n1);
+        for (majority_reachable, draining, want) in [
+            (
+                true,
+                &nothing_drains as &dyn Fn(NodeId) -> bool,
+                SpreadTo { to: n4 },
+            ),
+            (false, &nothing_drains, Nothing),
+            (true, &n1_drains, Nothing),
+        ] {
+            let seen = CopiesSeen {
+                regressed: &[],
+                in_sync: &synced,
+                unreachable: &|_| false,
+                majority_reachable,
+                draining,
+                spread: Some(spread(&ranked, &far, &live, true)),
+            };
+            assert_eq!(repair_step(&at(&[n2]), n1, &seen), want);
+        }
+    }
+
+    /// Sixty queues at redundancy 1 on three members, their copies placed before a fourth
+    /// member came: spreading rounds (one move per primary and round, the counts read at the
+    /// round's start as a node does) end, no copy ever moves down its queue's order, and the
+    /// new member ends with its part of the copies.
+    #[test]
+    fn spreading_ends_without_moving_a_copy_back_and_fills_a_new_member() {
+        use crate::cluster::meta::fnv1a;
+        let members: Vec<NodeId> = (1..=4).map(NodeId).collect();
+        let name = |n: NodeId| format!("n{}", n.0);
+        let order = |id: &str, primary: NodeId| -> Vec<NodeId> {
+            let candidates = members
+                .iter()
+                .filter(|&&n| n != primary)
+                .map(|&n| (n, fnv1a(&format!("{id}\u{0}{}", name(n)))));
+            rendezvous(candidates, u8::MAX)
+        };
+        let mut queues: Vec<(String, Placement, Vec<NodeId>)> = (0..60)
+            .map(|i| {
+                let id = format!("q{i}");
+                let primary = members[i % 3];
+                let ranked = order(&id, primary);
+                // Placed while only n1..n3 were members.
+                let first = *ranked.iter().find(|&&n| n != NodeId(4)).unwrap();
+                let mut p = spread_placement(&[first], &[], 1);
+                p.primary = primary;
+                (id, p, ranked)
+            })
+            .collect();
+        let rank = |ranked: &[NodeId], n: NodeId| ranked.iter().position(|&r| r == n).unwrap();
+        let live = |_| true;
+        let synced = |_| true;
+        let mut rounds = 0;
+        loop {
+            rounds += 1;
+            assert!(rounds < 500, "spreading does not end");
+            let mut copies: BTreeMap<NodeId, usize> = members.iter().map(|&n| (n, 0)).collect();
+            for (_, p, _) in &queues {
+                for s in &p.secondaries {
+                    *copies.get_mut(s).unwrap() += 1;
+                }
+            }
+            let mut budget: BTreeMap<NodeId, usize> = members
+                .iter()
+                .map(|&n| (n, SPREAD_MOVES_PER_ROUND))
+                .collect();
+            let mut changed = false;
+            for (_, p, ranked) in queues.iter_mut() {
+                // Added last round: in sync now (reported as a repair does).
+                p.syncing.clear();
+                let best_before = p.secondaries.iter().map(|&n| rank(ranked, n)).min();
+                let spread = Spread {
+                    ranked,
+                    copies: &copies,
+                    live: &live,
+                    may_add: budget[&p.primary] > 0,
+                };
+                match spread_step(p, p.primary, &spread, &synced) {
+                    Some(RepairStep::SpreadTo { to }) => {
+                        *budget.get_mut(&p.primary).unwrap() -= 1;
+                        p.secondaries.push(to);
+                        p.syncing.push(to);
+                        changed = true;
+                    }
+                    Some(RepairStep::TakeOutSurplus { secondaries, .. }) => {
+                        p.secondaries = secondaries;
+                        changed = true;
+                    }
+                    None => {}
+                    Some(other) => panic!("{other:?}"),
+                }
+                let best_after = p.secondaries.iter().map(|&n| rank(ranked, n)).min();
+                assert!(
+                    best_after <= best_before,
+                    "a copy moved down its queue's order"
+                );
+            }
+            if !changed && queues.iter().all(|(_, p, _)| p.syncing.is_empty()) {
+                break;
+            }
+        }
+        let mut copies: BTreeMap<NodeId, usize> = BTreeMap::new();
+        for (_, p, _) in &queues {
+            assert_eq!(p.secondaries.len(), 1, "{p:?}");
+            *copies.entry(p.secondaries[0]).or_default() += 1;
+        }
+        let n4 = copies.get(&NodeId(4)).copied().unwrap_or(0);
+        let most = copies.values().copied().max().unwrap();
+        assert!(
+            n4 + SPREAD_SLACK_COPIES + 1 >= most,
+            "the new member holds {n4} copies, the most any holds is {most}: {copies:?}"
+        );
     }
 }

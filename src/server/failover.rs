@@ -767,6 +767,7 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     });
     run_bounded(promotions.collect::<Vec<_>>(), PROMOTIONS_AT_ONCE).await;
     let own: Vec<(String, u64)> = shared.core().durable_epochs();
+    let spread = Arc::new(SpreadRound::read(cluster));
     let mut repairs = Vec::new();
     for (id, epoch) in own {
         let placement = cluster.placement(&id);
@@ -777,8 +778,8 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
             OwnQueueStep::Primary => {
                 let p = placement.expect("a primary's queue is placed");
                 ensure_shipping(shared, &id, &p);
-                let (shared, cluster) = (shared.clone(), cluster.clone());
-                repairs.push(async move { repair(&shared, &cluster, &id, &p).await });
+                let (shared, cluster, spread) = (shared.clone(), cluster.clone(), spread.clone());
+                repairs.push(async move { repair(&shared, &cluster, &id, &p, &spread).await });
             }
             OwnQueueStep::Deposed => {
                 let by = match &placement {
@@ -964,6 +965,8 @@ enum TakenOut {
     Unreachable,
     /// Their members are draining, and enough copies elsewhere are in sync.
     Draining,
+    /// Their copies moved to members holding fewer (spreading), the new ones in sync.
+    Spread,
 }
 
 /// Takes `nodes` out of `id`'s replica set (placed as `p`), leaving `secondaries`.
@@ -990,6 +993,10 @@ async fn take_out(
             "this node cannot reach a secondary",
         ),
         TakenOut::Draining => (m::DRAIN_COPIES_MOVED, "a secondary's member is draining"),
+        TakenOut::Spread => (
+            m::SPREAD_COPIES_MOVED,
+            "a secondary moved to a member holding fewer copies",
+        ),
     };
     match cluster.write(cmd).await {
         Ok(MetaResponse::Placed(_)) => {
@@ -1011,24 +1018,118 @@ async fn take_out(
     }
 }
 
+/// What spreading copies reads once per reconcile round ([`reconcile::spread_step`]).
+struct SpreadRound {
+    /// The members that may hold copies (not draining), with their names (rendezvous keys).
+    eligible: Vec<(NodeId, String)>,
+    /// Per member, the copies the metadata places on it (syncing ones included).
+    copies: std::collections::BTreeMap<NodeId, usize>,
+    /// Copy moves this node may still start in the round.
+    budget: std::sync::atomic::AtomicUsize,
+}
+
+impl SpreadRound {
+    fn read(cluster: &Cluster) -> SpreadRound {
+        let me = cluster.id();
+        let members = cluster.members();
+        cluster.read(|s| {
+            let mut copies = std::collections::BTreeMap::new();
+            let mut syncing_here = 0;
+            for p in s.queues.values() {
+                for n in &p.secondaries {
+                    *copies.entry(*n).or_insert(0) += 1;
+                }
+                if p.primary == me && !p.syncing.is_empty() {
+                    syncing_here += 1;
+                }
+            }
+            let budget = reconcile::SPREAD_MOVES_PER_ROUND
+                .min(reconcile::SPREAD_SYNCING_MAX.saturating_sub(syncing_here));
+            SpreadRound {
+                eligible: members
+                    .nodes
+                    .iter()
+                    .filter(|(n, _)| !s.draining.contains(n))
+                    .map(|(n, node)| (*n, node.name.clone()))
+                    .collect(),
+                copies,
+                budget: budget.into(),
+            }
+        })
+    }
+
+    /// Whether spreading could change `p` at all: it has a surplus copy, or a copy on a member
+    /// holding over the slack more than the eligible member holding the fewest. Most queues,
+    /// most rounds, are not: their order is then not computed.
+    fn worth(&self, p: &Placement) -> bool {
+        let count = |n: &NodeId| self.copies.get(n).copied().unwrap_or(0);
+        let fewest = self
+            .eligible
+            .iter()
+            .map(|(n, _)| count(n))
+            .min()
+            .unwrap_or(0);
+        p.secondaries.len() > usize::from(p.redundancy)
+            || p.secondaries
+                .iter()
+                .any(|s| count(s) > fewest + reconcile::SPREAD_SLACK_COPIES)
+    }
+
+    /// `id`'s eligible members but `me`, in the queue's rendezvous order.
+    fn ranked(&self, id: &str, me: NodeId) -> Vec<NodeId> {
+        let candidates = self
+            .eligible
+            .iter()
+            .filter(|(n, _)| *n != me)
+            .map(|(n, name)| (*n, fnv1a(&format!("{id}\u{0}{name}"))));
+        reconcile::rendezvous(candidates, u8::MAX)
+    }
+
+    /// Takes one move of the round's budget; false when none is left.
+    fn take_move(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.budget
+            .fetch_update(Relaxed, Relaxed, |b| b.checked_sub(1))
+            .is_ok()
+    }
+}
+
 /// Restores a queue's redundancy: a syncing secondary that caught up is reported (it may be
-/// promoted from then on), and a missing secondary is replaced by a live member.
-async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Placement) {
+/// promoted from then on), and a missing secondary is replaced by a live member; then copies
+/// are spread to members holding far fewer ([`reconcile::spread_step`]).
+async fn repair(
+    shared: &Arc<Shared>,
+    cluster: &Arc<Cluster>,
+    id: &str,
+    p: &Placement,
+    round: &SpreadRound,
+) {
     let shipped = shared.member.shipping.get(id);
     let regressed = shipped
         .as_ref()
         .map(|sq| sq.regressed())
         .unwrap_or_default();
     let draining = cluster.read(|s| s.draining.clone());
+    let ranked = match round.worth(p) {
+        true => round.ranked(id, cluster.id()),
+        false => Vec::new(),
+    };
     let step = {
         let in_sync = |n| shipped.as_ref().is_some_and(|sq| sq.in_sync(n));
         let unreachable = |n| shared.member.liveness.unreachable(n);
+        let live = |n| shared.member.liveness.is_live(n);
         let seen = reconcile::CopiesSeen {
             regressed: &regressed,
             in_sync: &in_sync,
             unreachable: &unreachable,
             majority_reachable: shared.member.liveness.majority_reachable(cluster),
             draining: &|n| draining.contains(&n),
+            spread: (!ranked.is_empty()).then_some(reconcile::Spread {
+                ranked: &ranked,
+                copies: &round.copies,
+                live: &live,
+                may_add: round.budget.load(std::sync::atomic::Ordering::Relaxed) > 0,
+            }),
         };
         reconcile::repair_step(p, cluster.id(), &seen)
     };
@@ -1054,6 +1155,30 @@ async fn repair(shared: &Arc<Shared>, cluster: &Arc<Cluster>, id: &str, p: &Plac
             draining,
             secondaries,
         } => take_out(cluster, id, p, secondaries, &draining, TakenOut::Draining).await,
+        RepairStep::TakeOutSurplus {
+            surplus,
+            secondaries,
+        } => take_out(cluster, id, p, secondaries, &surplus, TakenOut::Spread).await,
+        RepairStep::SpreadTo { to } => {
+            if !round.take_move() {
+                return;
+            }
+            let mut secondaries = p.secondaries.clone();
+            secondaries.push(to);
+            let cmd = MetaCommand::SetSecondaries {
+                id: id.to_string(),
+                expected_epoch: p.epoch,
+                secondaries: secondaries.clone(),
+            };
+            match cluster.write(cmd).await {
+                Ok(r) => {
+                    tracing::info!(durable_id = %id, to = to.0, ?secondaries, result = ?r, "spreading copies: a copy added on a member holding fewer")
+                }
+                Err(e) => {
+                    tracing::debug!(durable_id = %id, error = %e, "could not spread a copy")
+                }
+            }
+        }
         RepairStep::Synced(node) => {
             let cmd = MetaCommand::Synced {
                 id: id.to_string(),

@@ -19,7 +19,9 @@
 //!    order. A publish applied twice (in the copy, and again after `a_O`) writes the values it
 //!    wrote the first time.
 //! 4. It undrains itself (`tether cluster add-node` made it draining before adding it, so no
-//!    queue went to it before it held the regions); rebalancing then moves queues to it.
+//!    queue went to it before it held the regions); rebalancing then moves queues to it. The
+//!    join mark says whether the undrain is still to do ([`JOINED_UNDRAIN_PENDING`]): a node
+//!    stopped between the two undrains itself at its next start ([`undrain`]).
 //!
 //! Until then it refuses clients (`unavailable`, they try another member) and defers
 //! forwarded publishes (their origins keep them and send them again).
@@ -36,8 +38,16 @@ use crate::cluster::Cluster;
 use crate::cluster::meta::{MetaCommand, NodeId};
 use crate::cluster::network::{PeerRequest, PeerResponse, RegionsPage};
 
-/// Node-state key set once this node, started with `--join`, has copied the regions.
-pub(crate) const JOINED_KEY: &str = "cluster-joined";
+/// Node-state key set once this node, started with `--join`, has copied the regions; its value
+/// is [`JOINED_UNDRAIN_PENDING`] until the node has undrained itself, then [`JOINED_DONE`].
+pub const JOINED_KEY: &str = "cluster-joined";
+/// [`JOINED_KEY`]'s value once the node joined and undrained itself (the only value before
+/// the undrain was recorded: such a node is taken as undrained).
+pub const JOINED_DONE: u8 = 1;
+/// [`JOINED_KEY`]'s value between recording the join and the undrain committing: a node
+/// restarted then undrains itself at start (else it would stay draining until an operator
+/// noticed, as an operator's own drain does).
+pub const JOINED_UNDRAIN_PENDING: u8 = 2;
 /// Pause between the steps of a join that wait on other members, in milliseconds.
 pub const JOIN_RETRY_MS: u64 = 200;
 /// A join that waits this long on a member says so in the log (and again as often), in
@@ -76,6 +86,11 @@ enum JoinError {
 /// Whether this node finished joining a cluster (or never had to).
 pub(crate) fn joined(store: &dyn Store) -> Result<bool, StorageError> {
     Ok(store.state_get(JOINED_KEY)?.is_some())
+}
+
+/// Whether this node recorded its join but not yet that it undrained itself.
+pub(crate) fn undrain_pending(store: &dyn Store) -> Result<bool, StorageError> {
+    Ok(store.state_get(JOINED_KEY)?.as_deref() == Some(&[JOINED_UNDRAIN_PENDING]))
 }
 
 /// A source's page of its regions after `after` (see [`RegionsPage`]).
@@ -167,6 +182,14 @@ pub(crate) async fn join_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
         }
     }
     tracing::info!("joined the cluster: serving clients");
+    undrain(weak, cluster).await;
+}
+
+/// The last step of a join: undrains this node through the metadata (retrying until it
+/// commits), then records that it did. Run again at start by a node that recorded its join
+/// but not the undrain ([`undrain_pending`]).
+pub(crate) async fn undrain(weak: Weak<Shared>, cluster: Arc<Cluster>) {
+    let retry = Duration::from_millis(JOIN_RETRY_MS);
     let undrain = MetaCommand::SetDraining {
         node: cluster.id(),
         draining: false,
@@ -177,6 +200,17 @@ pub(crate) async fn join_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
         }
         tracing::debug!(error = %e, "undraining this node after its join; retrying");
         tokio::time::sleep(retry).await;
+    }
+    let Some(s) = weak.upgrade() else {
+        return;
+    };
+    let mut done = Batch::new();
+    done.state_put(JOINED_KEY, vec![JOINED_DONE]);
+    match s.writer.submit(done, None).await {
+        Ok(Ok(())) => tracing::info!("undrained after joining the cluster"),
+        // A write failure stops the node (the writer's fail-stop); it undrains again at start.
+        Ok(Err(e)) => tracing::warn!(error = %e, "recording the undrain after the join"),
+        Err(_) => {}
     }
 }
 
@@ -288,7 +322,7 @@ async fn copy_regions(
             return Err(JoinError::Stopping);
         };
         let mut done = Batch::new();
-        done.state_put(JOINED_KEY, vec![1]);
+        done.state_put(JOINED_KEY, vec![JOINED_UNDRAIN_PENDING]);
         forward::joined_at(&s, &from, done)
             .await
             .map_err(|e| JoinError::Record(e.message))?;

@@ -41,6 +41,7 @@ use tether_transport::tls::{self, TlsFiles};
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
 
 pub use auth_reload::AUTH_RELOAD_INTERVAL_MS;
+pub use join::{JOINED_DONE, JOINED_KEY, JOINED_UNDRAIN_PENDING};
 pub use placement::REDIRECT_CATCH_UP_MS;
 pub use rebalance::{DRAIN_SESSION_END_WAIT_MS, REBALANCE_INTERVAL_MS};
 pub use revocation::CRL_RELOAD_INTERVAL_MS;
@@ -1362,6 +1363,12 @@ impl Node {
                     Arc::downgrade(&shared),
                     cluster.clone(),
                 )));
+            } else if join::undrain_pending(&*shared.store)? {
+                tracing::info!("this node joined but did not undrain itself before it stopped");
+                tasks.push(tokio::spawn(join::undrain(
+                    Arc::downgrade(&shared),
+                    cluster.clone(),
+                )));
             }
             let _ = shared.member.cluster.set(cluster);
         }
@@ -1459,6 +1466,11 @@ impl Node {
     /// be, it has not copied the regions' values yet and serves no client.
     pub fn joining(&self) -> bool {
         !*self.shared.member.joined.borrow()
+    }
+
+    /// Whether this node recorded its join (`--join`) but not yet its undrain after it.
+    pub fn join_undrain_pending(&self) -> Result<bool, tether_storage::StorageError> {
+        join::undrain_pending(&*self.shared.store)
     }
 
     /// The metadata group handle, on a clustered node.
