@@ -33,6 +33,24 @@ fn id_copied_on(prefix: &str, copy: &str, other: &str) -> String {
         .unwrap()
 }
 
+/// Durable client `id` (redundancy 1) connects to `node`, which places its queue, registers
+/// interest in every key of region R and goes away, its queue kept.
+async fn away_on(node: &Node, id: &str) {
+    let d = builder(node)
+        .durable(id, 300)
+        .redundancy(1)
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(
+        d.server_addr(),
+        node.addr(),
+        "{id} placed where it connected"
+    );
+    d.region("R").register(Interest::all_keys()).await.unwrap();
+    d.close(true).await.unwrap();
+}
+
 fn member_names(node: &Node) -> Vec<String> {
     let members = node.cluster().unwrap().members();
     let mut names: Vec<String> = members.nodes.values().map(|n| n.name.clone()).collect();
@@ -55,15 +73,7 @@ async fn removing_a_member_that_is_gone_releases_its_publish_log_and_its_copies(
     c.leader().await;
     // A queue on n2 whose copy is on n1, its client away.
     let id = id_copied_on("q", "n1", "n3");
-    let d = builder(c.node(1))
-        .durable(id.clone(), 300)
-        .redundancy(1)
-        .connect()
-        .await
-        .unwrap();
-    assert_eq!(d.server_addr(), c.node(1).addr());
-    d.region("R").register(Interest::all_keys()).await.unwrap();
-    d.close(true).await.unwrap();
+    away_on(c.node(1), &id).await;
     let n1 = tether::cluster::meta::raft_id("n1");
     let cluster = c.node(1).cluster().unwrap().clone();
     eventually("the copy on n1 is in sync", || {
@@ -165,15 +175,7 @@ async fn a_member_is_removed_only_once_it_is_the_primary_of_nothing() {
     // Rebalancing off: only the drain moves queues.
     let mut c = TestCluster::start_tweaked(3, |cfg| cfg.rebalance = false).await;
     c.leader().await;
-    let d = builder(c.node(2))
-        .durable("away", 300)
-        .redundancy(1)
-        .connect()
-        .await
-        .unwrap();
-    assert_eq!(d.server_addr(), c.node(2).addr());
-    d.region("R").register(Interest::all_keys()).await.unwrap();
-    d.close(true).await.unwrap();
+    away_on(c.node(2), "away").await;
     let p = c.node(0).publisher().await.unwrap();
     for i in 0..5 {
         p.put("R", &format!("a{i}"), b"v".to_vec()).await.unwrap();
@@ -487,15 +489,7 @@ async fn a_member_of_the_previous_build_serves_and_holds_back_only_membership_ch
     let mut c = TestCluster::start_tweaked(3, previous_build).await;
     c.leader().await;
     // It serves: a durable queue placed on it, with a copy, fed by publishes through n1.
-    let d = builder(c.node(2))
-        .durable("upgrading", 300)
-        .redundancy(1)
-        .connect()
-        .await
-        .unwrap();
-    assert_eq!(d.server_addr(), c.node(2).addr());
-    d.region("R").register(Interest::all_keys()).await.unwrap();
-    d.close(true).await.unwrap();
+    away_on(c.node(2), "upgrading").await;
     let p = c.node(0).publisher().await.unwrap();
     for i in 0..5 {
         p.put("R", &format!("k{i}"), b"v".to_vec()).await.unwrap();
@@ -618,14 +612,7 @@ async fn a_member_added_takes_copies_then_primaries_losing_nothing() {
     c.leader().await;
     // Durable queues at redundancy 1, placed on the three members in turn, their clients away.
     for q in 0..QUEUES {
-        let d = builder(c.node(q % 3))
-            .durable(format!("s{q}"), 300)
-            .redundancy(1)
-            .connect()
-            .await
-            .unwrap();
-        d.region("R").register(Interest::all_keys()).await.unwrap();
-        d.close(true).await.unwrap();
+        away_on(c.node(q % 3), &format!("s{q}")).await;
     }
     let p = c.node(0).publisher().await.unwrap();
     let mut acked = Vec::new();

@@ -1160,23 +1160,9 @@ async fn repair(
             secondaries,
         } => take_out(cluster, id, p, secondaries, &surplus, TakenOut::Spread).await,
         RepairStep::SpreadTo { to } => {
-            if !round.take_move() {
-                return;
-            }
-            let mut secondaries = p.secondaries.clone();
-            secondaries.push(to);
-            let cmd = MetaCommand::SetSecondaries {
-                id: id.to_string(),
-                expected_epoch: p.epoch,
-                secondaries: secondaries.clone(),
-            };
-            match cluster.write(cmd).await {
-                Ok(r) => {
-                    tracing::info!(durable_id = %id, to = to.0, ?secondaries, result = ?r, "spreading copies: a copy added on a member holding fewer")
-                }
-                Err(e) => {
-                    tracing::debug!(durable_id = %id, error = %e, "could not spread a copy")
-                }
+            if round.take_move() {
+                let why = "spreading copies: a copy added on a member holding fewer";
+                add_copies(cluster, id, p, vec![to], why).await;
             }
         }
         RepairStep::Synced(node) => {
@@ -1191,26 +1177,27 @@ async fn repair(
         }
         RepairStep::Add { want, exclude } => {
             let add = choose_secondaries(shared, cluster, id, want, &exclude);
-            if add.is_empty() {
-                return;
-            }
-            let mut secondaries = p.secondaries.clone();
-            secondaries.extend(add);
-            let cmd = MetaCommand::SetSecondaries {
-                id: id.to_string(),
-                expected_epoch: p.epoch,
-                secondaries: secondaries.clone(),
-            };
-            match cluster.write(cmd).await {
-                Ok(r) => {
-                    tracing::info!(durable_id = %id, ?secondaries, result = ?r, "repairing redundancy")
-                }
-                Err(e) => {
-                    tracing::debug!(durable_id = %id, error = %e, "could not repair redundancy")
-                }
+            if !add.is_empty() {
+                add_copies(cluster, id, p, add, "repairing redundancy").await;
             }
         }
         RepairStep::Nothing => {}
+    }
+}
+
+/// Adds copies of `id` (placed as `p`) on `add`, as syncing secondaries (a compare-and-set on
+/// the placement's epoch); `why` says what for in the log.
+async fn add_copies(cluster: &Cluster, id: &str, p: &Placement, add: Vec<NodeId>, why: &str) {
+    let mut secondaries = p.secondaries.clone();
+    secondaries.extend(add);
+    let cmd = MetaCommand::SetSecondaries {
+        id: id.to_string(),
+        expected_epoch: p.epoch,
+        secondaries: secondaries.clone(),
+    };
+    match cluster.write(cmd).await {
+        Ok(r) => tracing::info!(durable_id = %id, ?secondaries, result = ?r, "{why}"),
+        Err(e) => tracing::debug!(durable_id = %id, error = %e, "{why}: not written"),
     }
 }
 
