@@ -691,13 +691,26 @@ fn joined_mark(data_dir: &std::path::Path) -> Option<Vec<u8>> {
     store.state_get(tether::server::JOINED_KEY).unwrap()
 }
 
+/// Waits until joined node `i` recorded its undrain, stops it, and checks the mark it left.
+async fn recorded_undrain_then_stop(c: &mut TestCluster, i: usize) {
+    eventually("the node records its undrain", || {
+        !c.node(i).join_undrain_pending().unwrap()
+    })
+    .await;
+    c.nodes[i].take().unwrap().shutdown().await;
+    assert_eq!(
+        joined_mark(c.dirs[i].path()),
+        Some(vec![tether::server::JOINED_DONE])
+    );
+}
+
 /// A node restarted after it recorded its join but before its undrain committed undrains itself
 /// at start, while a joined node that an operator drained stays drained across a restart. (The
 /// first state is made by hand in the stopped node's store: the window between the join's last
 /// two writes is too short to stop a node in.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_joined_node_restarted_before_its_undrain_undrains_itself() {
-    use tether::server::{JOINED_DONE, JOINED_KEY, JOINED_UNDRAIN_PENDING};
+    use tether::server::{JOINED_KEY, JOINED_UNDRAIN_PENDING};
     let mut c = TestCluster::start(3).await;
     c.leader().await;
     let i = c.grow().await;
@@ -710,12 +723,7 @@ async fn a_joined_node_restarted_before_its_undrain_undrains_itself() {
     let cluster = c.node(0).cluster().unwrap().clone();
     let draining = || cluster.read(|s| s.draining.contains(&n4));
     eventually("n4 undrained after its join", || !draining()).await;
-    eventually("n4 records its undrain", || {
-        !c.node(i).join_undrain_pending().unwrap()
-    })
-    .await;
-    c.nodes[i].take().unwrap().shutdown().await;
-    assert_eq!(joined_mark(c.dirs[i].path()), Some(vec![JOINED_DONE]));
+    recorded_undrain_then_stop(&mut c, i).await;
 
     // What a stop between the join's two writes leaves: draining, the undrain pending.
     admin.drain("n4", Some(true)).await.unwrap();
@@ -728,12 +736,7 @@ async fn a_joined_node_restarted_before_its_undrain_undrains_itself() {
     }
     c.nodes[i] = Some(c.boot(i).await);
     eventually("n4 undrains itself at start", || !draining()).await;
-    eventually("n4 records its undrain", || {
-        !c.node(i).join_undrain_pending().unwrap()
-    })
-    .await;
-    c.nodes[i].take().unwrap().shutdown().await;
-    assert_eq!(joined_mark(c.dirs[i].path()), Some(vec![JOINED_DONE]));
+    recorded_undrain_then_stop(&mut c, i).await;
 
     // An operator's drain of a joined node outlasts its restart.
     admin.drain("n4", Some(true)).await.unwrap();

@@ -1376,25 +1376,14 @@ async fn remove_node(shared: &Arc<Shared>, name: &str) -> Result<ResponseBody, W
             ),
         ));
     }
-    cluster.remove_member(node).await.map_err(|e| match e {
-        crate::cluster::ClusterError::Membership(why) => {
-            WireError::new(ErrorCode::Refused, format!("cannot remove {name}: {why}"))
-        }
-        e => unavailable(e),
-    })?;
+    cluster
+        .remove_member(node)
+        .await
+        .map_err(|e| membership_refused(e, "remove", name))?;
     tracing::info!(node = name, "member removed");
-    // The change is applied on the leader; this node's view may be a moment behind.
-    let mut members: Vec<String> = cluster
-        .members()
-        .nodes
-        .iter()
-        .filter(|(id, _)| **id != node)
-        .map(|(_, n)| n.name.clone())
-        .collect();
-    members.sort();
     Ok(ResponseBody::NodeRemoved {
         node_id: name.to_string(),
-        members,
+        members: members_after(cluster, Some(node), None),
     })
 }
 
@@ -1431,27 +1420,47 @@ async fn add_node(shared: &Arc<Shared>, name: &str, addr: &str) -> Result<Respon
         name: name.clone(),
         addr,
     };
-    cluster.add_member(node, peer).await.map_err(|e| match e {
-        crate::cluster::ClusterError::Membership(why) => {
-            WireError::new(ErrorCode::Refused, format!("cannot add {name}: {why}"))
-        }
-        e => unavailable(e),
-    })?;
+    cluster
+        .add_member(node, peer)
+        .await
+        .map_err(|e| membership_refused(e, "add", &name))?;
     tracing::info!(node = name, "member added");
-    // The change is applied on the leader; this node's view may be a moment behind.
-    let mut members: Vec<String> = cluster
-        .members()
-        .nodes
-        .values()
-        .map(|n| n.name.clone())
-        .chain(std::iter::once(name.clone()))
-        .collect();
-    members.sort();
-    members.dedup();
+    let members = members_after(cluster, None, Some(&name));
     Ok(ResponseBody::NodeAdded {
         node_id: name,
         members,
     })
+}
+
+/// A membership change that failed: `refused` when the group refused it (`verb` and `name` say
+/// which), else the metadata is unavailable.
+fn membership_refused(e: crate::cluster::ClusterError, verb: &str, name: &str) -> WireError {
+    match e {
+        crate::cluster::ClusterError::Membership(why) => {
+            WireError::new(ErrorCode::Refused, format!("cannot {verb} {name}: {why}"))
+        }
+        e => super::placement::metadata_unavailable(e),
+    }
+}
+
+/// The members' names once a change removing `removed` or adding `added` applied, sorted: the
+/// change is applied on the leader, and this node's view may be a moment behind.
+fn members_after(
+    cluster: &crate::cluster::Cluster,
+    removed: Option<crate::cluster::meta::NodeId>,
+    added: Option<&str>,
+) -> Vec<String> {
+    let mut members: Vec<String> = cluster
+        .members()
+        .nodes
+        .iter()
+        .filter(|(id, _)| Some(**id) != removed)
+        .map(|(_, n)| n.name.clone())
+        .chain(added.map(str::to_string))
+        .collect();
+    members.sort();
+    members.dedup();
+    members
 }
 
 /// Body bytes of a session's first delivery frame; each next frame doubles it up to

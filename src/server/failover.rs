@@ -1024,6 +1024,8 @@ struct SpreadRound {
     eligible: Vec<(NodeId, String)>,
     /// Per member, the copies the metadata places on it (syncing ones included).
     copies: std::collections::BTreeMap<NodeId, usize>,
+    /// The fewest copies an eligible member holds.
+    fewest: usize,
     /// Copy moves this node may still start in the round.
     budget: std::sync::atomic::AtomicUsize,
 }
@@ -1045,14 +1047,21 @@ impl SpreadRound {
             }
             let budget = reconcile::SPREAD_MOVES_PER_ROUND
                 .min(reconcile::SPREAD_SYNCING_MAX.saturating_sub(syncing_here));
+            let eligible: Vec<(NodeId, String)> = members
+                .nodes
+                .iter()
+                .filter(|(n, _)| !s.draining.contains(n))
+                .map(|(n, node)| (*n, node.name.clone()))
+                .collect();
+            let fewest = eligible
+                .iter()
+                .map(|(n, _)| copies.get(n).copied().unwrap_or(0))
+                .min()
+                .unwrap_or(0);
             SpreadRound {
-                eligible: members
-                    .nodes
-                    .iter()
-                    .filter(|(n, _)| !s.draining.contains(n))
-                    .map(|(n, node)| (*n, node.name.clone()))
-                    .collect(),
+                eligible,
                 copies,
+                fewest,
                 budget: budget.into(),
             }
         })
@@ -1063,16 +1072,10 @@ impl SpreadRound {
     /// most rounds, are not: their order is then not computed.
     fn worth(&self, p: &Placement) -> bool {
         let count = |n: &NodeId| self.copies.get(n).copied().unwrap_or(0);
-        let fewest = self
-            .eligible
-            .iter()
-            .map(|(n, _)| count(n))
-            .min()
-            .unwrap_or(0);
         p.secondaries.len() > usize::from(p.redundancy)
             || p.secondaries
                 .iter()
-                .any(|s| count(s) > fewest + reconcile::SPREAD_SLACK_COPIES)
+                .any(|s| count(s) > self.fewest + reconcile::SPREAD_SLACK_COPIES)
     }
 
     /// `id`'s eligible members but `me`, in the queue's rendezvous order.
