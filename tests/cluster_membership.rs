@@ -571,6 +571,9 @@ async fn a_member_of_the_previous_build_serves_and_holds_back_only_membership_ch
 
     // n3 restarts on the new build: the drain goes through, and its queue kept everything.
     c.nodes[2].take().unwrap().shutdown().await;
+    // Its consensus log holds nothing of version 2 yet: a build of the previous format (1)
+    // could still open it (a rollback).
+    assert_eq!(raft_log_format(c.dirs[2].path()), 1);
     c.tweak = |_| {};
     let node = c.boot(2).await;
     c.nodes[2] = Some(node);
@@ -598,7 +601,20 @@ async fn a_member_of_the_previous_build_serves_and_holds_back_only_membership_ch
     assert_eq!(d.queue_status(), QueueStatus::Resumed);
     d.close(false).await.unwrap();
     admin.close(false).await.unwrap();
+    let dirs = std::mem::take(&mut c.dirs);
     c.shutdown().await;
+    // The drain's entries are of version 2: every member's log records format 2 now, so a
+    // build of format 1 refuses it at start rather than failing to decode an entry.
+    for dir in &dirs {
+        assert_eq!(raft_log_format(dir.path()), 2, "{}", dir.path().display());
+    }
+}
+
+/// The format a stopped node's consensus log records (`tether_storage::RAFT_LOG_FORMAT_KEY`).
+fn raft_log_format(data_dir: &std::path::Path) -> u32 {
+    tether_storage::RaftLogDb::open(&data_dir.join(tether::server::RAFT_DIR))
+        .unwrap()
+        .format()
 }
 
 /// Issue 25 point 3, a member added takes its part without a member leaving: copies spread to

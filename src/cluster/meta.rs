@@ -265,6 +265,16 @@ fn valid_replicas(primary: NodeId, secondaries: &[NodeId]) -> bool {
 }
 
 impl MetaState {
+    /// The oldest peer protocol version that reads all of this state: a member draining is
+    /// [`PEER_VERSION_MEMBERSHIP`]'s (an older build would decode the state without it).
+    pub fn version_needed(&self) -> u32 {
+        if self.draining.is_empty() {
+            1
+        } else {
+            PEER_VERSION_MEMBERSHIP
+        }
+    }
+
     /// Applies `cmd`, carried by the log entry at `index`.
     pub fn apply(&mut self, index: u64, cmd: &MetaCommand) -> MetaResponse {
         match cmd {

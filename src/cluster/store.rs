@@ -24,10 +24,29 @@ use tether_storage::RaftLogDb;
 use tether_transport::codec;
 use tokio::sync::watch;
 
-use super::meta::{MetaResponse, MetaState, NodeId};
+use super::meta::{MetaResponse, MetaState, NodeId, PEER_VERSION_MEMBERSHIP};
 use super::{Members, PeerNode, TypeConfig};
 
 type StoreResult<T> = Result<T, StorageError<NodeId>>;
+
+/// The consensus log format ([`tether_storage::RAFT_LOG_FORMAT`]) that holds metadata of peer
+/// protocol version `peer_version`: format 2 brought [`PEER_VERSION_MEMBERSHIP`]'s.
+fn log_format_for(peer_version: u32) -> u32 {
+    if peer_version >= PEER_VERSION_MEMBERSHIP {
+        2
+    } else {
+        tether_storage::RAFT_LOG_FORMAT_OLDEST
+    }
+}
+const _: () = assert!(tether_storage::RAFT_LOG_FORMAT == 2);
+
+/// The log format `e` needs (see [`log_format_for`]).
+fn log_format_of(e: &Entry<TypeConfig>) -> u32 {
+    match &e.payload {
+        EntryPayload::Normal(cmd) => log_format_for(cmd.version_needed()),
+        EntryPayload::Blank | EntryPayload::Membership(_) => tether_storage::RAFT_LOG_FORMAT_OLDEST,
+    }
+}
 
 const META_VOTE: &str = "vote";
 const META_COMMITTED: &str = "committed";
@@ -155,10 +174,17 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I::IntoIter: OptionalSend,
     {
         let mut rows = Vec::new();
+        let mut format = tether_storage::RAFT_LOG_FORMAT_OLDEST;
         for e in entries {
+            format = format.max(log_format_of(&e));
             rows.push((e.log_id.index, encode(&e, ErrorSubject::Logs)?));
         }
-        let res = self.db.append(rows.iter().map(|(i, b)| (*i, b.as_slice())));
+        // The format first: a build that cannot read these entries refuses the log at start
+        // instead of failing to decode them.
+        let res = self
+            .db
+            .raise_format(format)
+            .and_then(|()| self.db.append(rows.iter().map(|(i, b)| (*i, b.as_slice()))));
         match res {
             Ok(()) => {
                 // Synced (RaftLogDb writes with sync = true): durable now.
@@ -258,12 +284,13 @@ impl StateMachine {
     }
 
     fn snapshot_now(&self) -> StoreResult<Snapshot<TypeConfig>> {
-        let (data, last_applied, membership) = {
+        let (data, last_applied, membership, version) = {
             let a = self.applied.read().expect("metadata lock poisoned");
             (
                 encode(&*a, ErrorSubject::StateMachine)?,
                 a.last_applied,
                 a.membership.clone(),
+                a.state.version_needed(),
             )
         };
         let snapshot_id = match last_applied {
@@ -275,20 +302,31 @@ impl StateMachine {
             last_membership: membership,
             snapshot_id,
         };
-        self.persist(&meta, &data)?;
+        self.persist(&meta, &data, version)?;
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(data)),
         })
     }
 
-    fn persist(&self, meta: &SnapshotMeta<NodeId, PeerNode>, data: &[u8]) -> StoreResult<()> {
+    /// Stores a snapshot of metadata of peer protocol version `version` (raising the log's
+    /// format first when it needs to).
+    fn persist(
+        &self,
+        meta: &SnapshotMeta<NodeId, PeerNode>,
+        data: &[u8],
+        version: u32,
+    ) -> StoreResult<()> {
         let stored = StoredSnapshot {
             meta: meta.clone(),
             data: data.to_vec(),
         };
         let b = encode(&stored, ErrorSubject::Snapshot(Some(meta.signature())))?;
-        self.db.meta_put(META_SNAPSHOT, &b).map_err(|e| {
+        let db = &self.db;
+        let res = db
+            .raise_format(log_format_for(version))
+            .and_then(|()| db.meta_put(META_SNAPSHOT, &b));
+        res.map_err(|e| {
             io_err(
                 ErrorSubject::Snapshot(Some(meta.signature())),
                 ErrorVerb::Write,
@@ -371,7 +409,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         let mut applied: Applied = decode(&data, ErrorSubject::Snapshot(Some(meta.signature())))?;
         applied.last_applied = meta.last_log_id;
         applied.membership = meta.last_membership.clone();
-        self.persist(meta, &data)?;
+        self.persist(meta, &data, applied.state.version_needed())?;
         let membership = applied.membership.membership().clone();
         *self.applied.write().expect("metadata lock poisoned") = applied;
         self.publish_members(&membership);

@@ -55,7 +55,10 @@ pub use batch::{Batch, Entry, Offset, Op, QueueId, QueueMeta};
 pub use error::StorageError;
 pub use keys::{MAX_KEY_BYTES, MAX_REGION_NAME_BYTES, MAX_VALUE_BYTES};
 pub use mem::MemStore;
-pub use raft_log::{CF_RAFT_LOG, CF_RAFT_META, RaftLogDb};
+pub use raft_log::{
+    CF_RAFT_LOG, CF_RAFT_META, RAFT_LOG_FORMAT, RAFT_LOG_FORMAT_KEY, RAFT_LOG_FORMAT_OLDEST,
+    RaftLogDb,
+};
 pub use rocks::{
     BLOCK_CACHE_BYTES, BLOOM_BITS_PER_KEY, CF_ENTRIES, CF_MARKS, CF_META, CF_REGIONS, CF_STATE,
     ENTRIES_BLOCK_SIZE_BYTES, ENTRIES_WRITE_BUFFER_BYTES, MEMTABLE_MAX_RANGE_DELETIONS_COUNT,

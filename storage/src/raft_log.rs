@@ -29,10 +29,19 @@ pub const CF_RAFT_LOG: &str = "log";
 /// Column family of the vote, committed id, purged id and snapshot.
 pub const CF_RAFT_META: &str = "raft_meta";
 
-/// The consensus log's layout this build writes: the column families above and the encoding
-/// of entries, votes and snapshots by `src/cluster/`. Raised with every change a previous
-/// build could not read; recorded in the database.
-pub const RAFT_LOG_FORMAT: u32 = 1;
+/// The newest consensus log layout this build writes: the column families above and the
+/// encoding of entries, votes and snapshots by `src/cluster/`. Raised with every change a
+/// previous build could not read; recorded in the database.
+///
+/// - 1: the first recorded format.
+/// - 2: entries and snapshots may hold metadata of peer protocol version 2 (membership
+///   changes: a member draining), which a build of format 1 cannot decode.
+///
+/// A log records the lowest format that describes what it holds: format 1 when created
+/// (or the oldest this build reads), raised by [`RaftLogDb::raise_format`] just before the
+/// first write that needs more. So a build of the previous format still opens a log that
+/// holds nothing new, and refuses, with both numbers, one that does.
+pub const RAFT_LOG_FORMAT: u32 = 2;
 /// The oldest consensus log layout this build reads (one version back, once there is one).
 pub const RAFT_LOG_FORMAT_OLDEST: u32 = 1;
 const _: () = assert!(
@@ -45,6 +54,9 @@ pub const RAFT_LOG_FORMAT_KEY: &str = "format";
 /// several threads; writes are applied in call order per thread.
 pub struct RaftLogDb {
     db: DB,
+    /// The format recorded under [`RAFT_LOG_FORMAT_KEY`] (read at open, kept by
+    /// `raise_format`).
+    format: std::sync::atomic::AtomicU32,
 }
 
 impl std::fmt::Debug for RaftLogDb {
@@ -72,8 +84,10 @@ impl RaftLogDb {
             .map(|name| ColumnFamilyDescriptor::new(name, Options::default()));
         let db = RaftLogDb {
             db: DB::open_cf_descriptors(&opts, dir, cfs)?,
+            format: std::sync::atomic::AtomicU32::new(RAFT_LOG_FORMAT_OLDEST),
         };
-        // A log written before formats were recorded is format 1, and gets the record.
+        // A new log, or one written before formats were recorded (format 1), gets the record
+        // of the oldest format: it holds nothing newer yet.
         let record = db.meta_get(RAFT_LOG_FORMAT_KEY)?;
         if crate::error::check_format_record(
             "consensus log",
@@ -81,9 +95,37 @@ impl RaftLogDb {
             RAFT_LOG_FORMAT_OLDEST,
             RAFT_LOG_FORMAT,
         )? {
-            db.meta_put(RAFT_LOG_FORMAT_KEY, &RAFT_LOG_FORMAT.to_be_bytes())?;
+            db.meta_put(RAFT_LOG_FORMAT_KEY, &RAFT_LOG_FORMAT_OLDEST.to_be_bytes())?;
+        } else if let Some(v) = record {
+            let bytes: [u8; 4] = v.as_slice().try_into().expect("checked: four bytes");
+            db.format.store(
+                u32::from_be_bytes(bytes),
+                std::sync::atomic::Ordering::Relaxed,
+            );
         }
         Ok(db)
+    }
+
+    /// The format the log records: the newest layout of anything written to it.
+    pub fn format(&self) -> u32 {
+        self.format.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Records `format` (at most [`RAFT_LOG_FORMAT`]) durably, before a write that needs it;
+    /// nothing when the log already records it or a newer one. The caller serializes writes
+    /// (openraft's storage calls are sequential).
+    pub fn raise_format(&self, format: u32) -> Result<(), StorageError> {
+        assert!(
+            format <= RAFT_LOG_FORMAT,
+            "format {format} is newer than this build's {RAFT_LOG_FORMAT}"
+        );
+        if format <= self.format() {
+            return Ok(());
+        }
+        self.meta_put(RAFT_LOG_FORMAT_KEY, &format.to_be_bytes())?;
+        self.format
+            .store(format, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
 
     fn cf(&self, name: &str) -> &ColumnFamily {
@@ -223,15 +265,18 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let db = RaftLogDb::open(dir.path()).unwrap();
+            // A new log holds nothing newer than the oldest format.
             assert_eq!(
                 db.meta_get(RAFT_LOG_FORMAT_KEY).unwrap(),
-                Some(RAFT_LOG_FORMAT.to_be_bytes().to_vec())
+                Some(RAFT_LOG_FORMAT_OLDEST.to_be_bytes().to_vec())
             );
+            assert_eq!(db.format(), RAFT_LOG_FORMAT_OLDEST);
             db.meta_put("vote", b"v1").unwrap();
         }
         // The database opened without the format check.
         let raw = || RaftLogDb {
             db: DB::open_cf(&Options::default(), dir.path(), [CF_RAFT_LOG, CF_RAFT_META]).unwrap(),
+            format: Default::default(),
         };
         for found in [RAFT_LOG_FORMAT + 1, RAFT_LOG_FORMAT_OLDEST - 1] {
             raw()
@@ -264,6 +309,48 @@ mod tests {
         assert_eq!(
             db.meta_get(RAFT_LOG_FORMAT_KEY).unwrap(),
             Some(1u32.to_be_bytes().to_vec())
+        );
+    }
+
+    #[test]
+    fn the_format_is_raised_before_a_write_that_needs_it_and_kept_across_opens() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let db = RaftLogDb::open(dir.path()).unwrap();
+            db.raise_format(RAFT_LOG_FORMAT_OLDEST).unwrap();
+            assert_eq!(db.format(), RAFT_LOG_FORMAT_OLDEST, "nothing to raise");
+            db.raise_format(RAFT_LOG_FORMAT).unwrap();
+            assert_eq!(db.format(), RAFT_LOG_FORMAT);
+            db.append([(1, b"an entry of the newer format".as_slice())])
+                .unwrap();
+        }
+        let db = RaftLogDb::open(dir.path()).unwrap();
+        assert_eq!(db.format(), RAFT_LOG_FORMAT, "recorded durably");
+        assert_eq!(
+            db.meta_get(RAFT_LOG_FORMAT_KEY).unwrap(),
+            Some(RAFT_LOG_FORMAT.to_be_bytes().to_vec())
+        );
+        // Never lowered.
+        db.raise_format(RAFT_LOG_FORMAT_OLDEST).unwrap();
+        assert_eq!(db.format(), RAFT_LOG_FORMAT);
+        drop(db);
+        // What a build of the previous format does with this log: refuses it, with both
+        // numbers, and changes nothing.
+        let record = {
+            let db = RaftLogDb::open(dir.path()).unwrap();
+            db.meta_get(RAFT_LOG_FORMAT_KEY).unwrap()
+        };
+        let e = crate::error::check_format_record(
+            "consensus log",
+            record.as_deref(),
+            RAFT_LOG_FORMAT - 1,
+            RAFT_LOG_FORMAT - 1,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(&format!("consensus log format is {RAFT_LOG_FORMAT}")),
+            "{e}"
         );
     }
 }
