@@ -206,8 +206,12 @@ pub async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
 }
 
 /// A real `tether server` process on loopback port 0 with its data in `dir` (killed on drop).
+/// Its log goes to a file of its own, printed (the last [`LOG_TAIL_LINES`] lines) when the
+/// test fails, so a failing test shows its own nodes' logs rather than every test's interleaved.
 pub struct ServerProc {
     pub child: std::process::Child,
+    /// The server's standard error (its log).
+    pub log: tempfile::NamedTempFile,
     pub addr: std::net::SocketAddr,
     pub ca: std::path::PathBuf,
     /// The HTTP address of `/metrics` and the admin API, when `extra` asked for one.
@@ -227,12 +231,13 @@ impl ServerProc {
         if !extra.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }
+        let log = tempfile::NamedTempFile::new().expect("log file");
         let mut child = cmd
             .args(extra)
             .arg("--data-dir")
             .arg(dir)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(log.reopen().expect("log file"))
             .spawn()
             .expect("spawn tether server");
         let mut line = String::new();
@@ -244,6 +249,7 @@ impl ServerProc {
         assert_eq!(v["type"], "listening");
         ServerProc {
             child,
+            log,
             addr: v["addr"].as_str().unwrap().parse().unwrap(),
             ca: std::path::PathBuf::from(v["ca"].as_str().unwrap()),
             metrics: v["metrics"].as_str().and_then(|m| m.parse().ok()),
@@ -260,6 +266,22 @@ impl ServerProc {
         self.child.wait().expect("reap");
     }
 
+    /// Prints the end of this server's log to standard error, headed by its address.
+    pub fn print_log_tail(&self) {
+        let text = std::fs::read_to_string(self.log.path()).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        let from = lines.len().saturating_sub(LOG_TAIL_LINES);
+        eprintln!(
+            "---- log of the server at {} (last {} of {} lines) ----",
+            self.addr,
+            lines.len() - from,
+            lines.len()
+        );
+        for line in &lines[from..] {
+            eprintln!("{line}");
+        }
+    }
+
     /// SIGTERM, and waits for the clean exit (status 0).
     pub fn sigterm(mut self) {
         let st = std::process::Command::new("kill")
@@ -273,10 +295,16 @@ impl ServerProc {
     }
 }
 
+/// How much of a server's log a failing test prints.
+pub const LOG_TAIL_LINES: usize = 400;
+
 impl Drop for ServerProc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            self.print_log_tail();
+        }
     }
 }
 
