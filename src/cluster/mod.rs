@@ -98,8 +98,12 @@ pub enum ClusterError {
 /// A node's view of the cluster's members, validated.
 #[derive(Clone, Debug)]
 pub struct Members {
-    /// Every member including this node, by raft id.
+    /// Every member including this node, by raft id: the voters and the learners (members
+    /// being added, until they caught up with the log).
     pub nodes: BTreeMap<NodeId, PeerNode>,
+    /// The members that vote, and so count towards a majority: a learner does not (during a
+    /// joint change, the voters of both configurations).
+    pub voters: BTreeSet<NodeId>,
 }
 
 impl Members {
@@ -134,7 +138,8 @@ impl Members {
                 n.addr.clone_from(&c.addr);
             }
         }
-        Arc::new(Members { nodes })
+        let voters = membership.voter_ids().collect();
+        Arc::new(Members { nodes, voters })
     }
 
     /// Builds the member list from this node's name and address and its `--peer` list
@@ -179,7 +184,9 @@ impl Members {
                 nodes.len()
             )));
         }
-        Ok(Members { nodes })
+        // Every configured member votes once the group is initialized with them.
+        let voters = nodes.keys().copied().collect();
+        Ok(Members { nodes, voters })
     }
 }
 

@@ -567,13 +567,14 @@ impl Liveness {
         self.detector().unreachable(node, now)
     }
 
-    /// Whether this node reaches a majority of the cluster's members (see
-    /// [`FailureDetector::majority_reachable`]).
+    /// Whether this node reaches a majority of the cluster's voters (see
+    /// [`FailureDetector::majority_reachable`]): a learner, a member still being added, does
+    /// not count, as it does not in the metadata group.
     pub(crate) fn majority_reachable(&self, cluster: &Cluster) -> bool {
         let members = cluster.members();
         let now = self.ms(Instant::now());
         self.detector()
-            .majority_reachable(cluster.id(), members.nodes.keys().copied(), now)
+            .majority_reachable(cluster.id(), members.voters.iter().copied(), now)
     }
 }
 
@@ -1460,6 +1461,44 @@ fn held_ids(
 mod tests {
     use super::*;
     use crate::protocol::{EventOp, PublishOp};
+
+    /// A member being added is a learner until it caught up: it is a member (dialed, pinged,
+    /// named) but not a voter, so it must not count towards the majority a primary checks
+    /// before it keeps serving without a lease. Two learners answering a primary that reaches
+    /// none of the other voters would otherwise make 3 of 5.
+    #[test]
+    fn a_learner_is_a_member_that_does_not_count_towards_a_majority() {
+        use crate::cluster::meta::raft_id;
+        use crate::cluster::{Members, PeerNode};
+        use std::collections::{BTreeMap, BTreeSet};
+        let peer = |name: &str, port: u16| (name.to_string(), format!("127.0.0.1:{port}"));
+        let configured =
+            Members::new("n1", "127.0.0.1:1", &[peer("n2", 2), peer("n3", 3)]).unwrap();
+        assert_eq!(configured.voters.len(), 3, "configured members all vote");
+        let voters: BTreeSet<NodeId> = ["n1", "n2", "n3"].map(raft_id).into();
+        let nodes: BTreeMap<NodeId, crate::cluster::PeerNode> = (1..=5)
+            .map(|i| {
+                let (name, addr) = peer(&format!("n{i}"), i);
+                (raft_id(&name), PeerNode { name, addr })
+            })
+            .collect();
+        let membership = openraft::Membership::new(vec![voters.clone()], nodes);
+        let members = Members::effective(&membership, &configured);
+        assert_eq!(members.nodes.len(), 5, "learners are members");
+        assert_eq!(members.voters, voters);
+
+        // n1 hears only from the learners n4 and n5.
+        let (n1, now) = (raft_id("n1"), 10_000);
+        let mut d = FailureDetector::new(members.nodes.keys().copied(), 0, 2_500);
+        d.answered(raft_id("n4"), now);
+        d.answered(raft_id("n5"), now);
+        assert!(!d.majority_reachable(n1, members.voters.iter().copied(), now));
+        // Over every member it would count 3 of 5.
+        assert!(d.majority_reachable(n1, members.nodes.keys().copied(), now));
+        // With one voter more it has its majority.
+        d.answered(raft_id("n2"), now);
+        assert!(d.majority_reachable(n1, members.voters.iter().copied(), now));
+    }
 
     fn record(r: &mut RecentForwards, origin: &str, offset: u64) {
         record_in(r, &mut Batch::new(), origin, offset);
