@@ -13,9 +13,10 @@
 //!   a queue's ([`QueueBytes`], byte marks stored with the log).
 //! * One forwarding task per peer ships the log in order (runs of up to
 //!   [`FORWARD_BATCH_ENTRIES_MAX`] entries, up to [`FORWARD_RPCS_IN_FLIGHT_MAX`] peer RPCs in
-//!   flight, each run after the one before) and records, durably, how
-//!   far the peer has applied (`fwd-sent/<peer>`), moved only after the peer answered that it
-//!   applied the entries. Entries every peer has applied are trimmed (below the lowest peer
+//!   flight, each run after the one before) and records how far the peer has applied
+//!   (`fwd-sent/<peer>`), moved only after the peer answered that it applied the entries: in
+//!   memory at once, durably with the next group commit, which the loop does not wait for
+//!   (a cursor lost in a crash is behind, and the peer skips what it applied). Entries every peer has applied are trimmed (below the lowest peer
 //!   cursor). A run sent while another is in flight says which offset it follows (`follows`):
 //!   the peer applies it only after that one, else answers with what it applied, and the
 //!   origin sends again from there. With its runs the task also tells each peer the *floor*,
@@ -593,7 +594,7 @@ pub(crate) async fn forward_loop(
         if let Some(t) = through {
             let Some(s) = shared.upgrade() else { return };
             let before = s.member.forwarding.as_ref().map_or(0, |f| f.sent(&peer));
-            record_sent(&s, &peer, t).await;
+            record_sent(&s, &peer, t);
             if let Some(f) = &s.member.forwarding {
                 metrics::counter!(m::FORWARDED, "peer" => peer.clone())
                     .increment(t.saturating_sub(before));
@@ -609,9 +610,12 @@ pub(crate) async fn forward_loop(
     }
 }
 
-/// Records that `peer` applied the log through `through` (durably) and trims what every
-/// peer has applied.
-async fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) {
+/// Records that `peer` applied the log through `through` and trims what every peer has
+/// applied: at once in memory (a publisher waiting for the peer is answered now), durably in
+/// the next group commit, not waited for. The writer commits batches in the order they are
+/// submitted, so the durable cursor only moves forward, and the forwarding goes on without a
+/// sync per answer. A cursor lost in a crash is only behind: the peer skips what it applied.
+fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) {
     let Some(f) = &s.member.forwarding else {
         return;
     };
@@ -633,7 +637,8 @@ async fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) {
     let mut b = Batch::new();
     b.state_put(&sent_key(peer), through.to_be_bytes().to_vec());
     f.trim_to(&mut b, min);
-    let _ = s.writer.submit(b, None).await;
+    // A failed write stops the node's writer (and the node): nothing to do with the answer.
+    drop(s.writer.submit(b, None));
     f.sent_changed.notify_waiters();
 }
 
