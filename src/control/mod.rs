@@ -9,12 +9,15 @@
 //! (deterministic order), and logging is left to the drivers. `tests/tidy.rs` checks the rule
 //! (no tokio, storage, transport, clocks, locks, hash maps or logging here).
 //!
+//! - [`lease`]: when a primary may deliver (every secondary acknowledged recently, and a
+//!   promoted or restarted primary waits out its predecessor's lease);
 //! - [`liveness`]: which members answer, and which the metadata leader declares failed;
 //! - [`reconcile`]: per queue and per copy, what the node does next (ship and repair, depose,
 //!   drop, promote), and the fencing checks on copies;
 //! - [`rebalance`]: how many queues each member hands over, and which;
 //! - [`watermark`]: how far a copy holds the publishes its primary applied.
 
+pub mod lease;
 pub mod liveness;
 pub mod rebalance;
 pub mod reconcile;

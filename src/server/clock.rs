@@ -37,6 +37,16 @@ impl Clock {
         Clock { anchor_ms, anchor }
     }
 
+    /// When the node started (its monotonic anchor).
+    pub(crate) fn started(&self) -> Instant {
+        self.anchor
+    }
+
+    /// Milliseconds since the node started, on the monotonic clock.
+    pub(crate) fn since_start_ms(&self) -> u64 {
+        self.anchor.elapsed().as_millis() as u64
+    }
+
     /// Milliseconds since the Unix epoch, as this node counts them.
     pub(crate) fn now_ms(&self) -> u64 {
         self.anchor_ms

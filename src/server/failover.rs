@@ -951,10 +951,14 @@ pub(crate) fn ensure_shipping(shared: &Arc<Shared>, id: &str, p: &Placement) {
             Shipper::new(epoch, log, acked, ShipperConfig::default()),
         )
     };
-    shared
-        .member
-        .shipping
-        .start(shared, (id, qid), shipper, p, Instant::now());
+    shared.member.shipping.start(
+        shared,
+        (id, qid),
+        shipper,
+        p,
+        // Promoted in this node's previous life, maybe less than the lease ago.
+        crate::control::lease::Lease::at_start(shared.clock.since_start_ms(), 0),
+    );
 }
 
 /// Why secondaries are taken out of a replica set.
@@ -1395,12 +1399,12 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
     shared.member.copies.remove(id);
     shared.recent_forwards().copy_gone(id);
     let shipper = replica.promote(epoch, ShipperConfig::default());
-    let deliver_after = Instant::now() + Duration::from_millis(super::shipping::LEASE_MS);
+    let lease = crate::control::lease::Lease::promoted(shared.clock.since_start_ms());
     shared.core().set_deliver_cap(qid, Some(0));
     shared
         .member
         .shipping
-        .start(shared, (id, qid), shipper, p, deliver_after);
+        .start(shared, (id, qid), shipper, p, lease);
     if p.handed_over {
         tracing::info!(
             durable_id = %id,

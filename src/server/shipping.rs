@@ -53,15 +53,13 @@ use crate::cluster::meta::{NodeId, Placement};
 use crate::cluster::network::{
     PeerRequest, PeerResponse, ReplicateHeader, ReplicateMsg, ShippedEntry,
 };
+use crate::control::lease::Lease;
 use crate::control::reconcile;
 use crate::control::watermark::Coverage;
 use crate::metrics as m;
 use crate::replication::{Epoch, Reply, Shipper, ToSecondary, Transmit};
 
-/// How long a secondary's ack keeps the primary's lease, in milliseconds (from when the
-/// acknowledged message was sent). A promoted secondary's node waits this long before it
-/// delivers.
-pub const LEASE_MS: u64 = 1_500;
+pub use crate::control::lease::LEASE_MS;
 /// Why a primary cut off from most of the cluster sends its client away, or refuses it (see
 /// [`reconcile::step_aside`]).
 pub(crate) const CUT_OFF_REASON: &str =
@@ -105,11 +103,11 @@ pub(crate) struct ShipQueue {
     secondaries: Mutex<Vec<NodeId>>,
     /// The epoch of the placement these secondaries come from (sent with every message).
     placement_epoch: std::sync::atomic::AtomicU64,
-    /// Per secondary: when the latest message it acknowledged in this epoch was sent.
-    acked_at: Mutex<HashMap<NodeId, Instant>>,
+    /// The primary's lease (`control::lease`), in milliseconds since `origin`.
+    lease: Mutex<Lease>,
+    /// The node's start: the zero of the lease's times.
+    origin: Instant,
     senders: Mutex<HashMap<NodeId, mpsc::UnboundedSender<Outgoing>>>,
-    /// No delivery before this instant (a promoted primary waits out the old lease).
-    deliver_after: Instant,
     wake: Notify,
     stopped: std::sync::atomic::AtomicBool,
     /// The shipper's `replicated_end`, for publishers waiting on `--ack replicated`.
@@ -167,18 +165,16 @@ impl ShipQueue {
         self.stopped.load(std::sync::atomic::Ordering::Acquire)
     }
 
-    /// Whether every secondary acknowledged a message sent within the lease.
+    /// Whether the primary holds its lease at `now` ([`Lease::held`]).
     pub(crate) fn lease_held(&self, now: Instant) -> bool {
-        if now < self.deliver_after {
-            return false;
-        }
-        let acked_at = self.acked_at.lock_or_stop();
-        let lease = Duration::from_millis(LEASE_MS);
-        self.secondaries.lock_or_stop().iter().all(|s| {
-            acked_at
-                .get(s)
-                .is_some_and(|t| now.duration_since(*t) < lease)
-        })
+        let lease = self.lease.lock_or_stop();
+        let secondaries = self.secondaries.lock_or_stop();
+        lease.held(self.ms(now), secondaries.iter().copied())
+    }
+
+    /// `t` in the lease's milliseconds.
+    fn ms(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.origin).as_millis() as u64
     }
 
     /// Whether `peer` holds everything any primary of this queue may have exposed.
@@ -378,7 +374,7 @@ impl Shipping {
         (id, qid): (&str, QueueId),
         shipper: Shipper,
         placement: &Placement,
-        deliver_after: Instant,
+        lease: Lease,
     ) {
         let Some(cluster) = shared.member.cluster.get().cloned() else {
             return; // Only clustered nodes ship.
@@ -387,9 +383,9 @@ impl Shipping {
             id,
             qid,
             shipper,
-            &placement.secondaries,
-            placement.epoch,
-            deliver_after,
+            (&placement.secondaries, placement.epoch),
+            lease,
+            shared.clock.started(),
         ));
         if self.insert(sq.clone()) {
             tokio::spawn(ship_loop(Arc::downgrade(shared), cluster, sq));
@@ -423,9 +419,9 @@ impl ShipQueue {
         id: &str,
         qid: QueueId,
         mut shipper: Shipper,
-        secondaries: &[NodeId],
-        placement_epoch: u64,
-        deliver_after: Instant,
+        (secondaries, placement_epoch): (&[NodeId], u64),
+        lease: Lease,
+        origin: Instant,
     ) -> Self {
         shipper.set_secondaries(secondaries, mono_ms());
         ShipQueue {
@@ -435,9 +431,9 @@ impl ShipQueue {
             shipper: Mutex::new(shipper),
             secondaries: Mutex::new(secondaries.to_vec()),
             placement_epoch: placement_epoch.into(),
-            acked_at: Mutex::new(HashMap::new()),
+            lease: Mutex::new(lease),
+            origin,
             senders: Mutex::new(HashMap::new()),
-            deliver_after,
             wake: Notify::new(),
             stopped: Default::default(),
             replicated: tokio::sync::watch::channel(0).0,
@@ -852,7 +848,7 @@ fn on_result(
             s.on_reply(peer, reply, mono_ms());
             drop(s);
             if matches!(reply, Reply::Ack { epoch: e, .. } if e == epoch) {
-                sq.acked_at.lock_or_stop().insert(peer, sent_at);
+                sq.lease.lock_or_stop().acked(peer, sq.ms(sent_at));
                 // The copy stored the info this message carried before acknowledging it.
                 sq.info_acked.send_if_modified(|m| {
                     let v = m.entry(peer).or_insert(0);
@@ -927,8 +923,8 @@ mod tests {
             "q",
             7,
             shipper(),
-            &[NodeId(2)],
-            40,
+            (&[NodeId(2)], 40),
+            Lease::at_start(0, 0),
             Instant::now(),
         ));
         assert!(shipping.insert(sq.clone()));
@@ -944,8 +940,8 @@ mod tests {
             "q",
             7,
             shipper(),
-            &[NodeId(2)],
-            45,
+            (&[NodeId(2)], 45),
+            Lease::at_start(0, 0),
             Instant::now(),
         ));
         assert!(!shipping.insert(stale.clone()));
@@ -956,8 +952,8 @@ mod tests {
             "q",
             7,
             shipper(),
-            &[NodeId(3)],
-            70,
+            (&[NodeId(3)], 70),
+            Lease::at_start(0, 0),
             Instant::now(),
         ));
         assert!(shipping.insert(newer.clone()));
