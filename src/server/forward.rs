@@ -19,7 +19,9 @@
 //!   (a cursor lost in a crash is behind, and the peer skips what it applied). Entries every peer has applied are trimmed (below the lowest peer
 //!   cursor). A run sent while another is in flight says which offset it follows (`follows`):
 //!   the peer applies it only after that one, else answers with what it applied, and the
-//!   origin sends again from there. With its runs the task also tells each peer the *floor*,
+//!   origin sends again from there. A member removed and added again is a new generation of
+//!   its peer ([`Peer::generation`]): the task of its earlier membership stops instead of
+//!   running beside the new one. With its runs the task also tells each peer the *floor*,
 //!   how far every peer has applied this node's log (what a promotion's kept publishes wait
 //!   for, `failover.rs`).
 //! * The receiver applies entries in order, each once: it stores the highest origin offset
@@ -109,8 +111,10 @@ fn start_cursor(store: &dyn Store, peer: &str, acked: Offset) -> Offset {
 
 /// A node's forwarding state (clustered nodes only).
 pub(crate) struct Forwarding {
-    /// Peers (name, raft id), this node excluded: the members (`set_peers`).
-    peers: std::sync::RwLock<Vec<(String, NodeId)>>,
+    /// Peers, this node excluded: the members (`set_peers`).
+    peers: std::sync::RwLock<Vec<Peer>>,
+    /// The generation the next peer added gets.
+    next_generation: AtomicU64,
     /// Highest publish-log offset assigned (under the core lock, so in commit order).
     pub(crate) log_end: AtomicU64,
     /// Highest publish-log offset committed; forwarding tasks wait on it.
@@ -135,6 +139,18 @@ pub(crate) struct Forwarding {
     unconfirmed: Mutex<HashMap<String, UnconfirmedRuns>>,
     /// How long an unconfirmed run is kept.
     unconfirmed_kept: Duration,
+}
+
+/// A member this node forwards its publish log to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Peer {
+    pub(crate) name: String,
+    pub(crate) id: NodeId,
+    /// Which time it was added: a member removed and added again gets a new generation, and
+    /// the forwarding task of its earlier membership stops (it would otherwise run beside the
+    /// new one, sending the same runs twice and moving the cursor with the answers of a member
+    /// that may have started over from an empty data directory).
+    pub(crate) generation: u64,
 }
 
 /// Runs of this node's publish log a peer applied without confirming that the copies of the
@@ -243,16 +259,22 @@ impl Forwarding {
             queue: PUBLISH_LOG_QUEUE,
             error,
         })?;
-        let peers: Vec<(String, NodeId)> = peers
+        let peers: Vec<Peer> = peers
             .iter()
             .filter(|(name, _)| name != me)
-            .map(|(name, _)| (name.clone(), raft_id(name)))
+            .enumerate()
+            .map(|(i, (name, _))| Peer {
+                name: name.clone(),
+                id: raft_id(name),
+                generation: i as u64,
+            })
             .collect();
         let sent = peers
             .iter()
-            .map(|(name, _)| (name.clone(), start_cursor(store, name, acked)))
+            .map(|p| (p.name.clone(), start_cursor(store, &p.name, acked)))
             .collect();
         Ok(Forwarding {
+            next_generation: AtomicU64::new(peers.len() as u64),
             peers: std::sync::RwLock::new(peers),
             log_end: AtomicU64::new(end),
             committed: watch::channel(end).0,
@@ -353,8 +375,8 @@ impl Forwarding {
             .unwrap_or(0)
     }
 
-    /// The peers this node forwards to (name, raft id).
-    pub(crate) fn peers(&self) -> Vec<(String, NodeId)> {
+    /// The peers this node forwards to.
+    pub(crate) fn peers(&self) -> Vec<Peer> {
         self.peers.read().expect("forward lock").clone()
     }
 
@@ -364,7 +386,43 @@ impl Forwarding {
             .read()
             .expect("forward lock")
             .iter()
-            .any(|(name, _)| name == peer)
+            .any(|p| p.name == peer)
+    }
+
+    /// Whether this node still forwards to `peer` in the membership of `generation` (not
+    /// removed since, even if added again).
+    pub(crate) fn forwards_to_generation(&self, peer: &str, generation: u64) -> bool {
+        self.peers
+            .read()
+            .expect("forward lock")
+            .iter()
+            .any(|p| p.name == peer && p.generation == generation)
+    }
+
+    /// Makes `next` (name, raft id) the peers: returns those added, each with a new
+    /// generation, and the names of those gone. A peer keeps its generation while it stays.
+    fn replace_peers(&self, next: &[(String, NodeId)]) -> (Vec<Peer>, Vec<String>) {
+        let mut peers = self.peers.write().expect("forward lock");
+        let gone: Vec<String> = peers
+            .iter()
+            .filter(|p| !next.iter().any(|(name, id)| *name == p.name && *id == p.id))
+            .map(|p| p.name.clone())
+            .collect();
+        peers.retain(|p| !gone.contains(&p.name));
+        let mut added = Vec::new();
+        for (name, id) in next {
+            if !peers.iter().any(|p| p.name == *name) {
+                let generation = self.next_generation.fetch_add(1, Ordering::SeqCst);
+                let p = Peer {
+                    name: name.clone(),
+                    id: *id,
+                    generation,
+                };
+                peers.push(p.clone());
+                added.push(p);
+            }
+        }
+        (added, gone)
     }
 
     /// Trims the log through `min` (what every peer has applied) in `batch`, if that is past
@@ -403,7 +461,7 @@ impl Forwarding {
     ) -> Replication {
         let unconfirmed = self.unconfirmed.lock_or_stop();
         let mut r = Replication::default();
-        for (name, id) in &self.peers() {
+        for Peer { name, id, .. } in &self.peers() {
             let into = if self.sent(name) < offset {
                 if is_live(*id) {
                     &mut r.pending
@@ -462,12 +520,12 @@ fn read_run(store: &dyn Store, from: Offset, to: Offset) -> Vec<(u64, ForwardedP
 /// copies of the queues it reached. A run that fails, or that the peer applied only in part,
 /// sends the loop back to what the peer has confirmed, once the runs in flight have answered
 /// (the peer skips what it has already applied, so nothing is applied twice).
-pub(crate) async fn forward_loop(
-    shared: Weak<Shared>,
-    cluster: Arc<Cluster>,
-    peer: String,
-    peer_id: NodeId,
-) {
+pub(crate) async fn forward_loop(shared: Weak<Shared>, cluster: Arc<Cluster>, peer: Peer) {
+    let Peer {
+        name: peer,
+        id: peer_id,
+        generation,
+    } = peer;
     let mut committed = match shared.upgrade() {
         Some(s) => match &s.member.forwarding {
             Some(f) => f.committed.subscribe(),
@@ -502,7 +560,7 @@ pub(crate) async fn forward_loop(
                 let Some(f) = &s.member.forwarding else {
                     return;
                 };
-                if !f.forwards_to(&peer) {
+                if !f.forwards_to_generation(&peer, generation) {
                     tracing::debug!(peer, "forwarding stopped: no longer a member");
                     return;
                 }
@@ -593,6 +651,14 @@ pub(crate) async fn forward_loop(
         };
         if let Some(t) = through {
             let Some(s) = shared.upgrade() else { return };
+            // An answer to a membership that ended is not the current member's.
+            if s.member
+                .forwarding
+                .as_ref()
+                .is_none_or(|f| !f.forwards_to_generation(&peer, generation))
+            {
+                return;
+            }
             let before = s.member.forwarding.as_ref().map_or(0, |f| f.sent(&peer));
             record_sent(&s, &peer, t);
             if let Some(f) = &s.member.forwarding {
@@ -646,7 +712,7 @@ fn record_sent(s: &Arc<Shared>, peer: &str, through: Offset) {
 /// new to it (their forwarding tasks are the caller's to start). A new peer starts at what is
 /// trimmed. A peer that is no longer a member is forgotten: nothing more is kept for it, and
 /// what only it had not applied is trimmed (a removed member's share of the log is released).
-pub(crate) async fn set_peers(s: &Arc<Shared>, members: &Members) -> Vec<(String, NodeId)> {
+pub(crate) async fn set_peers(s: &Arc<Shared>, members: &Members) -> Vec<Peer> {
     let Some(f) = &s.member.forwarding else {
         return Vec::new();
     };
@@ -657,29 +723,18 @@ pub(crate) async fn set_peers(s: &Arc<Shared>, members: &Members) -> Vec<(String
         .map(|(id, n)| (n.name.clone(), *id))
         .collect();
     let (added, gone, min) = {
-        let mut peers = f.peers.write().expect("forward lock");
-        let added: Vec<(String, NodeId)> = next
-            .iter()
-            .filter(|p| !peers.contains(p))
-            .cloned()
-            .collect();
-        let gone: Vec<String> = peers
-            .iter()
-            .filter(|p| !next.contains(p))
-            .map(|(name, _)| name.clone())
-            .collect();
+        let (added, gone) = f.replace_peers(&next);
         if added.is_empty() && gone.is_empty() {
             return Vec::new();
         }
         let mut sent = f.sent.lock().expect("forward lock");
         let trimmed = f.trimmed.load(Ordering::SeqCst);
-        for (name, _) in &added {
-            sent.insert(name.clone(), start_cursor(&*s.store, name, trimmed));
-        }
         for name in &gone {
             sent.remove(name);
         }
-        *peers = next;
+        for p in &added {
+            sent.insert(p.name.clone(), start_cursor(&*s.store, &p.name, trimmed));
+        }
         // With no peer left, nothing is kept for anyone.
         let min = sent
             .values()
@@ -695,8 +750,8 @@ pub(crate) async fn set_peers(s: &Arc<Shared>, members: &Members) -> Vec<(String
     for name in &gone {
         tracing::info!(peer = %name, "no longer a member: publishes are not kept for it");
     }
-    for (name, _) in &added {
-        tracing::info!(peer = %name, "a new member: publishes are kept for it from here");
+    for p in &added {
+        tracing::info!(peer = %p.name, "a new member: publishes are kept for it from here");
     }
     if !gone.is_empty() {
         let mut b = Batch::new();
@@ -995,6 +1050,55 @@ mod tests {
     use super::*;
 
     const KEPT: Duration = Duration::from_secs(30);
+
+    fn forwarding(peers: &[&str]) -> Forwarding {
+        let store = tether_storage::MemStore::new();
+        let peers: Vec<(String, String)> = peers
+            .iter()
+            .map(|p| (p.to_string(), "127.0.0.1:1".to_string()))
+            .collect();
+        Forwarding::open(&store, "n1", &peers, &Limits::default(), KEPT).unwrap()
+    }
+
+    fn next(names: &[&str]) -> Vec<(String, NodeId)> {
+        names.iter().map(|n| (n.to_string(), raft_id(n))).collect()
+    }
+
+    /// A member removed and added again before its old forwarding task looked at the members
+    /// gets a new generation: the old task sees that its membership ended and stops, instead
+    /// of running beside the new one.
+    #[test]
+    fn a_member_added_again_is_a_new_generation_and_ends_the_old_one() {
+        let f = forwarding(&["n1", "n2", "n3"]);
+        let start: Vec<Peer> = f.peers();
+        assert_eq!(
+            start.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(),
+            ["n2", "n3"]
+        );
+        let n3 = start[1].clone();
+        assert!(f.forwards_to_generation("n3", n3.generation));
+        // Unchanged members: nothing added or gone, generations kept.
+        assert_eq!(f.replace_peers(&next(&["n2", "n3"])), (vec![], vec![]));
+        assert!(f.forwards_to_generation("n3", n3.generation));
+        // n3 removed, then added again.
+        let (added, gone) = f.replace_peers(&next(&["n2"]));
+        assert_eq!((added, gone), (vec![], vec!["n3".to_string()]));
+        assert!(!f.forwards_to("n3"));
+        let (added, gone) = f.replace_peers(&next(&["n2", "n3"]));
+        assert!(gone.is_empty());
+        assert_eq!(added.len(), 1);
+        assert_ne!(added[0].generation, n3.generation);
+        assert!(f.forwards_to("n3"));
+        assert!(
+            !f.forwards_to_generation("n3", n3.generation),
+            "the old task stops"
+        );
+        assert!(f.forwards_to_generation("n3", added[0].generation));
+        assert!(
+            f.forwards_to_generation("n2", start[0].generation),
+            "n2 untouched"
+        );
+    }
 
     #[test]
     fn an_unconfirmed_run_covers_its_offsets_until_it_is_old() {

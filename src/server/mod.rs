@@ -1135,13 +1135,8 @@ async fn membership_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
     if let Some(s) = weak.upgrade()
         && let Some(f) = &s.member.forwarding
     {
-        for (peer, id) in f.peers() {
-            forwarders.spawn(forward::forward_loop(
-                weak.clone(),
-                cluster.clone(),
-                peer,
-                id,
-            ));
+        for peer in f.peers() {
+            forwarders.spawn(forward::forward_loop(weak.clone(), cluster.clone(), peer));
         }
     }
     loop {
@@ -1151,13 +1146,8 @@ async fn membership_loop(weak: Weak<Shared>, cluster: Arc<Cluster>) {
             told_removed = true;
             tracing::warn!("this node was removed from the cluster: it holds no queue; stop it");
         }
-        for (peer, id) in forward::set_peers(&s, &members).await {
-            forwarders.spawn(forward::forward_loop(
-                weak.clone(),
-                cluster.clone(),
-                peer,
-                id,
-            ));
+        for peer in forward::set_peers(&s, &members).await {
+            forwarders.spawn(forward::forward_loop(weak.clone(), cluster.clone(), peer));
         }
         drop(s);
         tokio::select! {
@@ -1684,8 +1674,9 @@ async fn tick_loop(shared: Arc<Shared>) {
         if let Some(f) = &shared.member.forwarding {
             metrics::gauge!(m::PUBLISH_LOG_BYTES).set(f.pending_bytes() as f64);
             // Also between forwarding rounds: new publishes raise the lag before they go out.
-            for (peer, _) in f.peers() {
-                metrics::gauge!(m::FORWARD_LAG, "peer" => peer.clone()).set(f.lag(&peer) as f64);
+            for peer in f.peers() {
+                metrics::gauge!(m::FORWARD_LAG, "peer" => peer.name.clone())
+                    .set(f.lag(&peer.name) as f64);
             }
         }
         metrics::gauge!(m::OLDEST_UNACKED_AGE).set(c.oldest_unacked_age_ms as f64 / 1e3);
