@@ -8,10 +8,12 @@
 //! promotion: at most one primary delivers at any instant, also when the old one is only cut
 //! off, not dead.
 //!
-//! A node that starts (or restarts) as a queue's primary may have been promoted in its previous
-//! life less than [`LEASE_MS`] ago, and the primary before may still hold its lease: it delivers
-//! from [`LEASE_MS`] after the process started ([`Lease::at_start`]), the promotion having come
-//! before the process's start. Times are milliseconds of the caller's monotonic clock.
+//! A node that starts (or restarts) as the primary of a queue it held before may have been
+//! promoted in its previous life less than [`LEASE_MS`] ago, and the primary before may still
+//! hold its lease: it delivers from [`LEASE_MS`] after the process started
+//! ([`Lease::at_start`]), the promotion having come before the process's start. A queue placed
+//! on the node in this life had no other primary ([`Lease::placed`]). Times are milliseconds of
+//! the caller's monotonic clock.
 
 use std::collections::BTreeMap;
 
@@ -46,6 +48,15 @@ impl Lease {
     pub fn at_start(now_ms: u64, started_ms: u64) -> Lease {
         Lease {
             deliver_after_ms: now_ms.max(started_ms.saturating_add(LEASE_MS)),
+            acked_sent_ms: BTreeMap::new(),
+        }
+    }
+
+    /// The lease of a queue placed on this node at `now_ms` in this process: it had no
+    /// primary before (a new queue, or one this node already shipped in this life).
+    pub fn placed(now_ms: u64) -> Lease {
+        Lease {
+            deliver_after_ms: now_ms,
             acked_sent_ms: BTreeMap::new(),
         }
     }
@@ -132,7 +143,9 @@ mod tests {
         assert!(!restarted.held(11_000, [B]));
         assert!(!old.held(11_500, [A, B]));
         assert!(restarted.held(11_900, [B]));
-        // A primary long up starts shipping at once (a queue placed here).
+        // A primary long up starts shipping at once, and a queue placed here in this life
+        // (no other primary had it) at once too.
         assert_eq!(Lease::at_start(50_000, 0).deliver_after_ms(), 50_000);
+        assert_eq!(Lease::placed(100).deliver_after_ms(), 100);
     }
 }

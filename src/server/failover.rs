@@ -55,6 +55,7 @@ use super::Shared;
 use crate::cluster::Cluster;
 use crate::cluster::meta::{MetaCommand, MetaResponse, NodeId, Placement, fnv1a};
 use crate::cluster::network::{PeerRequest, PeerResponse};
+use crate::control::lease::Lease;
 use crate::control::liveness::{FailureDetector, PING_INTERVAL_MS, PING_TIMEOUT_MS};
 use crate::control::reconcile::{self, CopyStep, OwnQueueStep, RepairStep};
 use crate::control::watermark::{self, Through};
@@ -956,8 +957,12 @@ pub(crate) fn ensure_shipping(shared: &Arc<Shared>, id: &str, p: &Placement) {
         (id, qid),
         shipper,
         p,
-        // Promoted in this node's previous life, maybe less than the lease ago.
-        crate::control::lease::Lease::at_start(shared.clock.since_start_ms(), 0),
+        match shared.held_at_start.contains(id) {
+            // Promoted in this node's previous life, maybe less than the lease ago.
+            true => Lease::at_start(shared.clock.since_start_ms(), 0),
+            // Placed here in this life: no other primary had it.
+            false => Lease::placed(shared.clock.since_start_ms()),
+        },
     );
 }
 
@@ -1399,7 +1404,7 @@ async fn promote(shared: &Arc<Shared>, id: &str, copy: &mut super::copies::Copy,
     shared.member.copies.remove(id);
     shared.recent_forwards().copy_gone(id);
     let shipper = replica.promote(epoch, ShipperConfig::default());
-    let lease = crate::control::lease::Lease::promoted(shared.clock.since_start_ms());
+    let lease = Lease::promoted(shared.clock.since_start_ms());
     shared.core().set_deliver_cap(qid, Some(0));
     shared
         .member

@@ -127,6 +127,11 @@ struct SessionHandle {
 /// State shared by the node's tasks.
 pub(crate) struct Shared {
     core: Mutex<NodeCore>,
+    /// The durable queues this node held when it started: it may have been promoted for one
+    /// of them in its previous life less than the lease ago, so their first shipping waits out
+    /// a predecessor's lease (`control::lease::Lease::at_start`). A queue placed here since
+    /// had no other primary.
+    pub(crate) held_at_start: std::collections::BTreeSet<String>,
     /// The node's clock (`clock.rs`): every timestamp the core keeps comes from it.
     pub(crate) clock: clock::Clock,
     /// Longest wait for the copies of queues to hold a change before an answer
@@ -1209,6 +1214,12 @@ impl Shared {
             }),
         );
         Shared {
+            held_at_start: recovered
+                .core
+                .durable_epochs()
+                .into_iter()
+                .map(|(id, _)| id)
+                .collect(),
             core: Mutex::new(recovered.core),
             clock,
             replicated_wait: Duration::from_millis(config.replicated_ack_timeout_ms),
