@@ -473,6 +473,50 @@ async fn joining_without_peers_is_refused() {
     }
 }
 
+/// A node started with `--join` is not ready (`/readyz` 503, saying it is joining) until it was
+/// added and copied the regions; then it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_node_is_not_ready_until_it_joined() {
+    fn with_admin_http(cfg: &mut tether::config::ServerConfig) {
+        cfg.metrics = Some("127.0.0.1:0".parse().unwrap());
+    }
+    let readyz = |node: &Node| {
+        let addr = node.metrics_addr().expect("admin HTTP").to_string();
+        async move {
+            tokio::task::spawn_blocking(move || common::http_get(&addr, "/readyz"))
+                .await
+                .unwrap()
+        }
+    };
+    let mut c = TestCluster::start_tweaked(3, with_admin_http).await;
+    c.leader().await;
+    let i = c.grow().await;
+    assert!(c.node(i).joining());
+    let r = readyz(c.node(i)).await;
+    assert!(r.starts_with("HTTP/1.1 503"), "{r}");
+    assert!(r.contains("joining the cluster"), "{r}");
+    let admin = builder(c.node(0)).connect().await.unwrap();
+    admin
+        .add_node("n4", &c.node(i).addr().to_string())
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + common::WAIT;
+    loop {
+        let r = readyz(c.node(i)).await;
+        if r.starts_with("HTTP/1.1 200") {
+            assert!(r.contains(r#""ready":true"#), "{r}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "n4 not ready after it was added: {r}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    admin.close(false).await.unwrap();
+    c.shutdown().await;
+}
+
 /// Issue 25 point 4, a rolling upgrade: a member of the previous build (it speaks peer protocol
 /// version 1 only, as a build before membership changes did) serves beside the new ones:
 /// consensus, forwarded publishes, a durable queue on it with a copy elsewhere. What it could not
