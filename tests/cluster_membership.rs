@@ -685,12 +685,7 @@ async fn a_member_added_takes_copies_then_primaries_losing_nothing() {
     let cluster = c.node(0).cluster().unwrap().clone();
     assert_eq!(cluster.read(|s| s.held_by(n4)), (0, 0));
 
-    let i = c.grow().await;
-    let admin = builder(c.node(0)).connect().await.unwrap();
-    admin
-        .add_node("n4", &c.node(i).addr().to_string())
-        .await
-        .unwrap();
+    let (_, admin) = grow_and_add(&mut c, "n4").await;
     eventually("n4 holds copies, then primaries", || {
         let (primaries, copies) = cluster.read(|s| s.held_by(n4));
         primaries >= 1 && copies >= 2
@@ -744,6 +739,18 @@ async fn a_member_added_takes_copies_then_primaries_losing_nothing() {
     c.shutdown().await;
 }
 
+/// Starts a node with `--join` (it gets index `i`, named `name`) and adds it through n1;
+/// returns `i` and the admin connection used.
+async fn grow_and_add(c: &mut TestCluster, name: &str) -> (usize, tether::client::Client) {
+    let i = c.grow().await;
+    let admin = builder(c.node(0)).connect().await.unwrap();
+    admin
+        .add_node(name, &c.node(i).addr().to_string())
+        .await
+        .unwrap();
+    (i, admin)
+}
+
 /// The join mark in a stopped node's store (`tether::server::JOINED_KEY`).
 fn joined_mark(data_dir: &std::path::Path) -> Option<Vec<u8>> {
     use tether_storage::Store;
@@ -773,12 +780,7 @@ async fn a_joined_node_restarted_before_its_undrain_undrains_itself() {
     use tether::server::{JOINED_KEY, JOINED_UNDRAIN_PENDING};
     let mut c = TestCluster::start(3).await;
     c.leader().await;
-    let i = c.grow().await;
-    let admin = builder(c.node(0)).connect().await.unwrap();
-    admin
-        .add_node("n4", &c.node(i).addr().to_string())
-        .await
-        .unwrap();
+    let (i, admin) = grow_and_add(&mut c, "n4").await;
     let n4 = tether::cluster::meta::raft_id("n4");
     let cluster = c.node(0).cluster().unwrap().clone();
     let draining = || cluster.read(|s| s.draining.contains(&n4));
