@@ -179,6 +179,17 @@ crash-test: deps
 	TETHER_CLUSTER_CRASH_ROUNDS=$(CLUSTER_CRASH_ROUNDS) TETHER_CRASH_SEED=$(CRASH_SEED) RUST_LOG=$${RUST_LOG:-error} \
 	  $(CARGO) test --release --test cluster_crash_safety -- --nocapture
 
+# Many seeds of the deterministic simulations (`make test` runs 1,000 of the replication
+# simulation and 200 of the whole-cluster one): `make sim SEEDS=20000`. A failing seed is
+# printed with the command that replays it (TETHER_SIM_TRACE=1 prints the cluster's events).
+SEEDS ?= 5000
+
+.PHONY: sim
+
+sim: deps
+	TETHER_SIM_SEEDS=$(SEEDS) $(CARGO) test --release --test replication_sim replication_sim
+	TETHER_CLUSTER_SIM_SEEDS=$(SEEDS) TETHER_SIM_STATS=1 $(CARGO) test --release --test cluster_sim cluster_sim -- --nocapture
+
 # Soak run (bounded, not part of `make test`): durable clients connecting, consuming, closing,
 # crashing and coming back against `tether server` processes while publishers run; checks
 # nothing is lost and every redelivery is flagged, and reports the servers' memory over time.

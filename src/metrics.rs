@@ -48,6 +48,8 @@ pub const REPLICATION_SNAPSHOTS_SENT: &str = "tether_replication_snapshots_sent_
 pub const REPLICATION_SNAPSHOTS_RECEIVED: &str = "tether_replication_snapshots_received_total";
 pub const REPLICATION_SUPERSEDED: &str = "tether_replication_superseded_total";
 pub const REPLICATION_COPIES_REGRESSED: &str = "tether_replication_copies_regressed_total";
+pub const REPLICATION_DEPOSED_SENDERS_FENCED: &str =
+    "tether_replication_deposed_senders_fenced_total";
 pub const REPLICATION_STEPPED_ASIDE: &str = "tether_replication_stepped_aside_total";
 pub const REPLICATION_COPIES_UNREACHABLE: &str = "tether_replication_copies_unreachable_total";
 pub const QUEUES_DEPOSED_BY_RIVAL: &str = "tether_queues_deposed_by_rival_total";
@@ -150,6 +152,10 @@ fn describe() {
     describe_counter!(
         REPLICATION_COPIES_REGRESSED,
         "Secondaries found holding less than they had acknowledged (their copy was lost), taken out of the replica set to join again as syncing"
+    );
+    describe_counter!(
+        REPLICATION_DEPOSED_SENDERS_FENCED,
+        "Replication messages from a primary the metadata here deposed since it shipped them, answered fenced (no copy taken from it)"
     );
     describe_counter!(
         REPLICATION_COPIES_UNREACHABLE,

@@ -34,11 +34,14 @@
 //! `TETHER_SIM_SEED=<n>` runs one seed, `TETHER_SIM_SEEDS=<count>` sets how many run.
 
 use std::cmp::Reverse;
+mod sim;
+
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 
+use sim::{Entry, Payload, Rng, Store, apply, env_u64, panic_message};
 use tether::control::lease::Lease;
 use tether::replication::{
-    AppendHeader, Decision, Epoch, LogState, NodeId, Offset, Replica, ReplicaState, Reply, Shipper,
+    AppendHeader, Decision, Epoch, LogState, NodeId, Offset, Replica, Reply, Shipper,
     ShipperConfig, SnapshotHeader, ToSecondary, Write, WriteOp,
 };
 
@@ -108,24 +111,11 @@ fn replay_is_deterministic() {
     }
 }
 
-fn env_u64(name: &str) -> Option<u64> {
-    let value = std::env::var(name).ok()?;
-    Some(
-        value
-            .parse()
-            .unwrap_or_else(|_| panic!("{name} must be an integer, got {value:?}")),
-    )
-}
-
 fn run_reporting(seed: u64) -> (u64, Stats) {
     match std::panic::catch_unwind(|| run(seed)) {
         Ok(outcome) => outcome,
         Err(panic) => {
-            let message = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
+            let message = panic_message(&*panic);
             panic!(
                 "replication sim failed for seed {seed}: {message}\n\
                  replay: TETHER_SIM_SEED={seed} cargo test --release --test replication_sim"
@@ -197,33 +187,6 @@ impl Stats {
 // ---------------------------------------------------------------------------------------------
 // Randomness and knobs.
 
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[0, n)`; `n > 0`.
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    /// Uniform in `[lo, hi]`.
-    fn between(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.below(hi - lo + 1)
-    }
-
-    fn per_mille(&mut self, p: u64) -> bool {
-        self.below(1_000) < p
-    }
-}
-
 /// Fault and workload knobs of one run, drawn from the seed.
 #[derive(Debug)]
 struct Options {
@@ -274,69 +237,6 @@ impl Options {
 
 // ---------------------------------------------------------------------------------------------
 // Nodes, stores and the network.
-
-/// The unique id a workload append gives its entry, standing in for its payload.
-type Payload = u64;
-
-/// An entry as stored and shipped: its epoch and payload.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Entry {
-    epoch: Epoch,
-    payload: Payload,
-}
-
-/// What a node keeps across crashes.
-#[derive(Clone, Debug, Default)]
-struct Store {
-    epoch: Epoch,
-    acked: Offset,
-    log: LogState,
-    entries: VecDeque<Entry>,
-}
-
-impl Store {
-    fn get(&self, offset: Offset) -> Option<Entry> {
-        let i = offset.checked_sub(self.log.start())?;
-        self.entries.get(usize::try_from(i).ok()?).copied()
-    }
-
-    fn range(&self, first: Offset, last: Offset) -> Vec<Entry> {
-        (first..last)
-            .map(|o| self.get(o).expect("range held"))
-            .collect()
-    }
-
-    fn replica_state(&self) -> ReplicaState {
-        ReplicaState {
-            epoch: self.epoch,
-            acked: self.acked,
-            log: self.log.clone(),
-        }
-    }
-
-    /// Checks that the entries agree with the log shape, including every entry's epoch.
-    fn check(&self, node: NodeId) {
-        let log = &self.log;
-        assert_eq!(
-            self.entries.len() as u64,
-            log.len(),
-            "node {node}: store length"
-        );
-        assert!(
-            log.start() <= self.acked && self.acked <= log.end(),
-            "node {node}: acked {}",
-            self.acked
-        );
-        for (i, e) in self.entries.iter().enumerate() {
-            let o = log.start() + i as u64;
-            assert_eq!(
-                log.epoch_at(o),
-                Some(e.epoch),
-                "node {node}: epoch of entry {o}"
-            );
-        }
-    }
-}
 
 enum Role {
     Down,
@@ -1161,35 +1061,4 @@ impl World {
         }
         out
     }
-}
-
-/// Applies a durable replica write to the store.
-fn apply(store: &mut Store, w: &Write, entries: Vec<Entry>, node: NodeId) {
-    match &w.op {
-        WriteOp::Append {
-            truncate_to,
-            range,
-            epoch,
-            ..
-        } => {
-            if let Some(t) = truncate_to {
-                store.entries.truncate((t - store.log.start()) as usize);
-            }
-            assert_eq!(entries.len() as u64, range.end - range.start);
-            assert!(entries.iter().all(|e| e.epoch == *epoch));
-            store.entries.extend(entries);
-        }
-        WriteOp::Meta => {}
-        WriteOp::Snapshot { start, end } => {
-            assert_eq!(entries.len() as u64, end - start);
-            store.entries = entries.into();
-        }
-        WriteOp::Trim { start } => {
-            store.entries.drain(..(start - store.log.start()) as usize);
-        }
-    }
-    store.epoch = w.state.epoch;
-    store.acked = w.state.acked;
-    store.log = w.state.log.clone();
-    store.check(node);
 }

@@ -496,9 +496,67 @@ pub fn shipped_by_non_primary(
         .is_some_and(|p| applied >= shipped_under && p.epoch <= shipped_under && p.primary != from)
 }
 
+/// The epoch to fence a replication message's sender with, when the placement applied here
+/// (`placement`) is newer than the one the message was shipped under (`shipped_under`) and
+/// names another primary: the sender was deposed (a failover, a handover) and has not learned
+/// it yet. The answer `Reply::Fenced` with that epoch tells it at once.
+///
+/// The copy's epochs fence a deposed primary only where a copy at a higher epoch exists. A
+/// node whose queue was deposed and dropped, or that never held a copy, would take a new copy
+/// from the deposed primary and acknowledge it, raising that primary's `replicated_end` (and
+/// its lease, were this its only copy) beside the real primary's (found by
+/// `tests/cluster_sim.rs`, seed 2354). A message without a placement epoch (0) claims nothing.
+pub fn deposed_sender(
+    placement: Option<&Placement>,
+    from: NodeId,
+    shipped_under: u64,
+) -> Option<u64> {
+    placement
+        .filter(|p| shipped_under > 0 && p.epoch > shipped_under && p.primary != from)
+        .map(|p| p.epoch)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_deposed_primary_shipping_under_an_older_placement_is_fenced_by_the_newer_one() {
+        let placement = |primary, epoch| Placement {
+            primary,
+            secondaries: vec![NodeId(2)],
+            epoch,
+            redundancy: 1,
+            timeout_ms: 60_000,
+            syncing: Vec::new(),
+            handed_over: false,
+        };
+        // Node 1 shipped under 40; the metadata here made node 3 primary at 60.
+        assert_eq!(
+            deposed_sender(Some(&placement(NodeId(3), 60)), NodeId(1), 40),
+            Some(60)
+        );
+        // Still node 1's at 60 (its secondaries changed): shipping on.
+        assert_eq!(
+            deposed_sender(Some(&placement(NodeId(1), 60)), NodeId(1), 40),
+            None
+        );
+        // The metadata here no newer than the message: nothing to tell it.
+        assert_eq!(
+            deposed_sender(Some(&placement(NodeId(3), 40)), NodeId(1), 40),
+            None
+        );
+        assert_eq!(
+            deposed_sender(Some(&placement(NodeId(3), 30)), NodeId(1), 40),
+            None
+        );
+        // No placement here, or a message without an epoch: no claim.
+        assert_eq!(deposed_sender(None, NodeId(1), 40), None);
+        assert_eq!(
+            deposed_sender(Some(&placement(NodeId(3), 60)), NodeId(1), 0),
+            None
+        );
+    }
 
     #[test]
     fn a_copy_is_dropped_only_on_metadata_as_new_as_what_it_was_shipped_under() {
@@ -556,7 +614,8 @@ mod tests {
         assert!(shipped_by_non_primary(Some(&at_40), NodeId(3), 45, 50));
         // The metadata here not applied as far as the claim: it cannot tell.
         assert!(!shipped_by_non_primary(Some(&at_40), NodeId(3), 45, 44));
-        // A primary deposed since (the placement here is newer): left to the epochs' fencing.
+        // A primary deposed since (the placement here is newer): not refused, fenced
+        // (`deposed_sender`).
         assert!(!shipped_by_non_primary(
             Some(&placement(NodeId(3), 60)),
             NodeId(1),

@@ -17,7 +17,9 @@
 //! dropped only on metadata at least as new as the placement it was shipped under
 //! (`control::reconcile::copy_not_held`), and a replication message from a member the
 //! metadata does not name as the queue's primary is refused
-//! (`control::reconcile::shipped_by_non_primary`).
+//! (`control::reconcile::shipped_by_non_primary`), or, from a primary the metadata here
+//! deposed since the placement it shipped under, answered `Fenced` with the newer epoch
+//! (`control::reconcile::deposed_sender`): it never gets a new copy here.
 
 use crate::bug::LockExt;
 use std::collections::HashMap;
@@ -159,6 +161,15 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
             );
             tracing::warn!(%why, "replication message refused");
             return PeerResponse::BadRequest(why);
+        }
+        if let Some(epoch) = crate::control::reconcile::deposed_sender(
+            placement.as_ref(),
+            msg.from,
+            msg.placement_epoch,
+        ) {
+            // Deposed since it shipped: told at once, and never given a copy here.
+            metrics::counter!(m::REPLICATION_DEPOSED_SENDERS_FENCED).increment(1);
+            return PeerResponse::Replicated(Some(Reply::Fenced { epoch }));
         }
     }
     let epoch = match &msg.header {

@@ -41,6 +41,7 @@ use tether_transport::tls::{self, TlsFiles};
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
 
 pub use auth_reload::AUTH_RELOAD_INTERVAL_MS;
+pub use failover::RECONCILE_MS;
 pub use join::{JOINED_DONE, JOINED_KEY, JOINED_UNDRAIN_PENDING};
 pub use placement::REDIRECT_CATCH_UP_MS;
 pub use rebalance::{DRAIN_SESSION_END_WAIT_MS, REBALANCE_INTERVAL_MS};

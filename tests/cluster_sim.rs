@@ -1,0 +1,1652 @@
+//! Deterministic, seed-driven simulation of a whole cluster's control plane and replication
+//! (issue 25 #2).
+//!
+//! One thread, virtual time (one step = one millisecond), one seeded RNG. Three to five nodes
+//! hold two to four durable queues (redundancy 1 or 2). What decides is the server's own code:
+//! - the metadata is the real state machine ([`MetaState::apply`]) behind a metadata service
+//!   (the consensus group, taken as one always-running member that a partition can cut from any
+//!   node; its entries reach each node in order, late, only over a link that works);
+//! - that service's [`FailureDetector`] pings the members and declares the silent ones failed
+//!   (`NodeFailed`), as the metadata leader's `detect_loop` does;
+//! - every node runs its own detector (pings every [`PING_INTERVAL_MS`]) and, every
+//!   [`RECONCILE_MS`], the reconciler's decisions on *its own applied metadata*:
+//!   [`reconcile::own_queue_step`] (ship, depose, wait), [`reconcile::copy_step`] (promote,
+//!   keep, drop), [`reconcile::repair_step`] (take out, report synced, add copies chosen by
+//!   [`reconcile::rendezvous`]), proposing metadata changes to the service over the network;
+//! - a durable client that lost its primary asks a copy to take over; the copy, in sync by its
+//!   metadata, proposes `Promote` if the primary does not answer it either (`client_failover`);
+//! - every queue is shipped by the real [`Shipper`] and held by real [`Replica`]s, a primary
+//!   delivers only under its [`Lease`].
+//!
+//! The network delays and drops messages and is cut by partitions, including one-way ones; it
+//! keeps each channel's order, as the server's transport does (one ordered sender per queue and
+//! peer, over QUIC: `replication_sim.rs` checks the replication cores under reordering and
+//! duplicates); nodes crash (losing writes not yet durable) and restart. After the
+//! fault phase everything heals and the cluster must converge.
+//!
+//! Invariants, checked after every step:
+//! 1. At most one primary of a queue delivers at any instant: of the running, unfenced
+//!    primaries, at most one holds its lease.
+//! 2. A client never sees an offset reused: an offset below any primary's `replicated_end`
+//!    (what a client may have received, and what `--ack replicated` acknowledged) holds one
+//!    entry, ever; stores holding an offset in the same epoch hold the same entry.
+//! 3. No acknowledged publish is lost: every entry that was below a primary's `replicated_end`
+//!    is in the store of every node the metadata may make the queue's primary (its primary and
+//!    its secondaries that are not syncing), unless the client acknowledged it and it was
+//!    trimmed.
+//! 4. Liveness after healing: within [`LIVENESS_STEPS_MAX`] every queue has a primary that
+//!    holds its lease, the redundancy asked for in copies that are in sync and not syncing,
+//!    and no node holds a copy the metadata does not place on it.
+//!
+//! Not modelled yet: the publish log and its replay at promotion (publishes reach the primary
+//! directly), rebalancing and draining, membership changes, a lost disk, the metadata service's
+//! own elections. `TETHER_CLUSTER_SIM_SEED=<n>` runs one seed, `TETHER_CLUSTER_SIM_SEEDS=<count>`
+//! sets how many run (`make sim`).
+
+mod sim;
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
+
+use sim::{Entry, Payload, Rng, Store, apply, env_u64, panic_message};
+use tether::cluster::meta::{MetaCommand, MetaResponse, MetaState, Placement, fnv1a};
+use tether::config::{NODE_FAILURE_MS_DEFAULT, NODE_FAILURE_MS_MIN};
+use tether::control::lease::Lease;
+use tether::control::liveness::{FailureDetector, PING_INTERVAL_MS, PING_TIMEOUT_MS};
+use tether::control::reconcile::{
+    self, CopiesSeen, CopyStep, OwnQueueStep, PlacedHereStep, RepairStep,
+};
+use tether::replication::{
+    AppendHeader, Decision, NodeId, Offset, Replica, Reply, Shipper, ShipperConfig, SnapshotHeader,
+    ToSecondary, Write, WriteOp,
+};
+use tether::server::RECONCILE_MS;
+
+/// Seeds run by default (`make test`).
+const SEEDS_DEFAULT: u64 = 200;
+/// Steps (milliseconds) of the fault phase.
+const FAULT_STEPS: u64 = 12_000;
+/// Steps the cluster gets to converge once faults stop.
+const LIVENESS_STEPS_MAX: u64 = 40_000;
+/// Per queue and step: the chance (per mille) that its client says hello to the primary the
+/// metadata names (a client without a session retries about every 200 ms).
+const HELLO_PER_MILLE: u64 = 5;
+/// The metadata service's address on the simulated network.
+const META: NodeId = NodeId(1_000);
+
+#[test]
+fn cluster_sim() {
+    if let Some(seed) = env_u64("TETHER_CLUSTER_SIM_SEED") {
+        run_reporting(seed);
+        return;
+    }
+    let seeds = env_u64("TETHER_CLUSTER_SIM_SEEDS").unwrap_or(SEEDS_DEFAULT);
+    let mut total = Stats::default();
+    for seed in 0..seeds {
+        total.add(&run_reporting(seed).1);
+    }
+    if std::env::var_os("TETHER_SIM_STATS").is_some() {
+        eprintln!("{seeds} seeds: {total:#?}");
+    }
+    // Coverage guard: a change that stops the simulation from reaching these paths must fail.
+    if seeds >= SEEDS_DEFAULT {
+        let reached = [
+            ("members declared failed", total.declared),
+            ("promotions asked by clients", total.client_promotions),
+            ("copies promoted", total.promotions),
+            ("queues deposed", total.deposed),
+            ("queues deposed by a rival first", total.deposed_by_rival),
+            ("copies dropped", total.copies_dropped),
+            ("copies taken out", total.taken_out),
+            ("copies added", total.added),
+            ("copies reported synced", total.synced),
+            ("crashes", total.crashes),
+            ("one-way cuts", total.one_way_cuts),
+            ("appends to a deposed primary", total.stale_appends),
+            ("metadata proposals refused", total.refused),
+            (
+                "restarted primaries waiting out the lease",
+                total.held_restarts,
+            ),
+            ("queues started empty by a hello", total.started_empty),
+            (
+                "deposed senders fenced by newer metadata",
+                total.senders_fenced,
+            ),
+        ];
+        for (what, count) in reached {
+            assert!(count > 0, "the cluster simulation never reached: {what}");
+        }
+    }
+}
+
+/// Pinned: a primary deposed while cut off from the metadata (node 0, epoch 1) kept shipping
+/// under its old placement; node 1, whose own queue had been deposed and dropped meanwhile,
+/// took a new copy from it and acknowledged it, and with node 2's acknowledgements from before
+/// the failover node 0's `replicated_end` rose past entries the real primary (node 2, epoch
+/// 16) holds differently: "two different entries committed at offset 1734". Epoch fencing
+/// could not stop it, node 1 holding no copy at a higher epoch. A node whose metadata deposed
+/// the sender since the placement it shipped under now answers `Fenced` with the newer epoch
+/// (`control::reconcile::deposed_sender`, also in `server/copies.rs`).
+#[test]
+fn a_node_that_dropped_its_queue_takes_no_copy_from_its_deposed_primary() {
+    run_reporting(2354);
+}
+
+#[test]
+fn replay_is_deterministic() {
+    for seed in [1, 2] {
+        assert_eq!(run(seed), run(seed), "seed {seed} replayed differently");
+    }
+}
+
+fn run_reporting(seed: u64) -> (u64, Stats) {
+    match std::panic::catch_unwind(|| run(seed)) {
+        Ok(outcome) => outcome,
+        Err(panic) => panic!(
+            "cluster sim failed for seed {seed}: {}\n\
+             replay: TETHER_CLUSTER_SIM_SEED={seed} cargo test --release --test cluster_sim",
+            panic_message(&*panic)
+        ),
+    }
+}
+
+/// Runs one seed; returns a fingerprint of everything that happened and what it exercised.
+fn run(seed: u64) -> (u64, Stats) {
+    let mut world = World::new(seed);
+    for _ in 0..FAULT_STEPS {
+        world.step(true);
+    }
+    world.heal_all();
+    for step in 1..=LIVENESS_STEPS_MAX {
+        world.step(false);
+        if world.converged() {
+            world.stats.liveness_steps_max = step;
+            return (world.trace, world.stats);
+        }
+    }
+    panic!(
+        "liveness: the cluster did not converge within {LIVENESS_STEPS_MAX} steps: {}",
+        world.describe()
+    );
+}
+
+/// What a run exercised.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Stats {
+    declared: u64,
+    client_promotions: u64,
+    promotions: u64,
+    deposed: u64,
+    deposed_by_rival: u64,
+    copies_dropped: u64,
+    taken_out: u64,
+    added: u64,
+    synced: u64,
+    crashes: u64,
+    one_way_cuts: u64,
+    stale_appends: u64,
+    refused: u64,
+    held_restarts: u64,
+    started_empty: u64,
+    senders_fenced: u64,
+    committed: u64,
+    liveness_steps_max: u64,
+}
+
+impl Stats {
+    fn add(&mut self, o: &Stats) {
+        self.declared += o.declared;
+        self.client_promotions += o.client_promotions;
+        self.promotions += o.promotions;
+        self.deposed += o.deposed;
+        self.deposed_by_rival += o.deposed_by_rival;
+        self.copies_dropped += o.copies_dropped;
+        self.taken_out += o.taken_out;
+        self.added += o.added;
+        self.synced += o.synced;
+        self.crashes += o.crashes;
+        self.one_way_cuts += o.one_way_cuts;
+        self.stale_appends += o.stale_appends;
+        self.refused += o.refused;
+        self.held_restarts += o.held_restarts;
+        self.started_empty += o.started_empty;
+        self.senders_fenced += o.senders_fenced;
+        self.committed += o.committed;
+        self.liveness_steps_max = self.liveness_steps_max.max(o.liveness_steps_max);
+    }
+}
+
+/// Fault and workload knobs of one run, drawn from the seed.
+#[derive(Debug)]
+struct Options {
+    nodes: u64,
+    queues: usize,
+    failure_ms: u64,
+    delay_ms_max: u64,
+    drop_per_mille: u64,
+    meta_per_mille: u64,
+    append_per_mille: u64,
+    ack_per_mille: u64,
+    trim_per_mille: u64,
+    crash_per_mille: u64,
+    restart_per_mille: u64,
+    partition_per_mille: u64,
+    heal_per_mille: u64,
+    client_failover_per_mille: u64,
+    flush_per_mille: u64,
+    shipper: ShipperConfig,
+}
+
+impl Options {
+    fn draw(rng: &mut Rng) -> Self {
+        Options {
+            nodes: rng.between(3, 5),
+            queues: rng.between(2, 4) as usize,
+            failure_ms: rng.between(NODE_FAILURE_MS_MIN, NODE_FAILURE_MS_DEFAULT),
+            delay_ms_max: rng.between(1, 20),
+            drop_per_mille: rng.below(40),
+            meta_per_mille: rng.between(20, 300),
+            append_per_mille: rng.between(20, 120),
+            ack_per_mille: rng.between(20, 150),
+            trim_per_mille: rng.between(5, 50),
+            crash_per_mille: rng.below(2),
+            restart_per_mille: rng.between(1, 5),
+            partition_per_mille: rng.below(2),
+            heal_per_mille: rng.between(1, 4),
+            client_failover_per_mille: rng.below(4),
+            flush_per_mille: rng.between(100, 900),
+            shipper: ShipperConfig {
+                batch_entries_max: rng.between(2, 16),
+                batches_in_flight_per_peer_max: rng.between(1, 4) as usize,
+                retransmit_ms: rng.between(40, 150),
+                snapshot_retransmit_ms: rng.between(150, 400),
+                heartbeat_ms: rng.between(10, 30),
+            },
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Nodes and the metadata service.
+
+fn queue_name(q: usize) -> String {
+    format!("q{q}")
+}
+
+/// What a node does with one queue.
+enum Role {
+    /// Holds nothing of it.
+    None,
+    /// A queue of the core found at start, not shipped yet: the reconciler decides.
+    Held,
+    /// Its primary.
+    Primary {
+        shipper: Box<Shipper>,
+        lease: Lease,
+        /// The epoch of the placement its replica set was last set from.
+        placement_epoch: u64,
+    },
+    /// A copy.
+    Copy {
+        replica: Box<Replica>,
+        /// The highest placement epoch its primaries shipped under (`placed_at`).
+        placed_at: u64,
+    },
+}
+
+/// One node's part of one queue.
+struct Part {
+    role: Role,
+    /// What survives a crash.
+    store: Store,
+    /// Whether the store is a queue of the core (primary) rather than a copy.
+    core: bool,
+    /// Replica writes issued but not durable, with the entries they write.
+    pending: VecDeque<(Write, Vec<Entry>)>,
+    /// `replicated_end` of the running shipper when last checked.
+    last_replicated_end: Offset,
+    /// The highest epoch a rival primary shipped to this core queue at (`Shipping::rival`).
+    rival_epoch: u64,
+    /// Per primary: when the latest message this copy took from it was sent.
+    taken_sent_at: BTreeMap<NodeId, u64>,
+}
+
+impl Part {
+    fn empty() -> Part {
+        Part {
+            role: Role::None,
+            store: Store::default(),
+            core: false,
+            pending: VecDeque::new(),
+            last_replicated_end: 0,
+            rival_epoch: 0,
+            taken_sent_at: BTreeMap::new(),
+        }
+    }
+
+    /// Forgets the queue (dropped or deposed: the server drops its data).
+    fn drop_all(&mut self) {
+        *self = Part::empty();
+    }
+
+    fn fenced(&self) -> Option<u64> {
+        match &self.role {
+            Role::Primary { shipper, .. } => shipper.fenced(),
+            _ => None,
+        }
+    }
+
+    fn holds_lease(&self, now: u64) -> bool {
+        match &self.role {
+            Role::Primary { shipper, lease, .. } => {
+                shipper.fenced().is_none() && lease.held(now, shipper.secondaries())
+            }
+            _ => false,
+        }
+    }
+}
+
+struct Node {
+    id: NodeId,
+    name: String,
+    up: bool,
+    started_at: u64,
+    parts: Vec<Part>,
+    /// The metadata applied here, and up to which index.
+    view: MetaState,
+    applied: u64,
+    /// The index of this life's read barrier, once committed.
+    barrier: Option<u64>,
+    detector: FailureDetector,
+    /// Pings and reconcile rounds run at this offset within their periods.
+    phase: u64,
+}
+
+impl Node {
+    fn caught_up(&self) -> bool {
+        self.barrier.is_some_and(|b| self.applied >= b)
+    }
+}
+
+/// The metadata service: the committed log, its state and the leader's failure detector.
+struct Meta {
+    /// Whether events are printed (`TETHER_SIM_TRACE`).
+    tracing: bool,
+    log: Vec<MetaCommand>,
+    state: MetaState,
+    detector: FailureDetector,
+}
+
+impl Meta {
+    /// Commits `cmd` at the next index.
+    fn commit(&mut self, cmd: MetaCommand) -> MetaResponse {
+        self.log.push(cmd);
+        let index = self.log.len() as u64;
+        let r = self.state.apply(index, &self.log[index as usize - 1]);
+        if self.tracing {
+            eprintln!(
+                "metadata {index}: {:?} -> {r:?}",
+                self.log[index as usize - 1]
+            );
+        }
+        r
+    }
+}
+
+enum Msg {
+    Append {
+        q: usize,
+        placement_epoch: u64,
+        header: AppendHeader,
+        entries: Vec<Entry>,
+    },
+    Snapshot {
+        q: usize,
+        placement_epoch: u64,
+        header: SnapshotHeader,
+        entries: Vec<Entry>,
+    },
+    /// A copy's reply, with the send time of the latest message it took from the primary.
+    Reply {
+        q: usize,
+        reply: Reply,
+        sent_at: u64,
+    },
+    Ping,
+    Pong,
+    Propose(MetaCommand),
+}
+
+struct Envelope {
+    from: NodeId,
+    to: NodeId,
+    sent_at: u64,
+    msg: Msg,
+}
+
+struct World {
+    seed: u64,
+    rng: Rng,
+    opts: Options,
+    now: u64,
+    nodes: Vec<Node>,
+    meta: Meta,
+    queue: BinaryHeap<Reverse<(u64, u64)>>,
+    in_flight: BTreeMap<u64, Envelope>,
+    next_seq: u64,
+    /// Per channel (sender, receiver): when its latest message is delivered.
+    channel_last: BTreeMap<(NodeId, NodeId), u64>,
+    /// One-way cuts: messages from the first to the second are lost.
+    cut: BTreeSet<(NodeId, NodeId)>,
+    faults: bool,
+    next_payload: Payload,
+    /// Per queue: the client's cursor (the highest ack it sent).
+    client_acked: Vec<Offset>,
+    /// Per queue: every entry ever below a `replicated_end`, by offset.
+    committed: Vec<BTreeMap<Offset, Entry>>,
+    trace: u64,
+    stats: Stats,
+}
+
+impl World {
+    fn new(seed: u64) -> Self {
+        let mut rng = Rng(seed ^ 0xc105_7e12_u64.rotate_left(23));
+        let opts = Options::draw(&mut rng);
+        let ids: Vec<NodeId> = (0..opts.nodes).map(NodeId).collect();
+        let mut meta = Meta {
+            tracing: std::env::var_os("TETHER_SIM_TRACE").is_some(),
+            log: Vec::new(),
+            state: MetaState::default(),
+            detector: FailureDetector::new(ids.iter().copied(), 0, opts.failure_ms),
+        };
+        let mut nodes: Vec<Node> = ids
+            .iter()
+            .map(|&id| Node {
+                id,
+                name: format!("node-{}", id.0),
+                up: true,
+                started_at: 0,
+                parts: (0..opts.queues).map(|_| Part::empty()).collect(),
+                view: MetaState::default(),
+                applied: 0,
+                barrier: Some(0),
+                detector: FailureDetector::new(
+                    ids.iter().copied().filter(|&n| n != id),
+                    0,
+                    opts.failure_ms,
+                ),
+                phase: rng.below(RECONCILE_MS),
+            })
+            .collect();
+        for q in 0..opts.queues {
+            let n = opts.nodes;
+            let primary = NodeId(q as u64 % n);
+            let redundancy = rng.between(1, 2.min(n - 1)) as u8;
+            let secondaries: Vec<NodeId> = (1..=u64::from(redundancy))
+                .map(|k| NodeId((q as u64 + k) % n))
+                .collect();
+            let MetaResponse::Placed(p) = meta.commit(MetaCommand::Place {
+                id: queue_name(q),
+                primary,
+                secondaries: secondaries.clone(),
+                redundancy,
+                timeout_ms: 60_000,
+            }) else {
+                unreachable!("a new queue is placed")
+            };
+            // The node that placed it starts it at once (`Lease::placed`).
+            let part = &mut nodes[primary.0 as usize].parts[q];
+            let mut shipper = Shipper::new(p.epoch, Default::default(), 0, opts.shipper);
+            shipper.set_secondaries(&secondaries, 0);
+            part.store.epoch = p.epoch;
+            part.core = true;
+            part.role = Role::Primary {
+                shipper: Box::new(shipper),
+                lease: Lease::placed(0),
+                placement_epoch: p.epoch,
+            };
+        }
+        World {
+            seed,
+            rng,
+            now: 0,
+            nodes,
+            meta,
+            queue: BinaryHeap::new(),
+            in_flight: BTreeMap::new(),
+            next_seq: 0,
+            channel_last: BTreeMap::new(),
+            cut: BTreeSet::new(),
+            faults: true,
+            next_payload: 1,
+            client_acked: vec![0; opts.queues],
+            committed: vec![BTreeMap::new(); opts.queues],
+            trace: seed,
+            stats: Stats::default(),
+            opts,
+        }
+    }
+
+    /// Prints what happened, with `TETHER_SIM_TRACE` set.
+    fn event(&self, what: std::fmt::Arguments<'_>) {
+        if self.meta.tracing {
+            eprintln!("{:>6} {what}", self.now);
+        }
+    }
+
+    fn note(&mut self, event: u64) {
+        self.trace = (self.trace ^ event)
+            .wrapping_mul(0x0100_0000_01b3)
+            .rotate_left(7);
+    }
+
+    fn ids(&self) -> Vec<NodeId> {
+        self.nodes.iter().map(|n| n.id).collect()
+    }
+
+    fn step(&mut self, faults: bool) {
+        self.faults = faults;
+        self.now += 1;
+        self.deliver_due();
+        self.record_committed();
+        if faults {
+            self.workload_and_faults();
+        } else if self.rng.per_mille(50) {
+            // The clients re-send their cursors periodically.
+            for q in 0..self.opts.queues {
+                self.client_ack(q);
+            }
+        }
+        for q in 0..self.opts.queues {
+            if self.rng.per_mille(HELLO_PER_MILLE) {
+                self.hello(q);
+            }
+        }
+        self.metadata_reaches_nodes();
+        self.flush_some();
+        self.pings();
+        self.reconcile_due();
+        self.tick_and_transmit();
+        self.record_committed();
+        self.check_invariants();
+    }
+
+    fn heal_all(&mut self) {
+        self.faults = false;
+        self.cut.clear();
+        for i in 0..self.nodes.len() {
+            if !self.nodes[i].up {
+                self.restart(i);
+            }
+        }
+    }
+
+    // -- the network --------------------------------------------------------------------------
+
+    /// Sends `msg` on the ordered channel from `from` to `to` (the server sends each queue's
+    /// messages to a peer through one ordered sender, one call after the other, over QUIC,
+    /// which neither duplicates nor reorders): it may be lost (a failed call), or delayed,
+    /// never overtaken.
+    fn send(&mut self, from: NodeId, to: NodeId, msg: Msg) {
+        self.note(from.0 << 12 | to.0);
+        if self.faults && self.rng.per_mille(self.opts.drop_per_mille) {
+            return;
+        }
+        let delay = self.rng.between(1, self.opts.delay_ms_max);
+        let last = self.channel_last.entry((from, to)).or_insert(0);
+        let at = (self.now + delay).max(*last);
+        *last = at;
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.queue.push(Reverse((at, seq)));
+        let sent_at = self.now;
+        let envelope = Envelope {
+            from,
+            to,
+            sent_at,
+            msg,
+        };
+        self.in_flight.insert(seq, envelope);
+    }
+
+    fn linked(&self, from: NodeId, to: NodeId) -> bool {
+        !self.cut.contains(&(from, to))
+    }
+
+    fn deliver_due(&mut self) {
+        while let Some(&Reverse((at, seq))) = self.queue.peek() {
+            if at > self.now {
+                break;
+            }
+            self.queue.pop();
+            let env = self.in_flight.remove(&seq).expect("queued message");
+            if !self.linked(env.from, env.to) {
+                continue;
+            }
+            self.note(seq);
+            self.deliver(env);
+        }
+    }
+
+    fn deliver(&mut self, env: Envelope) {
+        let (from, to, now) = (env.from, env.to, self.now);
+        if to == META {
+            match env.msg {
+                Msg::Pong => self.meta.detector.answered_ping(from, now),
+                Msg::Propose(cmd) => self.propose_arrived(cmd),
+                _ => unreachable!("the metadata service gets pings' answers and proposals"),
+            }
+            return;
+        }
+        let i = to.0 as usize;
+        if !self.nodes[i].up {
+            return;
+        }
+        if from != META {
+            self.nodes[i].detector.answered(from, now);
+        }
+        match env.msg {
+            Msg::Ping => self.send(to, from, Msg::Pong),
+            Msg::Pong => self.nodes[i].detector.answered_ping(from, now),
+            Msg::Propose(_) => unreachable!("proposals go to the metadata service"),
+            Msg::Reply { q, reply, sent_at } => {
+                if let Role::Primary { shipper, lease, .. } = &mut self.nodes[i].parts[q].role {
+                    shipper.on_reply(from, reply, now);
+                    // As the server does: an ack in the shipper's epoch keeps the lease.
+                    if matches!(reply, Reply::Ack { epoch, .. } if epoch == shipper.epoch()) {
+                        lease.acked(from, sent_at);
+                    }
+                }
+            }
+            Msg::Append {
+                q,
+                placement_epoch,
+                header,
+                entries,
+            } => self.shipped(
+                i,
+                q,
+                from,
+                placement_epoch,
+                env.sent_at,
+                Ship::Append(header, entries),
+            ),
+            Msg::Snapshot {
+                q,
+                placement_epoch,
+                header,
+                entries,
+            } => self.shipped(
+                i,
+                q,
+                from,
+                placement_epoch,
+                env.sent_at,
+                Ship::Snapshot(header, entries),
+            ),
+        }
+    }
+
+    /// A replication message for queue `q` reached node `i`.
+    fn shipped(
+        &mut self,
+        i: usize,
+        q: usize,
+        from: NodeId,
+        placement_epoch: u64,
+        sent_at: u64,
+        ship: Ship,
+    ) {
+        let name = queue_name(q);
+        let node = &mut self.nodes[i];
+        let placement = node.view.queues.get(&name);
+        let epoch = ship.epoch();
+        // `copies::handle`: a sender the metadata here deposed since it shipped is fenced.
+        if let Some(newer) = reconcile::deposed_sender(placement, from, placement_epoch) {
+            self.stats.senders_fenced += 1;
+            return self.send_reply(i, q, from, Reply::Fenced { epoch: newer });
+        }
+        let part = &mut node.parts[q];
+        let mut reply = None;
+        match &mut part.role {
+            Role::Primary { shipper, .. } => {
+                part.rival_epoch = part.rival_epoch.max(epoch);
+                reply = shipper.on_rival_primary(epoch);
+            }
+            Role::Held => part.rival_epoch = part.rival_epoch.max(epoch),
+            Role::None | Role::Copy { .. } => {
+                if reconcile::shipped_by_non_primary(placement, from, placement_epoch, node.applied)
+                {
+                    return;
+                }
+                if matches!(part.role, Role::None) {
+                    part.role = Role::Copy {
+                        replica: Box::new(Replica::new()),
+                        placed_at: 0,
+                    };
+                }
+                let Role::Copy { replica, placed_at } = &mut part.role else {
+                    unreachable!("a copy")
+                };
+                *placed_at = (*placed_at).max(placement_epoch);
+                let t = part.taken_sent_at.entry(from).or_insert(sent_at);
+                *t = (*t).max(sent_at);
+                let (decision, entries) = match ship {
+                    Ship::Append(h, entries) => {
+                        assert_eq!(entries.len() as u64, h.last - h.first);
+                        (replica.on_append(from, &h), entries)
+                    }
+                    Ship::Snapshot(h, entries) => (replica.on_snapshot(from, &h), entries),
+                };
+                match decision {
+                    Decision::Write(w) => {
+                        let new = match &w.op {
+                            WriteOp::Append { skip, .. } => entries[*skip..].to_vec(),
+                            WriteOp::Snapshot { .. } => entries,
+                            _ => Vec::new(),
+                        };
+                        part.pending.push_back((w, new));
+                    }
+                    Decision::Reply(r) => reply = Some(r),
+                    Decision::Ignore | Decision::Pending => {}
+                }
+            }
+        }
+        if let Some(r) = reply {
+            self.send_reply(i, q, from, r);
+        }
+    }
+
+    fn send_reply(&mut self, i: usize, q: usize, to: NodeId, reply: Reply) {
+        let part = &self.nodes[i].parts[q];
+        if let Reply::Ack { end, .. } = reply {
+            assert!(
+                end <= part.store.log.end(),
+                "node {i} acked {end} of queue {q} beyond its durable end"
+            );
+        }
+        let sent_at = part.taken_sent_at.get(&to).copied().unwrap_or(0);
+        let from = self.nodes[i].id;
+        self.send(from, to, Msg::Reply { q, reply, sent_at });
+    }
+
+    // -- metadata -----------------------------------------------------------------------------
+
+    fn propose(&mut self, i: usize, cmd: MetaCommand) {
+        let from = self.nodes[i].id;
+        self.send(from, META, Msg::Propose(cmd));
+    }
+
+    fn propose_arrived(&mut self, cmd: MetaCommand) {
+        let promote = matches!(cmd, MetaCommand::Promote { .. });
+        let synced = matches!(cmd, MetaCommand::Synced { .. });
+        match self.meta.commit(cmd) {
+            MetaResponse::Placed(_) if promote => self.stats.client_promotions += 1,
+            MetaResponse::Placed(_) if synced => self.stats.synced += 1,
+            MetaResponse::Placed(_) => {}
+            _ => self.stats.refused += 1,
+        }
+    }
+
+    /// Committed entries reach the nodes, in order, over working links.
+    fn metadata_reaches_nodes(&mut self) {
+        let end = self.meta.log.len() as u64;
+        for i in 0..self.nodes.len() {
+            let id = self.nodes[i].id;
+            if !self.nodes[i].up
+                || !self.linked(META, id)
+                || !self.linked(id, META)
+                || !self.rng.per_mille(self.opts.meta_per_mille)
+            {
+                continue;
+            }
+            let node = &mut self.nodes[i];
+            while node.applied < end {
+                node.applied += 1;
+                let cmd = &self.meta.log[node.applied as usize - 1];
+                node.view.apply(node.applied, cmd);
+            }
+            // A node that started commits a barrier through the leader and waits for it.
+            node.barrier.get_or_insert(end);
+        }
+    }
+
+    // -- liveness -----------------------------------------------------------------------------
+
+    fn pings(&mut self) {
+        let ids = self.ids();
+        if self.now.is_multiple_of(PING_INTERVAL_MS) {
+            for &n in &ids {
+                self.send(META, n, Msg::Ping);
+            }
+            // The leader declares the members silent for the failure time.
+            let state = &self.meta.state;
+            let involved = |n| {
+                state
+                    .queues
+                    .values()
+                    .any(|p| p.primary == n || p.secondaries.contains(&n))
+            };
+            let declare = self
+                .meta
+                .detector
+                .to_declare(&ids, self.now, true, involved);
+            for n in declare {
+                self.meta.commit(MetaCommand::NodeFailed { node: n });
+                self.meta.detector.declared(n);
+                self.stats.declared += 1;
+                self.note(0xdec1_0000 | n.0);
+            }
+        }
+        for i in 0..self.nodes.len() {
+            let node = &self.nodes[i];
+            if !node.up || self.now % PING_INTERVAL_MS != node.phase % PING_INTERVAL_MS {
+                continue;
+            }
+            let from = node.id;
+            for &to in ids.iter().filter(|&&n| n != from) {
+                self.send(from, to, Msg::Ping);
+            }
+        }
+    }
+
+    // -- the reconciler -----------------------------------------------------------------------
+
+    fn reconcile_due(&mut self) {
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].up && self.now % RECONCILE_MS == self.nodes[i].phase {
+                for q in 0..self.opts.queues {
+                    self.reconcile(i, q);
+                }
+            }
+        }
+    }
+
+    /// One node's reconcile round for one queue, on the metadata applied there.
+    fn reconcile(&mut self, i: usize, q: usize) {
+        let node = &self.nodes[i];
+        let me = node.id;
+        let placement = node.view.queues.get(&queue_name(q)).cloned();
+        let part = &node.parts[q];
+        match &part.role {
+            Role::None => {}
+            Role::Held | Role::Primary { .. } => {
+                let rival = part.rival_epoch.max(part.fenced().unwrap_or(0));
+                let step = reconcile::own_queue_step(
+                    placement.as_ref(),
+                    me,
+                    part.store.epoch,
+                    node.applied,
+                    rival,
+                );
+                match step {
+                    OwnQueueStep::Primary => {
+                        let p = placement.expect("a primary's queue is placed");
+                        self.ship(i, q, &p);
+                        self.repair(i, q, &p);
+                    }
+                    OwnQueueStep::Deposed => {
+                        let by_rival = placement.as_ref().is_none_or(|p| p.epoch < rival);
+                        self.stats.deposed += 1;
+                        self.stats.deposed_by_rival += u64::from(by_rival);
+                        self.event(format_args!(
+                            "node {i} deposed q{q} at e{} (rival e{rival}, {placement:?})",
+                            part.store.epoch
+                        ));
+                        self.nodes[i].parts[q].drop_all();
+                        self.note(0xde90_0000 | (i as u64) << 8 | q as u64);
+                    }
+                    OwnQueueStep::Wait | OwnQueueStep::Unreplicated | OwnQueueStep::Ended => {}
+                }
+            }
+            Role::Copy { replica, placed_at } => {
+                let step = reconcile::copy_step(
+                    placement.as_ref(),
+                    me,
+                    replica.epoch(),
+                    *placed_at,
+                    node.applied,
+                    node.caught_up(),
+                );
+                match step {
+                    CopyStep::Keep => {}
+                    CopyStep::Drop => {
+                        self.event(format_args!(
+                            "node {i} dropped its copy of q{q} (applied {}, placed_at \
+                             {placed_at}, {placement:?})",
+                            node.applied
+                        ));
+                        self.nodes[i].parts[q].drop_all();
+                        self.stats.copies_dropped += 1;
+                    }
+                    CopyStep::Promote => {
+                        self.promote(i, q, &placement.expect("a promotion is placed"));
+                    }
+                }
+            }
+        }
+    }
+
+    /// `promote`: a copy becomes the queue's primary at the placement's epoch.
+    fn promote(&mut self, i: usize, q: usize, p: &Placement) {
+        let (now, cfg) = (self.now, self.opts.shipper);
+        let me = self.nodes[i].id;
+        let part = &mut self.nodes[i].parts[q];
+        let Role::Copy { mut replica, .. } = std::mem::replace(&mut part.role, Role::None) else {
+            unreachable!("a copy is promoted")
+        };
+        // The driver lets pending writes become durable before promoting.
+        let mut last = None;
+        while let Some((w, entries)) = part.pending.pop_front() {
+            apply(&mut part.store, &w, entries, me);
+            last = Some(w.id);
+        }
+        if let Some(id) = last {
+            replica.on_durable(id); // Its ack would go to the old primary.
+        }
+        let mut shipper = replica.promote(p.epoch, cfg);
+        shipper.set_secondaries(&p.secondaries, now);
+        part.store.epoch = p.epoch;
+        part.store.acked = shipper.acked();
+        part.core = true;
+        part.rival_epoch = 0;
+        part.last_replicated_end = shipper.replicated_end();
+        part.role = Role::Primary {
+            shipper: Box::new(shipper),
+            lease: Lease::promoted(now),
+            placement_epoch: p.epoch,
+        };
+        self.stats.promotions += 1;
+        self.event(format_args!(
+            "node {i} promoted its copy of q{q} at e{}",
+            p.epoch
+        ));
+        self.note(0x9e0e_0000 | (i as u64) << 8 | q as u64);
+    }
+
+    /// `ensure_shipping`: a held queue starts shipping, a shipping one follows its placement.
+    fn ship(&mut self, i: usize, q: usize, p: &Placement) {
+        let (now, cfg) = (self.now, self.opts.shipper);
+        let started_at = self.nodes[i].started_at;
+        let part = &mut self.nodes[i].parts[q];
+        match &mut part.role {
+            Role::Held => {
+                let store = &part.store;
+                let mut shipper = Shipper::new(store.epoch, store.log.clone(), store.acked, cfg);
+                shipper.set_secondaries(&p.secondaries, now);
+                part.last_replicated_end = shipper.replicated_end();
+                // Held when the node started: it may have been promoted in its previous life.
+                part.role = Role::Primary {
+                    shipper: Box::new(shipper),
+                    lease: Lease::at_start(now, started_at),
+                    placement_epoch: p.epoch,
+                };
+                self.stats.held_restarts += u64::from(now < started_at + 1_500);
+            }
+            Role::Primary {
+                shipper,
+                placement_epoch,
+                ..
+            } => {
+                if p.epoch > *placement_epoch {
+                    shipper.set_secondaries(&p.secondaries, now);
+                    *placement_epoch = p.epoch;
+                }
+            }
+            _ => unreachable!("only a queue of the core ships"),
+        }
+    }
+
+    /// `repair`: at most one metadata change for a queue this node is primary of.
+    fn repair(&mut self, i: usize, q: usize, p: &Placement) {
+        let now = self.now;
+        let ids = self.ids();
+        let node = &self.nodes[i];
+        let me = node.id;
+        let Role::Primary { shipper, .. } = &node.parts[q].role else {
+            return;
+        };
+        let regressed: Vec<NodeId> = shipper.regressed_peers().collect();
+        let in_sync = |n| shipper.peer_in_sync(n);
+        let unreachable = |n| node.detector.unreachable(n, now);
+        let seen = CopiesSeen {
+            regressed: &regressed,
+            in_sync: &in_sync,
+            unreachable: &unreachable,
+            majority_reachable: node
+                .detector
+                .majority_reachable(me, ids.iter().copied(), now),
+            draining: &|_| false,
+            spread: None,
+        };
+        let (id, expected_epoch) = (queue_name(q), p.epoch);
+        let cmd = match reconcile::repair_step(p, me, &seen) {
+            RepairStep::TakeOut { secondaries, .. }
+            | RepairStep::TakeOutUnreachable { secondaries, .. }
+            | RepairStep::TakeOutDraining { secondaries, .. }
+            | RepairStep::TakeOutSurplus { secondaries, .. } => {
+                self.stats.taken_out += 1;
+                MetaCommand::SetSecondaries {
+                    id,
+                    expected_epoch,
+                    secondaries,
+                }
+            }
+            RepairStep::Synced(n) => MetaCommand::Synced {
+                id,
+                expected_epoch,
+                node: n,
+            },
+            RepairStep::Add { want, exclude } => {
+                // `choose_secondaries`: live members by rendezvous order.
+                let candidates = self
+                    .nodes
+                    .iter()
+                    .filter(|n| !exclude.contains(&n.id) && node.detector.is_live(n.id, now))
+                    .map(|n| (n.id, fnv1a(&format!("{id}\u{0}{}", n.name))));
+                let add = reconcile::rendezvous(candidates, want);
+                if add.is_empty() {
+                    return;
+                }
+                self.stats.added += 1;
+                let mut secondaries = p.secondaries.clone();
+                secondaries.extend(add);
+                MetaCommand::SetSecondaries {
+                    id,
+                    expected_epoch,
+                    secondaries,
+                }
+            }
+            RepairStep::SpreadTo { .. } => unreachable!("copies are not spread here"),
+            RepairStep::Nothing => return,
+        };
+        self.propose(i, cmd);
+    }
+
+    // -- the drivers --------------------------------------------------------------------------
+
+    /// Makes some replica writes durable, in order, and sends the acks they release.
+    fn flush_some(&mut self) {
+        for i in 0..self.nodes.len() {
+            for q in 0..self.opts.queues {
+                let part = &self.nodes[i].parts[q];
+                if part.pending.is_empty() || !self.rng.per_mille(self.opts.flush_per_mille) {
+                    continue;
+                }
+                let count = self.rng.between(1, part.pending.len() as u64);
+                let id = self.nodes[i].id;
+                let part = &mut self.nodes[i].parts[q];
+                let mut last = None;
+                for _ in 0..count {
+                    let (w, entries) = part.pending.pop_front().expect("pending write");
+                    apply(&mut part.store, &w, entries, id);
+                    last = Some(w.id);
+                }
+                let Role::Copy { replica, .. } = &mut part.role else {
+                    unreachable!("only copies write")
+                };
+                if let Some(t) = replica.on_durable(last.expect("flushed one")) {
+                    self.send_reply(i, q, t.to, t.message);
+                }
+            }
+        }
+    }
+
+    fn tick_and_transmit(&mut self) {
+        let now = self.now;
+        for i in 0..self.nodes.len() {
+            if !self.nodes[i].up {
+                continue;
+            }
+            for q in 0..self.opts.queues {
+                let part = &mut self.nodes[i].parts[q];
+                let Role::Primary {
+                    shipper,
+                    placement_epoch,
+                    ..
+                } = &mut part.role
+                else {
+                    continue;
+                };
+                let placement_epoch = *placement_epoch;
+                shipper.on_tick(now);
+                let mut out = Vec::new();
+                while let Some(t) = shipper.poll_transmit(now) {
+                    out.push(t);
+                }
+                let from = self.nodes[i].id;
+                for t in out {
+                    let store = &self.nodes[i].parts[q].store;
+                    let msg = match t.message {
+                        ToSecondary::Append(header) => Msg::Append {
+                            q,
+                            placement_epoch,
+                            header,
+                            entries: store.range(header.first, header.last),
+                        },
+                        ToSecondary::Snapshot(header) => Msg::Snapshot {
+                            q,
+                            placement_epoch,
+                            entries: store.range(header.log.start(), header.log.end()),
+                            header,
+                        },
+                    };
+                    self.send(from, t.to, msg);
+                }
+            }
+        }
+    }
+
+    // -- workload and faults ------------------------------------------------------------------
+
+    /// The node the metadata names as `q`'s primary.
+    fn primary_of(&self, q: usize) -> usize {
+        self.meta.state.queues[&queue_name(q)].primary.0 as usize
+    }
+
+    fn workload_and_faults(&mut self) {
+        for q in 0..self.opts.queues {
+            if self.rng.per_mille(self.opts.append_per_mille) {
+                let count = self.rng.between(1, 3);
+                let p = self.primary_of(q);
+                self.append(p, q, count);
+            }
+            // A deposed primary that still runs may take appends from stale clients.
+            if self.rng.per_mille(self.opts.append_per_mille / 8) {
+                let p = self.primary_of(q);
+                let stale = (0..self.nodes.len()).find(|&i| {
+                    i != p
+                        && self.nodes[i].up
+                        && matches!(&self.nodes[i].parts[q].role, Role::Primary { shipper, .. } if shipper.fenced().is_none())
+                });
+                if let Some(i) = stale {
+                    self.stats.stale_appends += 1;
+                    self.append(i, q, 1);
+                }
+            }
+            if self.rng.per_mille(self.opts.ack_per_mille) {
+                self.client_ack(q);
+            }
+            if self.rng.per_mille(self.opts.client_failover_per_mille) {
+                self.client_failover(q);
+            }
+            if self.rng.per_mille(self.opts.trim_per_mille) {
+                let i = self.rng.below(self.nodes.len() as u64) as usize;
+                self.trim(i, q);
+            }
+        }
+        let count = self.nodes.len() as u64;
+        if self.rng.per_mille(self.opts.crash_per_mille) {
+            let i = self.rng.below(count) as usize;
+            if self.nodes[i].up {
+                self.crash(i);
+            }
+        }
+        if self.rng.per_mille(self.opts.restart_per_mille) {
+            let i = self.rng.below(count) as usize;
+            if !self.nodes[i].up {
+                self.restart(i);
+            }
+        }
+        if self.rng.per_mille(self.opts.partition_per_mille) {
+            let a = NodeId(self.rng.below(count));
+            let others: Vec<NodeId> = self.ids().into_iter().chain([META]).collect();
+            for b in others {
+                if b == a || self.rng.below(2) == 0 {
+                    continue;
+                }
+                match self.rng.below(4) {
+                    0 => {
+                        self.cut.insert((a, b));
+                        self.stats.one_way_cuts += 1;
+                    }
+                    1 => {
+                        self.cut.insert((b, a));
+                        self.stats.one_way_cuts += 1;
+                    }
+                    _ => {
+                        self.cut.insert((a, b));
+                        self.cut.insert((b, a));
+                    }
+                }
+                self.connection_lost(a, b);
+            }
+            self.event(format_args!("node {a} partly cut off"));
+        }
+        if self.rng.per_mille(self.opts.heal_per_mille) {
+            self.cut.clear();
+            self.event(format_args!("every link healed"));
+        }
+    }
+
+    fn append(&mut self, i: usize, q: usize, count: u64) {
+        let node = &mut self.nodes[i];
+        let part = &mut node.parts[q];
+        let Role::Primary { shipper, .. } = &mut part.role else {
+            return;
+        };
+        if !node.up {
+            return;
+        }
+        for _ in 0..count {
+            part.store.entries.push_back(Entry {
+                epoch: shipper.epoch(),
+                payload: self.next_payload,
+            });
+            self.next_payload += 1;
+        }
+        shipper.on_local_append(shipper.log().end() + count);
+        part.store.log = shipper.log().clone();
+    }
+
+    /// The client acknowledges up to a random point at most the primary's `replicated_end`, or
+    /// re-sends its cursor after a failover.
+    fn client_ack(&mut self, q: usize) {
+        let i = self.primary_of(q);
+        if !self.nodes[i].up {
+            return;
+        }
+        let part = &mut self.nodes[i].parts[q];
+        let Role::Primary { shipper, .. } = &mut part.role else {
+            return;
+        };
+        let mut to = self.client_acked[q];
+        if shipper.replicated_end() > shipper.acked() {
+            to = to.max(
+                self.rng
+                    .between(shipper.acked() + 1, shipper.replicated_end()),
+            );
+        }
+        shipper.on_client_ack(to);
+        self.client_acked[q] = self.client_acked[q].max(shipper.acked());
+        part.store.acked = shipper.acked();
+    }
+
+    /// The client's durable hello reaches the node the metadata names as `q`'s primary, which
+    /// decides by its own metadata (`placed_here_step`): a node that holds nothing of a queue
+    /// placed on it before the hello confirms the placement with a read barrier, then starts
+    /// the queue empty (nothing was acknowledged: every copy that may be promoted holds all
+    /// that was).
+    fn hello(&mut self, q: usize) {
+        let i = self.primary_of(q);
+        let end = self.meta.log.len() as u64;
+        let node = &mut self.nodes[i];
+        if !node.up {
+            return;
+        }
+        let Some(p) = node.view.queues.get(&queue_name(q)).cloned() else {
+            return;
+        };
+        let part = &node.parts[q];
+        if p.primary != node.id || !matches!(part.role, Role::None) {
+            return; // Redirected, or served by what the reconciler keeps in line.
+        }
+        let rival = (part.rival_epoch > 0).then_some((None, part.rival_epoch));
+        // The read barrier returns once this node applied everything committed before it.
+        let confirmed = node.applied == end;
+        match reconcile::placed_here_step(&p, node.applied, rival, false, false, confirmed) {
+            PlacedHereStep::Serve => {}
+            PlacedHereStep::Elsewhere(_) | PlacedHereStep::Confirm => return,
+        }
+        let (now, cfg) = (self.now, self.opts.shipper);
+        let mut shipper = Shipper::new(p.epoch, Default::default(), 0, cfg);
+        shipper.set_secondaries(&p.secondaries, now);
+        let part = &mut node.parts[q];
+        part.store = Store {
+            epoch: p.epoch,
+            ..Store::default()
+        };
+        part.core = true;
+        part.last_replicated_end = 0;
+        part.role = Role::Primary {
+            shipper: Box::new(shipper),
+            lease: Lease::placed(now),
+            placement_epoch: p.epoch,
+        };
+        self.stats.started_empty += 1;
+        self.event(format_args!("node {i} started q{q} empty at e{}", p.epoch));
+    }
+
+    /// A client lost its session and asks a copy to take over (`client_failover`): the copy,
+    /// a secondary not syncing in its own metadata, proposes its promotion if the primary has
+    /// not answered it for a ping's timeout.
+    fn client_failover(&mut self, q: usize) {
+        let known = self.meta.state.queues[&queue_name(q)].clone();
+        if known.secondaries.is_empty() {
+            return;
+        }
+        let pick = self.rng.below(known.secondaries.len() as u64) as usize;
+        let i = known.secondaries[pick].0 as usize;
+        let (now, node) = (self.now, &self.nodes[i]);
+        let Some(p) = node.view.queues.get(&queue_name(q)) else {
+            return;
+        };
+        let asks = node.up
+            && p.secondaries.contains(&node.id)
+            && !p.syncing.contains(&node.id)
+            && node
+                .detector
+                .silent_ms(p.primary, now)
+                .is_none_or(|t| t >= PING_TIMEOUT_MS);
+        if asks {
+            let cmd = MetaCommand::Promote {
+                id: queue_name(q),
+                expected_epoch: p.epoch,
+                new_primary: node.id,
+            };
+            self.propose(i, cmd);
+        }
+    }
+
+    fn trim(&mut self, i: usize, q: usize) {
+        if !self.nodes[i].up {
+            return;
+        }
+        let part = &mut self.nodes[i].parts[q];
+        match &mut part.role {
+            Role::None | Role::Held => {}
+            Role::Primary { shipper, .. } => {
+                if shipper.fenced().is_some() || shipper.acked() <= shipper.log().start() {
+                    return;
+                }
+                let to = self.rng.between(shipper.log().start() + 1, shipper.acked());
+                shipper.on_local_trim(to);
+                let store = &mut part.store;
+                store.entries.drain(..(to - store.log.start()) as usize);
+                store.log = shipper.log().clone();
+            }
+            Role::Copy { replica, .. } => {
+                if replica.acked() <= replica.log().start() {
+                    return;
+                }
+                let to = self.rng.between(replica.log().start() + 1, replica.acked());
+                if let Some(w) = replica.trim(to) {
+                    part.pending.push_back((w, Vec::new()));
+                }
+            }
+        }
+    }
+
+    fn crash(&mut self, i: usize) {
+        let node = &mut self.nodes[i];
+        node.up = false;
+        for part in &mut node.parts {
+            part.pending.clear();
+            part.role = Role::None;
+        }
+        self.stats.crashes += 1;
+        self.event(format_args!("node {i} crashed"));
+        let id = self.nodes[i].id;
+        self.note(0xdead_0000 | id.0);
+        for other in self.ids() {
+            self.connection_lost(other, id);
+        }
+    }
+
+    /// Node `a`'s shippers notice that the connection to `b` dropped, and `b`'s to `a`
+    /// (sometimes: a partition may look like a slow link for a while).
+    fn connection_lost(&mut self, a: NodeId, b: NodeId) {
+        for (x, y) in [(a, b), (b, a)] {
+            if x == META || y == META || !self.nodes[x.0 as usize].up {
+                continue;
+            }
+            for q in 0..self.opts.queues {
+                let lost = self.rng.below(2) == 0;
+                if let Role::Primary { shipper, .. } = &mut self.nodes[x.0 as usize].parts[q].role
+                    && lost
+                {
+                    shipper.on_peer_lost(y);
+                }
+            }
+        }
+    }
+
+    /// Restarts a node from its stores: a queue of the core waits for the reconciler, a copy
+    /// recovers.
+    fn restart(&mut self, i: usize) {
+        let now = self.now;
+        let ids = self.ids();
+        let node = &mut self.nodes[i];
+        let me = node.id;
+        node.up = true;
+        node.started_at = now;
+        node.barrier = None;
+        node.detector = FailureDetector::new(
+            ids.into_iter().filter(|&n| n != me),
+            now,
+            self.opts.failure_ms,
+        );
+        for part in &mut node.parts {
+            part.rival_epoch = 0;
+            part.taken_sent_at.clear();
+            part.role = if part.core {
+                Role::Held
+            } else if part.store.epoch > 0 {
+                let r = tether::replication::Replica::recover(part.store.replica_state())
+                    .expect("durable state recovers");
+                Role::Copy {
+                    replica: Box::new(r),
+                    placed_at: 0,
+                }
+            } else {
+                Role::None
+            };
+        }
+        self.note(0xbeef_0000 | me.0);
+        self.event(format_args!("node {i} restarted"));
+    }
+
+    // -- the invariants -----------------------------------------------------------------------
+
+    /// Records every entry below a running shipper's `replicated_end` as committed.
+    fn record_committed(&mut self) {
+        let now = self.now;
+        for node in &mut self.nodes {
+            if !node.up {
+                continue;
+            }
+            for (q, part) in node.parts.iter_mut().enumerate() {
+                let Role::Primary { shipper, .. } = &part.role else {
+                    continue;
+                };
+                let end = shipper.replicated_end();
+                assert!(
+                    end >= part.last_replicated_end,
+                    "node {}: replicated_end of queue {q} fell",
+                    node.id
+                );
+                for o in part.last_replicated_end.max(part.store.log.start())..end {
+                    let entry = part
+                        .store
+                        .get(o)
+                        .expect("a primary holds its replicated entries");
+                    self.stats.committed += 1;
+                    let previous = *self.committed[q].entry(o).or_insert(entry);
+                    assert_eq!(
+                        previous,
+                        entry,
+                        "queue {q}: two different entries committed at offset {o} at {now}, the \
+                         second by node {} (epoch {}, replicated_end {end}, log {:?}, secondaries \
+                         {:?})",
+                        node.id,
+                        shipper.epoch(),
+                        shipper.log(),
+                        shipper.secondaries().collect::<Vec<_>>(),
+                    );
+                }
+                part.last_replicated_end = end;
+            }
+        }
+    }
+
+    fn check_invariants(&mut self) {
+        let now = self.now;
+        for q in 0..self.opts.queues {
+            // 1. At most one primary delivers.
+            let holding: Vec<NodeId> = self
+                .nodes
+                .iter()
+                .filter(|n| n.up && n.parts[q].holds_lease(now))
+                .map(|n| n.id)
+                .collect();
+            assert!(
+                holding.len() <= 1,
+                "queue {q}: primaries {holding:?} hold their leases at {now}: {}",
+                self.describe()
+            );
+            // 3. Every node the metadata may promote holds every committed entry.
+            let p = &self.meta.state.queues[&queue_name(q)];
+            let promotable = std::iter::once(p.primary)
+                .chain(p.secondaries.iter().copied())
+                .filter(|n| !p.syncing.contains(n));
+            for n in promotable {
+                let store = &self.nodes[n.0 as usize].parts[q].store;
+                for (&o, &entry) in self.committed[q].range(store.log.start()..) {
+                    assert_eq!(
+                        store.get(o),
+                        Some(entry),
+                        "queue {q}: committed entry {o} lost by node {n}, which the metadata \
+                         may make primary ({p:?}) at {now}: {}",
+                        self.describe()
+                    );
+                }
+            }
+            // 2. Stores agree with what was committed, in its epoch.
+            for node in &self.nodes {
+                let store = &node.parts[q].store;
+                store.check(node.id);
+                let end = store.log.end();
+                for (&o, &entry) in self.committed[q].range(store.log.start()..end) {
+                    let held = store.get(o).expect("held");
+                    if held.epoch == entry.epoch {
+                        assert_eq!(
+                            held, entry,
+                            "queue {q}: node {} holds another entry at {o} in epoch {}",
+                            node.id, entry.epoch
+                        );
+                    }
+                }
+            }
+            // Committed entries every store trimmed need no more checking.
+            let lowest = self
+                .nodes
+                .iter()
+                .map(|n| n.parts[q].store.log.start())
+                .min()
+                .unwrap_or(0)
+                .min(self.client_acked[q]);
+            while self.committed[q]
+                .first_key_value()
+                .is_some_and(|(&o, _)| o < lowest)
+            {
+                self.committed[q].pop_first();
+            }
+        }
+    }
+
+    fn converged(&self) -> bool {
+        let end = self.meta.log.len() as u64;
+        if self.nodes.iter().any(|n| !n.up || n.applied < end) {
+            return false;
+        }
+        (0..self.opts.queues).all(|q| {
+            let p = &self.meta.state.queues[&queue_name(q)];
+            let primary = &self.nodes[p.primary.0 as usize].parts[q];
+            let Role::Primary { shipper, .. } = &primary.role else {
+                return false;
+            };
+            let wanted = usize::from(p.redundancy).min(self.nodes.len() - 1);
+            let mut shipped: Vec<NodeId> = shipper.secondaries().collect();
+            let mut placed = p.secondaries.clone();
+            shipped.sort();
+            placed.sort();
+            p.syncing.is_empty()
+                && p.secondaries.len() == wanted
+                && shipped == placed
+                && shipper.replicated_end() == shipper.log().end()
+                && primary.holds_lease(self.now)
+                && self.nodes.iter().all(|n| {
+                    let part = &n.parts[q];
+                    match &part.role {
+                        Role::Primary { .. } => n.id == p.primary,
+                        Role::Copy { replica, .. } => {
+                            p.secondaries.contains(&n.id)
+                                && part.pending.is_empty()
+                                && replica.log().end() == shipper.log().end()
+                        }
+                        Role::None => !p.secondaries.contains(&n.id),
+                        Role::Held => false,
+                    }
+                })
+        })
+    }
+
+    fn describe(&self) -> String {
+        let mut out = format!(
+            "seed {} at {} ({} metadata entries) {:?}",
+            self.seed,
+            self.now,
+            self.meta.log.len(),
+            self.opts
+        );
+        for (name, p) in &self.meta.state.queues {
+            out += &format!("\n  {name}: {p:?}");
+        }
+        for n in &self.nodes {
+            out += &format!(
+                "\n  node {} up {} applied {} caught up {}",
+                n.id,
+                n.up,
+                n.applied,
+                n.caught_up()
+            );
+            for (q, part) in n.parts.iter().enumerate() {
+                let role = match &part.role {
+                    Role::None => "none".to_string(),
+                    Role::Held => "held".to_string(),
+                    Role::Primary {
+                        shipper,
+                        lease,
+                        placement_epoch,
+                    } => format!(
+                        "primary e{} placement {placement_epoch} acked {} replicated_end {} \
+                         fenced {:?} lease {} secondaries {:?}",
+                        shipper.epoch(),
+                        shipper.acked(),
+                        shipper.replicated_end(),
+                        shipper.fenced(),
+                        lease.held(self.now, shipper.secondaries()),
+                        shipper.secondaries().collect::<Vec<_>>(),
+                    ),
+                    Role::Copy { replica, placed_at } => format!(
+                        "copy e{} acked {} placed_at {placed_at} log {:?}",
+                        replica.epoch(),
+                        replica.acked(),
+                        replica.log()
+                    ),
+                };
+                out += &format!(
+                    "\n    q{q}: {role}; store e{} {:?} acked {}",
+                    part.store.epoch, part.store.log, part.store.acked
+                );
+            }
+        }
+        out
+    }
+}
+
+/// A replication message's body.
+enum Ship {
+    Append(AppendHeader, Vec<Entry>),
+    Snapshot(SnapshotHeader, Vec<Entry>),
+}
+
+impl Ship {
+    fn epoch(&self) -> u64 {
+        match self {
+            Ship::Append(h, _) => h.epoch,
+            Ship::Snapshot(h, _) => h.epoch,
+        }
+    }
+}
