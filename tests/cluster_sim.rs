@@ -38,10 +38,19 @@
 //!    holds its lease, the redundancy asked for in copies that are in sync and not syncing,
 //!    and no node holds a copy the metadata does not place on it.
 //!
+//! The operator drains members (`SetDraining`): a draining member's reconciler moves its
+//! copies away (`drain_step`), its rebalancing round hands its queues to members holding an
+//! in-sync copy (`rebalance::drain_takers`, `pick`, `Handover`), and copies spread to members
+//! holding far fewer (`SpreadRound`, `spread_step`) once it is undrained.
+//!
 //! Not modelled yet: the publish log and its replay at promotion (publishes reach the primary
-//! directly), rebalancing and draining, membership changes, a lost disk, the metadata service's
-//! own elections. `TETHER_CLUSTER_SIM_SEED=<n>` runs one seed, `TETHER_CLUSTER_SIM_SEEDS=<count>`
-//! sets how many run (`make sim`).
+//! directly), the core (sessions, acknowledged offsets, redelivery flags), rebalancing by
+//! counts (its slack needs more queues than the simulation runs), membership changes, a lost
+//! disk, the metadata service's own elections.
+//!
+//! `TETHER_CLUSTER_SIM_SEED=<n>` runs one seed (`TETHER_SIM_TRACE=1` prints its events),
+//! `TETHER_CLUSTER_SIM_SEEDS=<count>` sets how many run (`make sim`), from
+//! `TETHER_CLUSTER_SIM_FIRST` (0).
 
 mod sim;
 
@@ -49,21 +58,22 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 
 use sim::{Entry, Payload, Rng, Store, apply, env_u64, panic_message};
-use tether::cluster::meta::{MetaCommand, MetaResponse, MetaState, Placement, fnv1a};
+use tether::cluster::meta::{MetaCommand, MetaResponse, MetaState, Placement};
 use tether::config::{NODE_FAILURE_MS_DEFAULT, NODE_FAILURE_MS_MIN};
 use tether::control::lease::Lease;
 use tether::control::liveness::{FailureDetector, PING_INTERVAL_MS, PING_TIMEOUT_MS};
+use tether::control::rebalance::{self, Candidate};
 use tether::control::reconcile::{
-    self, CopiesSeen, CopyStep, OwnQueueStep, PlacedHereStep, RepairStep,
+    self, CopiesSeen, CopyStep, OwnQueueStep, PlacedHereStep, RepairStep, Spread, SpreadRound,
 };
 use tether::replication::{
     AppendHeader, Decision, NodeId, Offset, Replica, Reply, Shipper, ShipperConfig, SnapshotHeader,
     ToSecondary, Write, WriteOp,
 };
-use tether::server::RECONCILE_MS;
+use tether::server::{REBALANCE_INTERVAL_MS, RECONCILE_MS};
 
 /// Seeds run by default (`make test`).
-const SEEDS_DEFAULT: u64 = 200;
+const SEEDS_DEFAULT: u64 = 500;
 /// Steps (milliseconds) of the fault phase.
 const FAULT_STEPS: u64 = 12_000;
 /// Steps the cluster gets to converge once faults stop.
@@ -81,8 +91,10 @@ fn cluster_sim() {
         return;
     }
     let seeds = env_u64("TETHER_CLUSTER_SIM_SEEDS").unwrap_or(SEEDS_DEFAULT);
+    // Where the seeds start (0), so that several processes can share a long run.
+    let first = env_u64("TETHER_CLUSTER_SIM_FIRST").unwrap_or(0);
     let mut total = Stats::default();
-    for seed in 0..seeds {
+    for seed in first..first + seeds {
         total.add(&run_reporting(seed).1);
     }
     if std::env::var_os("TETHER_SIM_STATS").is_some() {
@@ -109,10 +121,19 @@ fn cluster_sim() {
                 total.held_restarts,
             ),
             ("queues started empty by a hello", total.started_empty),
+            ("queues placed by a hello", total.placed_by_hello),
             (
                 "deposed senders fenced by newer metadata",
                 total.senders_fenced,
             ),
+            ("members drained", total.drains),
+            ("queues handed over", total.handed_over),
+            (
+                "copies taken off draining members",
+                total.taken_off_draining,
+            ),
+            ("copies spread", total.spread),
+            ("surplus copies taken out", total.surplus_taken_out),
         ];
         for (what, count) in reached {
             assert!(count > 0, "the cluster simulation never reached: {what}");
@@ -120,17 +141,73 @@ fn cluster_sim() {
     }
 }
 
-/// Pinned: a primary deposed while cut off from the metadata (node 0, epoch 1) kept shipping
-/// under its old placement; node 1, whose own queue had been deposed and dropped meanwhile,
-/// took a new copy from it and acknowledged it, and with node 2's acknowledgements from before
-/// the failover node 0's `replicated_end` rose past entries the real primary (node 2, epoch
-/// 16) holds differently: "two different entries committed at offset 1734". Epoch fencing
-/// could not stop it, node 1 holding no copy at a higher epoch. A node whose metadata deposed
-/// the sender since the placement it shipped under now answers `Fenced` with the newer epoch
-/// (`control::reconcile::deposed_sender`, also in `server/copies.rs`).
+/// Found by the simulation (seed 2354 of its first version): a primary deposed while cut off
+/// from the metadata kept shipping under its old placement, and a member whose own queue had
+/// been deposed and dropped meanwhile took a new copy from it and acknowledged it. Epoch
+/// fencing cannot stop that (the member holds no copy at a higher epoch), so the deposed
+/// primary's `replicated_end` rose, and with that member as its only copy, its lease too,
+/// beside the real primary's. Scripted here: n0 is primary of a queue with one copy on n1 and
+/// is cut off; n1 is promoted by its client, takes a copy on n2, crashes, is declared failed
+/// (n2 promoted), restarts and drops its deposed queue; then the link n0–n1 comes back. Without
+/// `control::reconcile::deposed_sender` n1 takes a copy from n0 and this fails invariant 3
+/// ("committed entry 299 lost by node 2": n0's `replicated_end` covered an entry only n0 and
+/// n1's new copy hold); n1 now answers n0 `Fenced` with the newer epoch, and n0 drops its
+/// queue.
 #[test]
-fn a_node_that_dropped_its_queue_takes_no_copy_from_its_deposed_primary() {
-    run_reporting(2354);
+fn a_deposed_primary_gets_no_copy_from_a_member_that_dropped_its_queue() {
+    let (n0, n1, n2) = (NodeId(0), NodeId(1), NodeId(2));
+    let mut w = World::scripted(3, &[1]);
+    let placement = |w: &World| w.meta.state.queues["q0"].clone();
+    let run_until = |w: &mut World, what: &str, done: &dyn Fn(&World) -> bool| {
+        for _ in 0..10_000 {
+            w.step(true);
+            if done(w) {
+                return;
+            }
+        }
+        panic!("never {what}: {}", w.describe());
+    };
+    for _ in 0..300 {
+        w.append(0, 0, 1);
+        w.step(true);
+    }
+    assert!(w.committed[0].len() > 200, "n0 replicated to n1");
+    for other in [META, n1, n2] {
+        w.cut.insert((n0, other));
+        w.cut.insert((other, n0));
+    }
+    let epoch = placement(&w).epoch;
+    w.meta.commit(MetaCommand::Promote {
+        id: "q0".into(),
+        expected_epoch: epoch,
+        new_primary: n1,
+    });
+    run_until(&mut w, "promoted n1", &|w| {
+        matches!(w.nodes[1].parts[0].role, Role::Primary { .. })
+    });
+    let epoch = placement(&w).epoch;
+    w.meta.commit(MetaCommand::SetSecondaries {
+        id: "q0".into(),
+        expected_epoch: epoch,
+        secondaries: vec![n2],
+    });
+    run_until(&mut w, "synced n2", &|w| placement(w).syncing.is_empty());
+    w.crash(1);
+    run_until(&mut w, "promoted n2", &|w| {
+        matches!(w.nodes[2].parts[0].role, Role::Primary { .. })
+    });
+    w.restart(1);
+    run_until(&mut w, "dropped n1's queue", &|w| {
+        matches!(w.nodes[1].parts[0].role, Role::None)
+    });
+    w.cut.remove(&(n0, n1));
+    w.cut.remove(&(n1, n0));
+    // n0 learns from n1 that it was deposed and drops its queue; the steps check meanwhile that
+    // n0 and n2 never both hold their leases.
+    run_until(&mut w, "deposed n0", &|w| {
+        matches!(w.nodes[0].parts[0].role, Role::None)
+    });
+    assert_eq!(w.stats.senders_fenced, 1, "n1 fenced n0: {}", w.describe());
 }
 
 #[test]
@@ -189,7 +266,14 @@ struct Stats {
     refused: u64,
     held_restarts: u64,
     started_empty: u64,
+    placed_by_hello: u64,
     senders_fenced: u64,
+    drains: u64,
+    handovers_asked: u64,
+    handed_over: u64,
+    taken_off_draining: u64,
+    spread: u64,
+    surplus_taken_out: u64,
     committed: u64,
     liveness_steps_max: u64,
 }
@@ -211,7 +295,14 @@ impl Stats {
         self.refused += o.refused;
         self.held_restarts += o.held_restarts;
         self.started_empty += o.started_empty;
+        self.placed_by_hello += o.placed_by_hello;
         self.senders_fenced += o.senders_fenced;
+        self.drains += o.drains;
+        self.handovers_asked += o.handovers_asked;
+        self.handed_over += o.handed_over;
+        self.taken_off_draining += o.taken_off_draining;
+        self.spread += o.spread;
+        self.surplus_taken_out += o.surplus_taken_out;
         self.committed += o.committed;
         self.liveness_steps_max = self.liveness_steps_max.max(o.liveness_steps_max);
     }
@@ -234,6 +325,8 @@ struct Options {
     partition_per_mille: u64,
     heal_per_mille: u64,
     client_failover_per_mille: u64,
+    drain_per_mille: u64,
+    undrain_per_mille: u64,
     flush_per_mille: u64,
     shipper: ShipperConfig,
 }
@@ -255,6 +348,8 @@ impl Options {
             partition_per_mille: rng.below(2),
             heal_per_mille: rng.between(1, 4),
             client_failover_per_mille: rng.below(4),
+            drain_per_mille: rng.below(2),
+            undrain_per_mille: rng.below(2),
             flush_per_mille: rng.between(100, 900),
             shipper: ShipperConfig {
                 batch_entries_max: rng.between(2, 16),
@@ -272,6 +367,10 @@ impl Options {
 
 fn queue_name(q: usize) -> String {
     format!("q{q}")
+}
+
+fn queue_index(name: &str) -> usize {
+    name[1..].parse().expect("a simulated queue's name")
 }
 
 /// What a node does with one queue.
@@ -416,6 +515,11 @@ enum Msg {
     Ping,
     Pong,
     Propose(MetaCommand),
+    /// The metadata service's answer to a node's committed handover of queue `q`.
+    HandedOver {
+        q: usize,
+        epoch: u64,
+    },
 }
 
 struct Envelope {
@@ -445,6 +549,8 @@ struct World {
     client_acked: Vec<Offset>,
     /// Per queue: every entry ever below a `replicated_end`, by offset.
     committed: Vec<BTreeMap<Offset, Entry>>,
+    /// Per queue: the redundancy its client asks for.
+    redundancy: Vec<u8>,
     trace: u64,
     stats: Stats,
 }
@@ -453,6 +559,44 @@ impl World {
     fn new(seed: u64) -> Self {
         let mut rng = Rng(seed ^ 0xc105_7e12_u64.rotate_left(23));
         let opts = Options::draw(&mut rng);
+        let redundancy: Vec<u8> = (0..opts.queues)
+            .map(|_| rng.between(0, 2.min(opts.nodes - 1)) as u8)
+            .collect();
+        // Half the queues are placed by their client's first hello during the run.
+        let placed: Vec<bool> = (0..opts.queues).map(|_| rng.below(2) == 1).collect();
+        World::with(seed, rng, opts, redundancy, &placed)
+    }
+
+    /// A world with `nodes` nodes and one queue per entry of `redundancy`, each placed at
+    /// the start on node `q % nodes` (copies on the next ones), where nothing happens at random
+    /// but message delays of one step and metadata reaching every linked node at once: a test
+    /// scripts the faults and the workload.
+    fn scripted(nodes: u64, redundancy: &[u8]) -> Self {
+        let opts = Options {
+            nodes,
+            queues: redundancy.len(),
+            failure_ms: NODE_FAILURE_MS_MIN,
+            delay_ms_max: 1,
+            drop_per_mille: 0,
+            meta_per_mille: 1_000,
+            append_per_mille: 0,
+            ack_per_mille: 0,
+            trim_per_mille: 0,
+            crash_per_mille: 0,
+            restart_per_mille: 0,
+            partition_per_mille: 0,
+            heal_per_mille: 0,
+            client_failover_per_mille: 0,
+            drain_per_mille: 0,
+            undrain_per_mille: 0,
+            flush_per_mille: 1_000,
+            shipper: ShipperConfig::default(),
+        };
+        let placed = vec![true; redundancy.len()];
+        World::with(0, Rng(0), opts, redundancy.to_vec(), &placed)
+    }
+
+    fn with(seed: u64, mut rng: Rng, opts: Options, redundancy: Vec<u8>, placed: &[bool]) -> Self {
         let ids: Vec<NodeId> = (0..opts.nodes).map(NodeId).collect();
         let mut meta = Meta {
             tracing: std::env::var_os("TETHER_SIM_TRACE").is_some(),
@@ -480,9 +624,11 @@ impl World {
             })
             .collect();
         for q in 0..opts.queues {
-            let n = opts.nodes;
+            if !placed[q] {
+                continue;
+            }
+            let (n, redundancy) = (opts.nodes, redundancy[q]);
             let primary = NodeId(q as u64 % n);
-            let redundancy = rng.between(1, 2.min(n - 1)) as u8;
             let secondaries: Vec<NodeId> = (1..=u64::from(redundancy))
                 .map(|k| NodeId((q as u64 + k) % n))
                 .collect();
@@ -522,6 +668,7 @@ impl World {
             next_payload: 1,
             client_acked: vec![0; opts.queues],
             committed: vec![BTreeMap::new(); opts.queues],
+            redundancy,
             trace: seed,
             stats: Stats::default(),
             opts,
@@ -543,6 +690,11 @@ impl World {
 
     fn ids(&self) -> Vec<NodeId> {
         self.nodes.iter().map(|n| n.id).collect()
+    }
+
+    /// Every member's id and name.
+    fn named(&self) -> Vec<(NodeId, &str)> {
+        self.nodes.iter().map(|n| (n.id, n.name.as_str())).collect()
     }
 
     fn step(&mut self, faults: bool) {
@@ -567,6 +719,7 @@ impl World {
         self.flush_some();
         self.pings();
         self.reconcile_due();
+        self.drain_rounds_due();
         self.tick_and_transmit();
         self.record_committed();
         self.check_invariants();
@@ -634,7 +787,7 @@ impl World {
         if to == META {
             match env.msg {
                 Msg::Pong => self.meta.detector.answered_ping(from, now),
-                Msg::Propose(cmd) => self.propose_arrived(cmd),
+                Msg::Propose(cmd) => self.propose_arrived(from, cmd),
                 _ => unreachable!("the metadata service gets pings' answers and proposals"),
             }
             return;
@@ -650,6 +803,7 @@ impl World {
             Msg::Ping => self.send(to, from, Msg::Pong),
             Msg::Pong => self.nodes[i].detector.answered_ping(from, now),
             Msg::Propose(_) => unreachable!("proposals go to the metadata service"),
+            Msg::HandedOver { q, epoch } => self.handed_over(i, q, epoch),
             Msg::Reply { q, reply, sent_at } => {
                 if let Role::Primary { shipper, lease, .. } = &mut self.nodes[i].parts[q].role {
                     shipper.on_reply(from, reply, now);
@@ -778,10 +932,20 @@ impl World {
         self.send(from, META, Msg::Propose(cmd));
     }
 
-    fn propose_arrived(&mut self, cmd: MetaCommand) {
+    fn propose_arrived(&mut self, from: NodeId, cmd: MetaCommand) {
         let promote = matches!(cmd, MetaCommand::Promote { .. });
         let synced = matches!(cmd, MetaCommand::Synced { .. });
+        let handover = match &cmd {
+            MetaCommand::Handover {
+                id, new_primary, ..
+            } => Some((queue_index(id), *new_primary)),
+            _ => None,
+        };
         match self.meta.commit(cmd) {
+            MetaResponse::Placed(p) if handover.is_some_and(|(_, to)| p.primary == to) => {
+                let (q, epoch) = (handover.expect("a handover").0, p.epoch);
+                self.send(META, from, Msg::HandedOver { q, epoch });
+            }
             MetaResponse::Placed(_) if promote => self.stats.client_promotions += 1,
             MetaResponse::Placed(_) if synced => self.stats.synced += 1,
             MetaResponse::Placed(_) => {}
@@ -856,15 +1020,29 @@ impl World {
     fn reconcile_due(&mut self) {
         for i in 0..self.nodes.len() {
             if self.nodes[i].up && self.now % RECONCILE_MS == self.nodes[i].phase {
+                let node = &self.nodes[i];
+                let round = SpreadRound::read(&node.view, self.named(), node.id);
                 for q in 0..self.opts.queues {
-                    self.reconcile(i, q);
+                    self.reconcile(i, q, &round);
                 }
             }
         }
     }
 
+    /// Draining members hand their queues over every [`REBALANCE_INTERVAL_MS`], once their
+    /// metadata caught up.
+    fn drain_rounds_due(&mut self) {
+        for i in 0..self.nodes.len() {
+            let node = &self.nodes[i];
+            let due = self.now % REBALANCE_INTERVAL_MS == node.phase * 7 % REBALANCE_INTERVAL_MS;
+            if node.up && due && node.caught_up() && node.view.draining.contains(&node.id) {
+                self.drain_round(i);
+            }
+        }
+    }
+
     /// One node's reconcile round for one queue, on the metadata applied there.
-    fn reconcile(&mut self, i: usize, q: usize) {
+    fn reconcile(&mut self, i: usize, q: usize, round: &SpreadRound) {
         let node = &self.nodes[i];
         let me = node.id;
         let placement = node.view.queues.get(&queue_name(q)).cloned();
@@ -884,7 +1062,7 @@ impl World {
                     OwnQueueStep::Primary => {
                         let p = placement.expect("a primary's queue is placed");
                         self.ship(i, q, &p);
-                        self.repair(i, q, &p);
+                        self.repair(i, q, &p, round);
                     }
                     OwnQueueStep::Deposed => {
                         let by_rival = placement.as_ref().is_none_or(|p| p.epoch < rival);
@@ -999,17 +1177,24 @@ impl World {
     }
 
     /// `repair`: at most one metadata change for a queue this node is primary of.
-    fn repair(&mut self, i: usize, q: usize, p: &Placement) {
+    fn repair(&mut self, i: usize, q: usize, p: &Placement, round: &SpreadRound) {
         let now = self.now;
         let ids = self.ids();
+        let named = self.named();
         let node = &self.nodes[i];
         let me = node.id;
         let Role::Primary { shipper, .. } = &node.parts[q].role else {
             return;
         };
+        let (id, expected_epoch) = (queue_name(q), p.epoch);
         let regressed: Vec<NodeId> = shipper.regressed_peers().collect();
         let in_sync = |n| shipper.peer_in_sync(n);
         let unreachable = |n| node.detector.unreachable(n, now);
+        let live = |n| node.detector.is_live(n, now);
+        let ranked = match round.worth(p) {
+            true => round.ranked(&id, me),
+            false => Vec::new(),
+        };
         let seen = CopiesSeen {
             regressed: &regressed,
             in_sync: &in_sync,
@@ -1017,51 +1202,122 @@ impl World {
             majority_reachable: node
                 .detector
                 .majority_reachable(me, ids.iter().copied(), now),
-            draining: &|_| false,
-            spread: None,
+            draining: &|n| node.view.draining.contains(&n),
+            spread: (!ranked.is_empty()).then_some(Spread {
+                ranked: &ranked,
+                copies: round.copies(),
+                live: &live,
+                may_add: round.may_add(),
+            }),
         };
-        let (id, expected_epoch) = (queue_name(q), p.epoch);
-        let cmd = match reconcile::repair_step(p, me, &seen) {
+        let step = reconcile::repair_step(p, me, &seen);
+        let secondaries = match step {
             RepairStep::TakeOut { secondaries, .. }
-            | RepairStep::TakeOutUnreachable { secondaries, .. }
-            | RepairStep::TakeOutDraining { secondaries, .. }
-            | RepairStep::TakeOutSurplus { secondaries, .. } => {
+            | RepairStep::TakeOutUnreachable { secondaries, .. } => {
                 self.stats.taken_out += 1;
-                MetaCommand::SetSecondaries {
+                secondaries
+            }
+            RepairStep::TakeOutDraining { secondaries, .. } => {
+                self.stats.taken_off_draining += 1;
+                secondaries
+            }
+            RepairStep::TakeOutSurplus { secondaries, .. } => {
+                self.stats.surplus_taken_out += 1;
+                secondaries
+            }
+            RepairStep::Synced(n) => {
+                let cmd = MetaCommand::Synced {
                     id,
                     expected_epoch,
-                    secondaries,
-                }
+                    node: n,
+                };
+                return self.propose(i, cmd);
             }
-            RepairStep::Synced(n) => MetaCommand::Synced {
-                id,
-                expected_epoch,
-                node: n,
-            },
             RepairStep::Add { want, exclude } => {
-                // `choose_secondaries`: live members by rendezvous order.
-                let candidates = self
-                    .nodes
-                    .iter()
-                    .filter(|n| !exclude.contains(&n.id) && node.detector.is_live(n.id, now))
-                    .map(|n| (n.id, fnv1a(&format!("{id}\u{0}{}", n.name))));
-                let add = reconcile::rendezvous(candidates, want);
+                let draining = &node.view.draining;
+                let add = reconcile::choose_secondaries(named, &id, want, &exclude, draining, live);
                 if add.is_empty() {
                     return;
                 }
                 self.stats.added += 1;
                 let mut secondaries = p.secondaries.clone();
                 secondaries.extend(add);
-                MetaCommand::SetSecondaries {
-                    id,
-                    expected_epoch,
-                    secondaries,
-                }
+                secondaries
             }
-            RepairStep::SpreadTo { .. } => unreachable!("copies are not spread here"),
+            RepairStep::SpreadTo { to } => {
+                if !round.take_move() {
+                    return;
+                }
+                self.stats.spread += 1;
+                let mut secondaries = p.secondaries.clone();
+                secondaries.push(to);
+                secondaries
+            }
             RepairStep::Nothing => return,
         };
+        let cmd = MetaCommand::SetSecondaries {
+            id,
+            expected_epoch,
+            secondaries,
+        };
         self.propose(i, cmd);
+    }
+
+    // -- draining ------------------------------------------------------------------------------
+
+    /// `rebalance::round` of a draining node: its queues go to members holding an in-sync
+    /// copy, the fewest primaries first (`drain_takers`, `pick`), each by a `Handover` whose
+    /// answer deposes the queue here.
+    fn drain_round(&mut self, i: usize) {
+        let now = self.now;
+        let node = &self.nodes[i];
+        let me = node.id;
+        let draining = &node.view.draining;
+        let live: Vec<NodeId> = self
+            .nodes
+            .iter()
+            .map(|n| n.id)
+            .filter(|&n| n == me || node.detector.is_live(n, now))
+            .filter(|n| !draining.contains(n) || *n == me)
+            .collect();
+        let (counts, _) = rebalance::primary_counts(&live, node.view.queues.values());
+        let mut wanted = rebalance::drain_takers(&counts, me);
+        let candidates: Vec<Candidate> = (0..self.opts.queues)
+            .filter_map(|q| {
+                let placement = node.view.queues.get(&queue_name(q))?.clone();
+                let shipping = matches!(node.parts[q].role, Role::Primary { .. });
+                (shipping && rebalance::movable(&placement, me)).then(|| Candidate {
+                    id: queue_name(q),
+                    placement,
+                    pending_bytes: 0,
+                })
+            })
+            .collect();
+        let in_sync = |id: &str, taker| match &node.parts[queue_index(id)].role {
+            Role::Primary { shipper, .. } => shipper.peer_in_sync(taker),
+            _ => false,
+        };
+        let moves = rebalance::pick(candidates, &mut wanted, in_sync);
+        for (c, to) in moves {
+            self.stats.handovers_asked += 1;
+            let cmd = MetaCommand::Handover {
+                id: c.id,
+                expected_epoch: c.placement.epoch,
+                new_primary: to,
+            };
+            self.propose(i, cmd);
+        }
+    }
+
+    /// The metadata service answered node `i`'s handover of `q`: committed, the queue is
+    /// deposed here at once (`hand_over`); the taker promotes its copy when its metadata says.
+    fn handed_over(&mut self, i: usize, q: usize, epoch: u64) {
+        let part = &mut self.nodes[i].parts[q];
+        if matches!(part.role, Role::Primary { .. } | Role::Held) && part.store.epoch < epoch {
+            part.drop_all();
+            self.stats.handed_over += 1;
+            self.event(format_args!("node {i} handed q{q} over at e{epoch}"));
+        }
     }
 
     // -- the drivers --------------------------------------------------------------------------
@@ -1141,20 +1397,22 @@ impl World {
     // -- workload and faults ------------------------------------------------------------------
 
     /// The node the metadata names as `q`'s primary.
-    fn primary_of(&self, q: usize) -> usize {
-        self.meta.state.queues[&queue_name(q)].primary.0 as usize
+    fn primary_of(&self, q: usize) -> Option<usize> {
+        let p = self.meta.state.queues.get(&queue_name(q))?;
+        Some(p.primary.0 as usize)
     }
 
     fn workload_and_faults(&mut self) {
         for q in 0..self.opts.queues {
             if self.rng.per_mille(self.opts.append_per_mille) {
                 let count = self.rng.between(1, 3);
-                let p = self.primary_of(q);
-                self.append(p, q, count);
+                if let Some(p) = self.primary_of(q) {
+                    self.append(p, q, count);
+                }
             }
             // A deposed primary that still runs may take appends from stale clients.
             if self.rng.per_mille(self.opts.append_per_mille / 8) {
-                let p = self.primary_of(q);
+                let p = self.primary_of(q).unwrap_or(usize::MAX);
                 let stale = (0..self.nodes.len()).find(|&i| {
                     i != p
                         && self.nodes[i].up
@@ -1214,6 +1472,29 @@ impl World {
             }
             self.event(format_args!("node {a} partly cut off"));
         }
+        // The operator drains a member (one at a time, in clusters of four or more, so the others
+        // can hold every queue's copies), and undrains it.
+        if self.rng.per_mille(self.opts.drain_per_mille)
+            && self.meta.state.draining.is_empty()
+            && count >= 4
+        {
+            let node = NodeId(self.rng.below(count));
+            self.meta.commit(MetaCommand::SetDraining {
+                node,
+                draining: true,
+            });
+            self.stats.drains += 1;
+            self.event(format_args!("node {node} drained"));
+        }
+        if self.rng.per_mille(self.opts.undrain_per_mille)
+            && let Some(&node) = self.meta.state.draining.first()
+        {
+            self.meta.commit(MetaCommand::SetDraining {
+                node,
+                draining: false,
+            });
+            self.event(format_args!("node {node} undrained"));
+        }
         if self.rng.per_mille(self.opts.heal_per_mille) {
             self.cut.clear();
             self.event(format_args!("every link healed"));
@@ -1243,7 +1524,9 @@ impl World {
     /// The client acknowledges up to a random point at most the primary's `replicated_end`, or
     /// re-sends its cursor after a failover.
     fn client_ack(&mut self, q: usize) {
-        let i = self.primary_of(q);
+        let Some(i) = self.primary_of(q) else {
+            return;
+        };
         if !self.nodes[i].up {
             return;
         }
@@ -1269,7 +1552,9 @@ impl World {
     /// the queue empty (nothing was acknowledged: every copy that may be promoted holds all
     /// that was).
     fn hello(&mut self, q: usize) {
-        let i = self.primary_of(q);
+        let Some(i) = self.primary_of(q) else {
+            return self.place(q);
+        };
         let end = self.meta.log.len() as u64;
         let node = &mut self.nodes[i];
         if !node.up {
@@ -1308,11 +1593,41 @@ impl World {
         self.event(format_args!("node {i} started q{q} empty at e{}", p.epoch));
     }
 
+    /// The first hello of `q`'s client reaches a random member, which places the queue on
+    /// itself with copies on live members it chooses (`placement.rs`); the next hello finds it
+    /// placed there and starts it.
+    fn place(&mut self, q: usize) {
+        let (now, name) = (self.now, queue_name(q));
+        let i = self.rng.below(self.nodes.len() as u64) as usize;
+        let named = self.named();
+        let node = &self.nodes[i];
+        let placed_here = node.view.queues.contains_key(&name);
+        if !node.up || !node.caught_up() || placed_here || node.view.draining.contains(&node.id) {
+            return; // Refused, redirected, or served by the placement's primary.
+        }
+        let redundancy = self.redundancy[q];
+        let live = |n| node.detector.is_live(n, now);
+        let draining = &node.view.draining;
+        let secondaries =
+            reconcile::choose_secondaries(named, &name, redundancy, &[node.id], draining, live);
+        let cmd = MetaCommand::Place {
+            id: name,
+            primary: node.id,
+            secondaries,
+            redundancy,
+            timeout_ms: 60_000,
+        };
+        self.stats.placed_by_hello += 1;
+        self.propose(i, cmd);
+    }
+
     /// A client lost its session and asks a copy to take over (`client_failover`): the copy,
     /// a secondary not syncing in its own metadata, proposes its promotion if the primary has
     /// not answered it for a ping's timeout.
     fn client_failover(&mut self, q: usize) {
-        let known = self.meta.state.queues[&queue_name(q)].clone();
+        let Some(known) = self.meta.state.queues.get(&queue_name(q)).cloned() else {
+            return;
+        };
         if known.secondaries.is_empty() {
             return;
         }
@@ -1496,7 +1811,9 @@ impl World {
                 self.describe()
             );
             // 3. Every node the metadata may promote holds every committed entry.
-            let p = &self.meta.state.queues[&queue_name(q)];
+            let Some(p) = self.meta.state.queues.get(&queue_name(q)) else {
+                continue;
+            };
             let promotable = std::iter::once(p.primary)
                 .chain(p.secondaries.iter().copied())
                 .filter(|n| !p.syncing.contains(n));
@@ -1551,17 +1868,23 @@ impl World {
             return false;
         }
         (0..self.opts.queues).all(|q| {
-            let p = &self.meta.state.queues[&queue_name(q)];
+            let Some(p) = self.meta.state.queues.get(&queue_name(q)) else {
+                return false;
+            };
             let primary = &self.nodes[p.primary.0 as usize].parts[q];
             let Role::Primary { shipper, .. } = &primary.role else {
                 return false;
             };
-            let wanted = usize::from(p.redundancy).min(self.nodes.len() - 1);
+            let draining = &self.meta.state.draining;
+            let eligible = self.nodes.len() - draining.len();
+            let wanted = usize::from(p.redundancy).min(eligible - 1);
             let mut shipped: Vec<NodeId> = shipper.secondaries().collect();
             let mut placed = p.secondaries.clone();
             shipped.sort();
             placed.sort();
             p.syncing.is_empty()
+                && !draining.contains(&p.primary)
+                && p.secondaries.iter().all(|n| !draining.contains(n))
                 && p.secondaries.len() == wanted
                 && shipped == placed
                 && shipper.replicated_end() == shipper.log().end()

@@ -30,9 +30,10 @@
 //!   does not name as the queue's primary is refused (with `network::check_sender`'s identity
 //!   check, `cluster/network.rs`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::cluster::meta::{NodeId, Placement, REDUNDANCY_MAX};
+use crate::cluster::meta::{MetaState, NodeId, Placement, REDUNDANCY_MAX, fnv1a};
 
 /// What becomes of a durable queue of this node's core, given its placement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -369,14 +370,16 @@ pub struct Spread<'a> {
 /// ([`RepairStep::TakeOutSurplus`]). A copy only ever moves up its queue's fixed order, so no
 /// copy moves back and forth and moves end; the counts keep a balanced cluster from moving
 /// any. A queue whose replica set is full ([`REDUNDANCY_MAX`] copies) is not spread (the copy
-/// would have to go before its replacement is in sync).
+/// would have to go before its replacement is in sync). A surplus goes at any redundancy,
+/// 0 included: the copy a drain gave a queue without redundancy ([`drain_step`]) goes once its
+/// primary is undrained, or the queue's lease would wait on it for ever.
 pub fn spread_step(
     p: &Placement,
     me: NodeId,
     spread: &Spread<'_>,
     in_sync: &dyn Fn(NodeId) -> bool,
 ) -> Option<RepairStep> {
-    if p.primary != me || p.redundancy == 0 || !p.syncing.is_empty() {
+    if p.primary != me || !p.syncing.is_empty() {
         return None;
     }
     let want = usize::from(p.redundancy);
@@ -404,7 +407,8 @@ pub fn spread_step(
                 .collect(),
         });
     }
-    if !spread.may_add
+    if p.redundancy == 0
+        || !spread.may_add
         || p.secondaries.len() < want
         || p.secondaries.len() >= usize::from(REDUNDANCY_MAX)
     {
@@ -426,6 +430,118 @@ pub fn spread_step(
             })
             .map(|&to| RepairStep::SpreadTo { to })
     })
+}
+
+/// What spreading copies reads once per reconcile round ([`spread_step`]), from the
+/// metadata: shared by the round's repairs, which run at once.
+pub struct SpreadRound {
+    /// The members that may hold copies (not draining), with their names (rendezvous keys).
+    eligible: Vec<(NodeId, String)>,
+    /// Per member, the copies the metadata places on it (syncing ones included).
+    copies: BTreeMap<NodeId, usize>,
+    /// The fewest copies an eligible member holds.
+    fewest: usize,
+    /// Copy moves this node may still start in the round.
+    budget: AtomicUsize,
+}
+
+impl SpreadRound {
+    /// The round of member `me` over the metadata `state` and the cluster's `members` (id and
+    /// name).
+    pub fn read<'a>(
+        state: &MetaState,
+        members: impl IntoIterator<Item = (NodeId, &'a str)>,
+        me: NodeId,
+    ) -> SpreadRound {
+        let mut copies = BTreeMap::new();
+        let mut syncing_here = 0;
+        for p in state.queues.values() {
+            for n in &p.secondaries {
+                *copies.entry(*n).or_insert(0) += 1;
+            }
+            if p.primary == me && !p.syncing.is_empty() {
+                syncing_here += 1;
+            }
+        }
+        let budget = SPREAD_MOVES_PER_ROUND.min(SPREAD_SYNCING_MAX.saturating_sub(syncing_here));
+        let eligible: Vec<(NodeId, String)> = members
+            .into_iter()
+            .filter(|(n, _)| !state.draining.contains(n))
+            .map(|(n, name)| (n, name.to_string()))
+            .collect();
+        let fewest = eligible
+            .iter()
+            .map(|(n, _)| copies.get(n).copied().unwrap_or(0))
+            .min()
+            .unwrap_or(0);
+        SpreadRound {
+            eligible,
+            copies,
+            fewest,
+            budget: budget.into(),
+        }
+    }
+
+    /// Whether spreading could change `p` at all: it has a surplus copy, or a copy on a member
+    /// holding over the slack more than the eligible member holding the fewest. Most queues,
+    /// most rounds, are not: their order is then not computed.
+    pub fn worth(&self, p: &Placement) -> bool {
+        let count = |n: &NodeId| self.copies.get(n).copied().unwrap_or(0);
+        p.secondaries.len() > usize::from(p.redundancy)
+            || p.secondaries
+                .iter()
+                .any(|s| count(s) > self.fewest + SPREAD_SLACK_COPIES)
+    }
+
+    /// `id`'s eligible members but `me`, in the queue's rendezvous order.
+    pub fn ranked(&self, id: &str, me: NodeId) -> Vec<NodeId> {
+        let candidates = self
+            .eligible
+            .iter()
+            .filter(|(n, _)| *n != me)
+            .map(|(n, name)| (*n, rendezvous_key(id, name)));
+        rendezvous(candidates, u8::MAX)
+    }
+
+    /// Per member, the copies the metadata places on it.
+    pub fn copies(&self) -> &BTreeMap<NodeId, usize> {
+        &self.copies
+    }
+
+    /// Whether a move is left in the round's budget.
+    pub fn may_add(&self) -> bool {
+        self.budget.load(Ordering::Relaxed) > 0
+    }
+
+    /// Takes one move of the round's budget; false when none is left.
+    pub fn take_move(&self) -> bool {
+        self.budget
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| b.checked_sub(1))
+            .is_ok()
+    }
+}
+
+/// Up to `count` of the `members` (id and name) for copies of `id`: live (`live`), not
+/// draining, none of `exclude`; the members with the highest rendezvous hash of (id, member),
+/// so each id has a stable preference order and queues spread over the members.
+pub fn choose_secondaries<'a>(
+    members: impl IntoIterator<Item = (NodeId, &'a str)>,
+    id: &str,
+    count: u8,
+    exclude: &[NodeId],
+    draining: &BTreeSet<NodeId>,
+    live: impl Fn(NodeId) -> bool,
+) -> Vec<NodeId> {
+    let candidates = members
+        .into_iter()
+        .filter(|&(n, _)| !exclude.contains(&n) && !draining.contains(&n) && live(n))
+        .map(|(n, name)| (n, rendezvous_key(id, name)));
+    rendezvous(candidates, count)
+}
+
+/// The rendezvous hash of queue `id` on the member named `name` ([`rendezvous`]).
+pub fn rendezvous_key(id: &str, name: &str) -> u64 {
+    fnv1a(&format!("{id}\u{0}{name}"))
 }
 
 /// A hello that a redirect sent here, naming placement epoch `told`: the metadata log index
@@ -932,6 +1048,47 @@ mod tests {
             ..placed(n1, &[n2], &[], 20)
         };
         assert_eq!(drain_step(&copied, n1, &|n| n == n1), None);
+    }
+
+    /// Found by `tests/cluster_sim.rs` (seed 134 of the first version with draining): a queue
+    /// without redundancy whose primary was drained and then undrained before the handover kept
+    /// the copy the drain gave it for ever, and with it a lease that waits on that copy.
+    #[test]
+    fn a_queue_without_redundancy_sheds_the_copy_a_drain_gave_it() {
+        use RepairStep::*;
+        let (n1, n2, n3) = (NodeId(1), NodeId(2), NodeId(3));
+        let copied = Placement {
+            redundancy: 0,
+            ..placed(n1, &[n2], &[], 20)
+        };
+        let (ranked, copies) = ([n2, n3], BTreeMap::from([(n2, 1), (n3, 0)]));
+        let (yes, no) = (|_| true, |_| false);
+        let seen = |draining: &'static dyn Fn(NodeId) -> bool| CopiesSeen {
+            regressed: &[],
+            in_sync: &yes,
+            unreachable: &no,
+            majority_reachable: true,
+            draining,
+            spread: Some(Spread {
+                ranked: &ranked,
+                copies: &copies,
+                live: &yes,
+                may_add: true,
+            }),
+        };
+        // Draining: the copy stays (the queue is handed over to it).
+        assert_eq!(
+            repair_step(&copied, n1, &seen(&|n| n == NodeId(1))),
+            Nothing
+        );
+        // Undrained: the copy goes.
+        assert_eq!(
+            repair_step(&copied, n1, &seen(&|_| false)),
+            TakeOutSurplus {
+                surplus: vec![n2],
+                secondaries: vec![]
+            }
+        );
     }
 
     /// A model of redirects between members whose metadata applied different prefixes of one

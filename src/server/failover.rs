@@ -53,11 +53,11 @@ use tether_transport::ErrorCode;
 
 use super::Shared;
 use crate::cluster::Cluster;
-use crate::cluster::meta::{MetaCommand, MetaResponse, NodeId, Placement, fnv1a};
+use crate::cluster::meta::{MetaCommand, MetaResponse, NodeId, Placement};
 use crate::cluster::network::{PeerRequest, PeerResponse};
 use crate::control::lease::Lease;
 use crate::control::liveness::{FailureDetector, PING_INTERVAL_MS, PING_TIMEOUT_MS};
-use crate::control::reconcile::{self, CopyStep, OwnQueueStep, RepairStep};
+use crate::control::reconcile::{self, CopyStep, OwnQueueStep, RepairStep, SpreadRound};
 use crate::control::watermark::{self, Through};
 use crate::core::{RecentForward, Record, RecoveryError};
 use crate::metrics as m;
@@ -769,7 +769,7 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     });
     run_bounded(promotions.collect::<Vec<_>>(), PROMOTIONS_AT_ONCE).await;
     let own: Vec<(String, u64)> = shared.core().durable_epochs();
-    let spread = Arc::new(SpreadRound::read(cluster));
+    let spread = Arc::new(spread_round(cluster));
     let mut repairs = Vec::new();
     for (id, epoch) in own {
         let placement = cluster.placement(&id);
@@ -1028,85 +1028,6 @@ async fn take_out(
     }
 }
 
-/// What spreading copies reads once per reconcile round ([`reconcile::spread_step`]).
-struct SpreadRound {
-    /// The members that may hold copies (not draining), with their names (rendezvous keys).
-    eligible: Vec<(NodeId, String)>,
-    /// Per member, the copies the metadata places on it (syncing ones included).
-    copies: std::collections::BTreeMap<NodeId, usize>,
-    /// The fewest copies an eligible member holds.
-    fewest: usize,
-    /// Copy moves this node may still start in the round.
-    budget: std::sync::atomic::AtomicUsize,
-}
-
-impl SpreadRound {
-    fn read(cluster: &Cluster) -> SpreadRound {
-        let me = cluster.id();
-        let members = cluster.members();
-        cluster.read(|s| {
-            let mut copies = std::collections::BTreeMap::new();
-            let mut syncing_here = 0;
-            for p in s.queues.values() {
-                for n in &p.secondaries {
-                    *copies.entry(*n).or_insert(0) += 1;
-                }
-                if p.primary == me && !p.syncing.is_empty() {
-                    syncing_here += 1;
-                }
-            }
-            let budget = reconcile::SPREAD_MOVES_PER_ROUND
-                .min(reconcile::SPREAD_SYNCING_MAX.saturating_sub(syncing_here));
-            let eligible: Vec<(NodeId, String)> = members
-                .nodes
-                .iter()
-                .filter(|(n, _)| !s.draining.contains(n))
-                .map(|(n, node)| (*n, node.name.clone()))
-                .collect();
-            let fewest = eligible
-                .iter()
-                .map(|(n, _)| copies.get(n).copied().unwrap_or(0))
-                .min()
-                .unwrap_or(0);
-            SpreadRound {
-                eligible,
-                copies,
-                fewest,
-                budget: budget.into(),
-            }
-        })
-    }
-
-    /// Whether spreading could change `p` at all: it has a surplus copy, or a copy on a member
-    /// holding over the slack more than the eligible member holding the fewest. Most queues,
-    /// most rounds, are not: their order is then not computed.
-    fn worth(&self, p: &Placement) -> bool {
-        let count = |n: &NodeId| self.copies.get(n).copied().unwrap_or(0);
-        p.secondaries.len() > usize::from(p.redundancy)
-            || p.secondaries
-                .iter()
-                .any(|s| count(s) > self.fewest + reconcile::SPREAD_SLACK_COPIES)
-    }
-
-    /// `id`'s eligible members but `me`, in the queue's rendezvous order.
-    fn ranked(&self, id: &str, me: NodeId) -> Vec<NodeId> {
-        let candidates = self
-            .eligible
-            .iter()
-            .filter(|(n, _)| *n != me)
-            .map(|(n, name)| (*n, fnv1a(&format!("{id}\u{0}{name}"))));
-        reconcile::rendezvous(candidates, u8::MAX)
-    }
-
-    /// Takes one move of the round's budget; false when none is left.
-    fn take_move(&self) -> bool {
-        use std::sync::atomic::Ordering::Relaxed;
-        self.budget
-            .fetch_update(Relaxed, Relaxed, |b| b.checked_sub(1))
-            .is_ok()
-    }
-}
-
 /// Restores a queue's redundancy: a syncing secondary that caught up is reported (it may be
 /// promoted from then on), and a missing secondary is replaced by a live member; then copies
 /// are spread to members holding far fewer ([`reconcile::spread_step`]).
@@ -1139,9 +1060,9 @@ async fn repair(
             draining: &|n| draining.contains(&n),
             spread: (!ranked.is_empty()).then_some(reconcile::Spread {
                 ranked: &ranked,
-                copies: &round.copies,
+                copies: round.copies(),
                 live: &live,
-                may_add: round.budget.load(std::sync::atomic::Ordering::Relaxed) > 0,
+                may_add: round.may_add(),
             }),
         };
         reconcile::repair_step(p, cluster.id(), &seen)
@@ -1214,9 +1135,18 @@ async fn add_copies(cluster: &Cluster, id: &str, p: &Placement, add: Vec<NodeId>
     }
 }
 
-/// Up to `count` live members for copies of `id`, none of them in `exclude` or draining: the
-/// members with the highest rendezvous hash of (id, member), so each id has a stable
-/// preference order and queues spread over the members.
+/// What spreading copies reads once per reconcile round, from the metadata applied here.
+fn spread_round(cluster: &Cluster) -> SpreadRound {
+    let members = cluster.members();
+    let named = members
+        .nodes
+        .iter()
+        .map(|(&n, node)| (n, node.name.as_str()));
+    cluster.read(|s| SpreadRound::read(s, named, cluster.id()))
+}
+
+/// Up to `count` live members for copies of `id`, none of them in `exclude` or draining
+/// ([`reconcile::choose_secondaries`]).
 pub(crate) fn choose_secondaries(
     shared: &Shared,
     cluster: &Cluster,
@@ -1226,14 +1156,13 @@ pub(crate) fn choose_secondaries(
 ) -> Vec<NodeId> {
     let members = cluster.members();
     let draining = cluster.read(|s| s.draining.clone());
-    let candidates = members
+    let named = members
         .nodes
         .iter()
-        .filter(|(n, _)| {
-            !exclude.contains(n) && !draining.contains(n) && shared.member.liveness.is_live(**n)
-        })
-        .map(|(&n, node)| (n, fnv1a(&format!("{id}\u{0}{}", node.name))));
-    crate::control::reconcile::rendezvous(candidates, count)
+        .map(|(&n, node)| (n, node.name.as_str()));
+    reconcile::choose_secondaries(named, id, count, exclude, &draining, |n| {
+        shared.member.liveness.is_live(n)
+    })
 }
 
 /// Client-managed failover: a client lost `id`'s primary and asks this node, an in-sync
