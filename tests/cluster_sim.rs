@@ -54,10 +54,10 @@
 
 mod sim;
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use sim::{Entry, Payload, Rng, Store, apply, env_u64, panic_message};
+use sim::World as _;
+use sim::{Entry, Envelope, Network, Payload, Rng, Store, apply, env_u64};
 use tether::cluster::meta::{MetaCommand, MetaResponse, MetaState, Placement};
 use tether::config::{NODE_FAILURE_MS_DEFAULT, NODE_FAILURE_MS_MIN};
 use tether::control::lease::Lease;
@@ -125,6 +125,10 @@ fn cluster_sim() {
             (
                 "deposed senders fenced by newer metadata",
                 total.senders_fenced,
+            ),
+            (
+                "unshipped queues deposed by a newer primary",
+                total.deposed_on_ship,
             ),
             ("members drained", total.drains),
             ("queues handed over", total.handed_over),
@@ -218,34 +222,156 @@ fn replay_is_deterministic() {
 }
 
 fn run_reporting(seed: u64) -> (u64, Stats) {
-    match std::panic::catch_unwind(|| run(seed)) {
-        Ok(outcome) => outcome,
-        Err(panic) => panic!(
-            "cluster sim failed for seed {seed}: {}\n\
-             replay: TETHER_CLUSTER_SIM_SEED={seed} cargo test --release --test cluster_sim",
-            panic_message(&*panic)
-        ),
-    }
+    let replay = format!("TETHER_CLUSTER_SIM_SEED={seed} cargo test --release --test cluster_sim");
+    sim::run_reporting("cluster sim", seed, &replay, || run(seed))
 }
 
 /// Runs one seed; returns a fingerprint of everything that happened and what it exercised.
 fn run(seed: u64) -> (u64, Stats) {
-    let mut world = World::new(seed);
-    for _ in 0..FAULT_STEPS {
-        world.step(true);
+    sim::run(World::new(seed), FAULT_STEPS, LIVENESS_STEPS_MAX)
+}
+
+impl sim::World for World {
+    type Stats = Stats;
+
+    fn step(&mut self, faults: bool) {
+        self.faults = faults;
+        self.now += 1;
+        self.deliver_due();
+        self.record_committed();
+        if faults {
+            self.workload_and_faults();
+        } else if self.rng.per_mille(50) {
+            // The clients re-send their cursors periodically.
+            for q in 0..self.opts.queues {
+                self.client_ack(q);
+            }
+        }
+        for q in 0..self.opts.queues {
+            if self.rng.per_mille(HELLO_PER_MILLE) {
+                self.hello(q);
+            }
+        }
+        self.metadata_reaches_nodes();
+        self.flush_some();
+        self.pings();
+        self.reconcile_due();
+        self.drain_rounds_due();
+        self.tick_and_transmit();
+        self.record_committed();
+        self.check_invariants();
     }
-    world.heal_all();
-    for step in 1..=LIVENESS_STEPS_MAX {
-        world.step(false);
-        if world.converged() {
-            world.stats.liveness_steps_max = step;
-            return (world.trace, world.stats);
+
+    fn heal_all(&mut self) {
+        self.faults = false;
+        self.cut.clear();
+        for i in 0..self.nodes.len() {
+            if !self.nodes[i].up {
+                self.restart(i);
+            }
         }
     }
-    panic!(
-        "liveness: the cluster did not converge within {LIVENESS_STEPS_MAX} steps: {}",
-        world.describe()
-    );
+
+    fn converged(&self) -> bool {
+        let end = self.meta.log.len() as u64;
+        if self.nodes.iter().any(|n| !n.up || n.applied < end) {
+            return false;
+        }
+        (0..self.opts.queues).all(|q| {
+            let Some(p) = self.meta.state.queues.get(&queue_name(q)) else {
+                return false;
+            };
+            let primary = &self.nodes[p.primary.0 as usize].parts[q];
+            let Role::Primary { shipper, .. } = &primary.role else {
+                return false;
+            };
+            let draining = &self.meta.state.draining;
+            let eligible = self.nodes.len() - draining.len();
+            let wanted = usize::from(p.redundancy).min(eligible - 1);
+            let mut shipped: Vec<NodeId> = shipper.secondaries().collect();
+            let mut placed = p.secondaries.clone();
+            shipped.sort();
+            placed.sort();
+            p.syncing.is_empty()
+                && !draining.contains(&p.primary)
+                && p.secondaries.iter().all(|n| !draining.contains(n))
+                && p.secondaries.len() == wanted
+                && shipped == placed
+                && shipper.replicated_end() == shipper.log().end()
+                && primary.holds_lease(self.now)
+                && self.nodes.iter().all(|n| {
+                    let part = &n.parts[q];
+                    match &part.role {
+                        Role::Primary { .. } => n.id == p.primary,
+                        Role::Copy { replica, .. } => {
+                            p.secondaries.contains(&n.id)
+                                && part.pending.is_empty()
+                                && replica.log().end() == shipper.log().end()
+                        }
+                        Role::None => !p.secondaries.contains(&n.id),
+                        Role::Held => false,
+                    }
+                })
+        })
+    }
+
+    fn describe(&self) -> String {
+        let mut out = format!(
+            "seed {} at {} ({} metadata entries) {:?}",
+            self.seed,
+            self.now,
+            self.meta.log.len(),
+            self.opts
+        );
+        for (name, p) in &self.meta.state.queues {
+            out += &format!("\n  {name}: {p:?}");
+        }
+        for n in &self.nodes {
+            out += &format!(
+                "\n  node {} up {} applied {} caught up {}",
+                n.id,
+                n.up,
+                n.applied,
+                n.caught_up()
+            );
+            for (q, part) in n.parts.iter().enumerate() {
+                let role = match &part.role {
+                    Role::None => "none".to_string(),
+                    Role::Held => "held".to_string(),
+                    Role::Primary {
+                        shipper,
+                        lease,
+                        placement_epoch,
+                    } => format!(
+                        "primary e{} placement {placement_epoch} acked {} replicated_end {} \
+                         fenced {:?} lease {} secondaries {:?}",
+                        shipper.epoch(),
+                        shipper.acked(),
+                        shipper.replicated_end(),
+                        shipper.fenced(),
+                        lease.held(self.now, shipper.secondaries()),
+                        shipper.secondaries().collect::<Vec<_>>(),
+                    ),
+                    Role::Copy { replica, placed_at } => format!(
+                        "copy e{} acked {} placed_at {placed_at} log {:?}",
+                        replica.epoch(),
+                        replica.acked(),
+                        replica.log()
+                    ),
+                };
+                out += &format!(
+                    "\n    q{q}: {role}; store e{} {:?} acked {}",
+                    part.store.epoch, part.store.log, part.store.acked
+                );
+            }
+        }
+        out
+    }
+
+    fn finish(mut self, liveness_steps: u64) -> (u64, Stats) {
+        self.stats.liveness_steps_max = liveness_steps;
+        (self.trace, self.stats)
+    }
 }
 
 /// What a run exercised.
@@ -268,6 +394,7 @@ struct Stats {
     started_empty: u64,
     placed_by_hello: u64,
     senders_fenced: u64,
+    deposed_on_ship: u64,
     drains: u64,
     handovers_asked: u64,
     handed_over: u64,
@@ -297,6 +424,7 @@ impl Stats {
         self.started_empty += o.started_empty;
         self.placed_by_hello += o.placed_by_hello;
         self.senders_fenced += o.senders_fenced;
+        self.deposed_on_ship += o.deposed_on_ship;
         self.drains += o.drains;
         self.handovers_asked += o.handovers_asked;
         self.handed_over += o.handed_over;
@@ -494,17 +622,12 @@ impl Meta {
 }
 
 enum Msg {
-    Append {
+    /// A primary's replication message for queue `q`, shipped under placement
+    /// `placement_epoch`.
+    Ship {
         q: usize,
         placement_epoch: u64,
-        header: AppendHeader,
-        entries: Vec<Entry>,
-    },
-    Snapshot {
-        q: usize,
-        placement_epoch: u64,
-        header: SnapshotHeader,
-        entries: Vec<Entry>,
+        ship: Ship,
     },
     /// A copy's reply, with the send time of the latest message it took from the primary.
     Reply {
@@ -522,13 +645,6 @@ enum Msg {
     },
 }
 
-struct Envelope {
-    from: NodeId,
-    to: NodeId,
-    sent_at: u64,
-    msg: Msg,
-}
-
 struct World {
     seed: u64,
     rng: Rng,
@@ -536,9 +652,7 @@ struct World {
     now: u64,
     nodes: Vec<Node>,
     meta: Meta,
-    queue: BinaryHeap<Reverse<(u64, u64)>>,
-    in_flight: BTreeMap<u64, Envelope>,
-    next_seq: u64,
+    net: Network<Msg>,
     /// Per channel (sender, receiver): when its latest message is delivered.
     channel_last: BTreeMap<(NodeId, NodeId), u64>,
     /// One-way cuts: messages from the first to the second are lost.
@@ -659,9 +773,7 @@ impl World {
             now: 0,
             nodes,
             meta,
-            queue: BinaryHeap::new(),
-            in_flight: BTreeMap::new(),
-            next_seq: 0,
+            net: Network::default(),
             channel_last: BTreeMap::new(),
             cut: BTreeSet::new(),
             faults: true,
@@ -697,44 +809,6 @@ impl World {
         self.nodes.iter().map(|n| (n.id, n.name.as_str())).collect()
     }
 
-    fn step(&mut self, faults: bool) {
-        self.faults = faults;
-        self.now += 1;
-        self.deliver_due();
-        self.record_committed();
-        if faults {
-            self.workload_and_faults();
-        } else if self.rng.per_mille(50) {
-            // The clients re-send their cursors periodically.
-            for q in 0..self.opts.queues {
-                self.client_ack(q);
-            }
-        }
-        for q in 0..self.opts.queues {
-            if self.rng.per_mille(HELLO_PER_MILLE) {
-                self.hello(q);
-            }
-        }
-        self.metadata_reaches_nodes();
-        self.flush_some();
-        self.pings();
-        self.reconcile_due();
-        self.drain_rounds_due();
-        self.tick_and_transmit();
-        self.record_committed();
-        self.check_invariants();
-    }
-
-    fn heal_all(&mut self) {
-        self.faults = false;
-        self.cut.clear();
-        for i in 0..self.nodes.len() {
-            if !self.nodes[i].up {
-                self.restart(i);
-            }
-        }
-    }
-
     // -- the network --------------------------------------------------------------------------
 
     /// Sends `msg` on the ordered channel from `from` to `to` (the server sends each queue's
@@ -750,9 +824,6 @@ impl World {
         let last = self.channel_last.entry((from, to)).or_insert(0);
         let at = (self.now + delay).max(*last);
         *last = at;
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        self.queue.push(Reverse((at, seq)));
         let sent_at = self.now;
         let envelope = Envelope {
             from,
@@ -760,7 +831,7 @@ impl World {
             sent_at,
             msg,
         };
-        self.in_flight.insert(seq, envelope);
+        self.net.push(at, envelope);
     }
 
     fn linked(&self, from: NodeId, to: NodeId) -> bool {
@@ -768,12 +839,7 @@ impl World {
     }
 
     fn deliver_due(&mut self) {
-        while let Some(&Reverse((at, seq))) = self.queue.peek() {
-            if at > self.now {
-                break;
-            }
-            self.queue.pop();
-            let env = self.in_flight.remove(&seq).expect("queued message");
+        while let Some((seq, env)) = self.net.pop_due(self.now) {
             if !self.linked(env.from, env.to) {
                 continue;
             }
@@ -782,7 +848,7 @@ impl World {
         }
     }
 
-    fn deliver(&mut self, env: Envelope) {
+    fn deliver(&mut self, env: Envelope<Msg>) {
         let (from, to, now) = (env.from, env.to, self.now);
         if to == META {
             match env.msg {
@@ -813,32 +879,11 @@ impl World {
                     }
                 }
             }
-            Msg::Append {
+            Msg::Ship {
                 q,
                 placement_epoch,
-                header,
-                entries,
-            } => self.shipped(
-                i,
-                q,
-                from,
-                placement_epoch,
-                env.sent_at,
-                Ship::Append(header, entries),
-            ),
-            Msg::Snapshot {
-                q,
-                placement_epoch,
-                header,
-                entries,
-            } => self.shipped(
-                i,
-                q,
-                from,
-                placement_epoch,
-                env.sent_at,
-                Ship::Snapshot(header, entries),
-            ),
+                ship,
+            } => self.shipped(i, q, from, placement_epoch, env.sent_at, ship),
         }
     }
 
@@ -863,12 +908,25 @@ impl World {
         }
         let part = &mut node.parts[q];
         let mut reply = None;
+        // A queue of the core that is not shipped (held since a restart, or without copies: the
+        // server ships no queue without secondaries) gives way at once to a newer primary
+        // shipping to it, and takes the copy; an older one gets no answer (`copies::handle`).
+        let shipped = matches!(&part.role, Role::Primary { shipper, .. }
+            if shipper.secondaries().next().is_some());
+        if matches!(part.role, Role::Held | Role::Primary { .. }) && !shipped {
+            if epoch <= part.store.epoch {
+                return;
+            }
+            part.drop_all();
+            part.rival_epoch = epoch;
+            self.stats.deposed_on_ship += 1;
+        }
         match &mut part.role {
             Role::Primary { shipper, .. } => {
                 part.rival_epoch = part.rival_epoch.max(epoch);
                 reply = shipper.on_rival_primary(epoch);
             }
-            Role::Held => part.rival_epoch = part.rival_epoch.max(epoch),
+            Role::Held => unreachable!("a held queue gave way above"),
             Role::None | Role::Copy { .. } => {
                 if reconcile::shipped_by_non_primary(placement, from, placement_epoch, node.applied)
                 {
@@ -1374,19 +1432,17 @@ impl World {
                 let from = self.nodes[i].id;
                 for t in out {
                     let store = &self.nodes[i].parts[q].store;
-                    let msg = match t.message {
-                        ToSecondary::Append(header) => Msg::Append {
-                            q,
-                            placement_epoch,
-                            header,
-                            entries: store.range(header.first, header.last),
-                        },
-                        ToSecondary::Snapshot(header) => Msg::Snapshot {
-                            q,
-                            placement_epoch,
-                            entries: store.range(header.log.start(), header.log.end()),
-                            header,
-                        },
+                    let ship = match t.message {
+                        ToSecondary::Append(h) => Ship::Append(h, store.range(h.first, h.last)),
+                        ToSecondary::Snapshot(h) => {
+                            let entries = store.range(h.log.start(), h.log.end());
+                            Ship::Snapshot(h, entries)
+                        }
+                    };
+                    let msg = Msg::Ship {
+                        q,
+                        placement_epoch,
+                        ship,
                     };
                     self.send(from, t.to, msg);
                 }
@@ -1860,102 +1916,6 @@ impl World {
                 self.committed[q].pop_first();
             }
         }
-    }
-
-    fn converged(&self) -> bool {
-        let end = self.meta.log.len() as u64;
-        if self.nodes.iter().any(|n| !n.up || n.applied < end) {
-            return false;
-        }
-        (0..self.opts.queues).all(|q| {
-            let Some(p) = self.meta.state.queues.get(&queue_name(q)) else {
-                return false;
-            };
-            let primary = &self.nodes[p.primary.0 as usize].parts[q];
-            let Role::Primary { shipper, .. } = &primary.role else {
-                return false;
-            };
-            let draining = &self.meta.state.draining;
-            let eligible = self.nodes.len() - draining.len();
-            let wanted = usize::from(p.redundancy).min(eligible - 1);
-            let mut shipped: Vec<NodeId> = shipper.secondaries().collect();
-            let mut placed = p.secondaries.clone();
-            shipped.sort();
-            placed.sort();
-            p.syncing.is_empty()
-                && !draining.contains(&p.primary)
-                && p.secondaries.iter().all(|n| !draining.contains(n))
-                && p.secondaries.len() == wanted
-                && shipped == placed
-                && shipper.replicated_end() == shipper.log().end()
-                && primary.holds_lease(self.now)
-                && self.nodes.iter().all(|n| {
-                    let part = &n.parts[q];
-                    match &part.role {
-                        Role::Primary { .. } => n.id == p.primary,
-                        Role::Copy { replica, .. } => {
-                            p.secondaries.contains(&n.id)
-                                && part.pending.is_empty()
-                                && replica.log().end() == shipper.log().end()
-                        }
-                        Role::None => !p.secondaries.contains(&n.id),
-                        Role::Held => false,
-                    }
-                })
-        })
-    }
-
-    fn describe(&self) -> String {
-        let mut out = format!(
-            "seed {} at {} ({} metadata entries) {:?}",
-            self.seed,
-            self.now,
-            self.meta.log.len(),
-            self.opts
-        );
-        for (name, p) in &self.meta.state.queues {
-            out += &format!("\n  {name}: {p:?}");
-        }
-        for n in &self.nodes {
-            out += &format!(
-                "\n  node {} up {} applied {} caught up {}",
-                n.id,
-                n.up,
-                n.applied,
-                n.caught_up()
-            );
-            for (q, part) in n.parts.iter().enumerate() {
-                let role = match &part.role {
-                    Role::None => "none".to_string(),
-                    Role::Held => "held".to_string(),
-                    Role::Primary {
-                        shipper,
-                        lease,
-                        placement_epoch,
-                    } => format!(
-                        "primary e{} placement {placement_epoch} acked {} replicated_end {} \
-                         fenced {:?} lease {} secondaries {:?}",
-                        shipper.epoch(),
-                        shipper.acked(),
-                        shipper.replicated_end(),
-                        shipper.fenced(),
-                        lease.held(self.now, shipper.secondaries()),
-                        shipper.secondaries().collect::<Vec<_>>(),
-                    ),
-                    Role::Copy { replica, placed_at } => format!(
-                        "copy e{} acked {} placed_at {placed_at} log {:?}",
-                        replica.epoch(),
-                        replica.acked(),
-                        replica.log()
-                    ),
-                };
-                out += &format!(
-                    "\n    q{q}: {role}; store e{} {:?} acked {}",
-                    part.store.epoch, part.store.log, part.store.acked
-                );
-            }
-        }
-        out
     }
 }
 

@@ -33,12 +33,11 @@
 //!
 //! `TETHER_SIM_SEED=<n>` runs one seed, `TETHER_SIM_SEEDS=<count>` sets how many run.
 
-use std::cmp::Reverse;
 mod sim;
 
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use sim::{Entry, Payload, Rng, Store, apply, env_u64, panic_message};
+use sim::{Entry, Envelope, Network, Payload, Rng, Store, apply, env_u64};
 use tether::control::lease::Lease;
 use tether::replication::{
     AppendHeader, Decision, Epoch, LogState, NodeId, Offset, Replica, Reply, Shipper,
@@ -112,36 +111,107 @@ fn replay_is_deterministic() {
 }
 
 fn run_reporting(seed: u64) -> (u64, Stats) {
-    match std::panic::catch_unwind(|| run(seed)) {
-        Ok(outcome) => outcome,
-        Err(panic) => {
-            let message = panic_message(&*panic);
-            panic!(
-                "replication sim failed for seed {seed}: {message}\n\
-                 replay: TETHER_SIM_SEED={seed} cargo test --release --test replication_sim"
-            );
-        }
-    }
+    let replay = format!("TETHER_SIM_SEED={seed} cargo test --release --test replication_sim");
+    sim::run_reporting("replication sim", seed, &replay, || run(seed))
 }
 
 /// Runs one seed; returns a fingerprint of everything that happened and what it exercised.
 fn run(seed: u64) -> (u64, Stats) {
-    let mut world = World::new(seed);
-    for _ in 0..FAULT_STEPS {
-        world.step(true);
-    }
-    world.heal_all();
-    for step in 1..=LIVENESS_STEPS_MAX {
-        world.step(false);
-        if world.converged() {
-            world.stats.liveness_steps_max = step;
-            return (world.trace, world.stats);
+    sim::run(World::new(seed), FAULT_STEPS, LIVENESS_STEPS_MAX)
+}
+
+impl sim::World for World {
+    type Stats = Stats;
+
+    fn step(&mut self, faults: bool) {
+        self.faults = faults;
+        self.now += 1;
+        self.deliver_due();
+        self.record_committed();
+        if faults {
+            self.workload_and_faults();
+        } else if self.rng.per_mille(50) {
+            // The client re-sends its cumulative ack periodically.
+            self.client_ack(self.primary.0 as usize);
         }
+        self.flush_some();
+        self.demote_fenced();
+        self.tick_and_transmit();
+        self.record_committed();
+        self.learn_in_sync();
+        self.check_invariants();
     }
-    panic!(
-        "liveness: copies did not converge within {LIVENESS_STEPS_MAX} steps: {}",
-        world.describe()
-    );
+
+    fn heal_all(&mut self) {
+        self.faults = false;
+        self.cut.clear();
+        for id in self.members.clone() {
+            if matches!(self.nodes[id.0 as usize].role, Role::Down) {
+                self.restart(id);
+            }
+        }
+        // The client reconnects to the primary and re-sends its cursor.
+        self.client_ack(self.primary.0 as usize);
+    }
+
+    fn converged(&self) -> bool {
+        let Role::Primary(s) = &self.nodes[self.primary.0 as usize].role else {
+            return false;
+        };
+        let primary = &self.nodes[self.primary.0 as usize];
+        let pstore = &primary.store;
+        if s.replicated_end() != s.log().end() || !primary.lease.held(self.now, s.secondaries()) {
+            return false;
+        }
+        self.secondaries_of(self.primary).into_iter().all(|id| {
+            let n = &self.nodes[id.0 as usize];
+            let Role::Secondary(r) = &n.role else {
+                return false;
+            };
+            let store = &n.store;
+            n.pending.is_empty()
+                && r.epoch() == self.epoch
+                && r.acked() == s.acked()
+                && store.log.end() == pstore.log.end()
+                && (store.log.start().max(pstore.log.start())..pstore.log.end())
+                    .all(|o| store.get(o) == pstore.get(o))
+        })
+    }
+
+    fn describe(&self) -> String {
+        let mut out = format!(
+            "seed {} epoch {} primary {} {:?}",
+            self.seed, self.epoch, self.primary, self.opts
+        );
+        for n in &self.nodes {
+            let role = match &n.role {
+                Role::Down => "down".to_string(),
+                Role::Primary(s) => format!(
+                    "primary e{} acked {} replicated_end {} fenced {:?} {s:?}",
+                    s.epoch(),
+                    s.acked(),
+                    s.replicated_end(),
+                    s.fenced()
+                ),
+                Role::Secondary(r) => format!(
+                    "replica e{} acked {} log {:?}",
+                    r.epoch(),
+                    r.acked(),
+                    r.log()
+                ),
+            };
+            out += &format!(
+                "\n  node {}: {role}; store {:?} acked {}",
+                n.id, n.store.log, n.store.acked
+            );
+        }
+        out
+    }
+
+    fn finish(mut self, liveness_steps: u64) -> (u64, Stats) {
+        self.stats.liveness_steps_max = liveness_steps;
+        (self.trace, self.stats)
+    }
 }
 
 /// What a run exercised.
@@ -286,14 +356,6 @@ enum Msg {
     Reply(Reply, u64),
 }
 
-struct Envelope {
-    from: NodeId,
-    to: NodeId,
-    /// When it was sent (a duplicate too).
-    sent_at: u64,
-    msg: Msg,
-}
-
 struct World {
     seed: u64,
     rng: Rng,
@@ -307,9 +369,7 @@ struct World {
     members: Vec<NodeId>,
     /// Members metadata may promote: initial ones, and those the primary reported in sync.
     in_sync: BTreeSet<NodeId>,
-    queue: BinaryHeap<Reverse<(u64, u64)>>,
-    in_flight: BTreeMap<u64, Envelope>,
-    next_seq: u64,
+    net: Network<Msg>,
     /// Links cut by a partition, as (lower id, higher id).
     cut: BTreeSet<(NodeId, NodeId)>,
     faults: bool,
@@ -344,9 +404,7 @@ impl World {
             epoch: 1,
             members: (0..count).map(NodeId).collect(),
             in_sync: (0..count).map(NodeId).collect(),
-            queue: BinaryHeap::new(),
-            in_flight: BTreeMap::new(),
-            next_seq: 0,
+            net: Network::default(),
             cut: BTreeSet::new(),
             faults: true,
             next_payload: 1,
@@ -361,37 +419,6 @@ impl World {
         self.trace = (self.trace ^ event)
             .wrapping_mul(0x0100_0000_01b3)
             .rotate_left(7);
-    }
-
-    fn step(&mut self, faults: bool) {
-        self.faults = faults;
-        self.now += 1;
-        self.deliver_due();
-        self.record_committed();
-        if faults {
-            self.workload_and_faults();
-        } else if self.rng.per_mille(50) {
-            // The client re-sends its cumulative ack periodically.
-            self.client_ack(self.primary.0 as usize);
-        }
-        self.flush_some();
-        self.demote_fenced();
-        self.tick_and_transmit();
-        self.record_committed();
-        self.learn_in_sync();
-        self.check_invariants();
-    }
-
-    fn heal_all(&mut self) {
-        self.faults = false;
-        self.cut.clear();
-        for id in self.members.clone() {
-            if matches!(self.nodes[id.0 as usize].role, Role::Down) {
-                self.restart(id);
-            }
-        }
-        // The client reconnects to the primary and re-sends its cursor.
-        self.client_ack(self.primary.0 as usize);
     }
 
     // -- the network --------------------------------------------------------------------------
@@ -409,19 +436,14 @@ impl World {
 
     fn enqueue(&mut self, from: NodeId, to: NodeId, msg: Msg) {
         let delay = self.rng.between(1, self.opts.delay_ms_max);
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        self.queue.push(Reverse((self.now + delay, seq)));
         let sent_at = self.now;
-        self.in_flight.insert(
-            seq,
-            Envelope {
-                from,
-                to,
-                sent_at,
-                msg,
-            },
-        );
+        let envelope = Envelope {
+            from,
+            to,
+            sent_at,
+            msg,
+        };
+        self.net.push(self.now + delay, envelope);
     }
 
     fn linked(&self, a: NodeId, b: NodeId) -> bool {
@@ -429,12 +451,7 @@ impl World {
     }
 
     fn deliver_due(&mut self) {
-        while let Some(&Reverse((at, seq))) = self.queue.peek() {
-            if at > self.now {
-                break;
-            }
-            self.queue.pop();
-            let env = self.in_flight.remove(&seq).expect("queued message");
+        while let Some((seq, env)) = self.net.pop_due(self.now) {
             if !self.linked(env.from, env.to) {
                 continue;
             }
@@ -443,7 +460,7 @@ impl World {
         }
     }
 
-    fn deliver(&mut self, env: Envelope) {
+    fn deliver(&mut self, env: Envelope<Msg>) {
         let now = self.now;
         let (from, to) = (env.from, env.to);
         let node = &mut self.nodes[to.0 as usize];
@@ -1006,59 +1023,5 @@ impl World {
         {
             self.committed.pop_first();
         }
-    }
-
-    fn converged(&self) -> bool {
-        let Role::Primary(s) = &self.nodes[self.primary.0 as usize].role else {
-            return false;
-        };
-        let primary = &self.nodes[self.primary.0 as usize];
-        let pstore = &primary.store;
-        if s.replicated_end() != s.log().end() || !primary.lease.held(self.now, s.secondaries()) {
-            return false;
-        }
-        self.secondaries_of(self.primary).into_iter().all(|id| {
-            let n = &self.nodes[id.0 as usize];
-            let Role::Secondary(r) = &n.role else {
-                return false;
-            };
-            let store = &n.store;
-            n.pending.is_empty()
-                && r.epoch() == self.epoch
-                && r.acked() == s.acked()
-                && store.log.end() == pstore.log.end()
-                && (store.log.start().max(pstore.log.start())..pstore.log.end())
-                    .all(|o| store.get(o) == pstore.get(o))
-        })
-    }
-
-    fn describe(&self) -> String {
-        let mut out = format!(
-            "seed {} epoch {} primary {} {:?}",
-            self.seed, self.epoch, self.primary, self.opts
-        );
-        for n in &self.nodes {
-            let role = match &n.role {
-                Role::Down => "down".to_string(),
-                Role::Primary(s) => format!(
-                    "primary e{} acked {} replicated_end {} fenced {:?} {s:?}",
-                    s.epoch(),
-                    s.acked(),
-                    s.replicated_end(),
-                    s.fenced()
-                ),
-                Role::Secondary(r) => format!(
-                    "replica e{} acked {} log {:?}",
-                    r.epoch(),
-                    r.acked(),
-                    r.log()
-                ),
-            };
-            out += &format!(
-                "\n  node {}: {role}; store {:?} acked {}",
-                n.id, n.store.log, n.store.acked
-            );
-        }
-        out
     }
 }

@@ -636,9 +636,9 @@ pub fn deposed_sender(
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_deposed_primary_shipping_under_an_older_placement_is_fenced_by_the_newer_one() {
-        let placement = |primary, epoch| Placement {
+    /// A queue placed on `primary` at `epoch`, with a copy on node 2.
+    fn shipped_placement(primary: NodeId, epoch: u64) -> Placement {
+        Placement {
             primary,
             secondaries: vec![NodeId(2)],
             epoch,
@@ -646,7 +646,12 @@ mod tests {
             timeout_ms: 60_000,
             syncing: Vec::new(),
             handed_over: false,
-        };
+        }
+    }
+
+    #[test]
+    fn a_deposed_primary_shipping_under_an_older_placement_is_fenced_by_the_newer_one() {
+        let placement = shipped_placement;
         // Node 1 shipped under 40; the metadata here made node 3 primary at 60.
         assert_eq!(
             deposed_sender(Some(&placement(NodeId(3), 60)), NodeId(1), 40),
@@ -711,15 +716,7 @@ mod tests {
 
     #[test]
     fn only_the_primary_of_the_placement_shipped_under_may_replicate() {
-        let placement = |primary, epoch| Placement {
-            primary,
-            secondaries: vec![NodeId(2)],
-            epoch,
-            redundancy: 1,
-            timeout_ms: 60_000,
-            syncing: Vec::new(),
-            handed_over: false,
-        };
+        let placement = shipped_placement;
         let at_40 = placement(NodeId(1), 40);
         // The primary of the placement it ships under: never refused.
         assert!(!shipped_by_non_primary(Some(&at_40), NodeId(1), 40, 40));

@@ -145,3 +145,96 @@ pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
         .unwrap_or_default()
 }
+
+/// A simulated world: stepped through a fault phase, healed, then stepped until it converges.
+pub trait World {
+    /// What a run exercised.
+    type Stats;
+    /// One millisecond, with faults or not.
+    fn step(&mut self, faults: bool);
+    /// Ends the faults: links healed, nodes restarted.
+    fn heal_all(&mut self);
+    /// Whether everything is back in line.
+    fn converged(&self) -> bool;
+    /// The state, for a failure's message.
+    fn describe(&self) -> String;
+    /// The run's fingerprint and what it exercised, given the steps it took to converge.
+    fn finish(self, liveness_steps: u64) -> (u64, Self::Stats);
+}
+
+/// Runs `world` for `fault_steps` steps with faults, heals it, and steps it until it converges
+/// (liveness), at most `liveness_steps_max` steps.
+pub fn run<W: World>(mut world: W, fault_steps: u64, liveness_steps_max: u64) -> (u64, W::Stats) {
+    for _ in 0..fault_steps {
+        world.step(true);
+    }
+    world.heal_all();
+    for step in 1..=liveness_steps_max {
+        world.step(false);
+        if world.converged() {
+            return world.finish(step);
+        }
+    }
+    panic!(
+        "liveness: no convergence within {liveness_steps_max} steps: {}",
+        world.describe()
+    );
+}
+
+/// Runs `run` for `seed`; a failure names the seed and the command (`replay`) that replays it.
+pub fn run_reporting<T>(what: &str, seed: u64, replay: &str, run: impl FnOnce() -> T) -> T {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+        Ok(outcome) => outcome,
+        Err(panic) => panic!(
+            "{what} failed for seed {seed}: {}\nreplay: {replay}",
+            panic_message(&*panic)
+        ),
+    }
+}
+
+/// A message on the simulated network.
+pub struct Envelope<M> {
+    pub from: NodeId,
+    pub to: NodeId,
+    /// When it was sent (a duplicate too).
+    pub sent_at: u64,
+    pub msg: M,
+}
+
+/// Messages in flight, delivered in order of their delivery time (then of sending).
+pub struct Network<M> {
+    queue: std::collections::BinaryHeap<std::cmp::Reverse<(u64, u64)>>,
+    in_flight: std::collections::BTreeMap<u64, Envelope<M>>,
+    next_seq: u64,
+}
+
+impl<M> Default for Network<M> {
+    fn default() -> Self {
+        Network {
+            queue: Default::default(),
+            in_flight: Default::default(),
+            next_seq: 0,
+        }
+    }
+}
+
+impl<M> Network<M> {
+    /// Sends `envelope`, to be delivered at `at`.
+    pub fn push(&mut self, at: u64, envelope: Envelope<M>) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.queue.push(std::cmp::Reverse((at, seq)));
+        self.in_flight.insert(seq, envelope);
+    }
+
+    /// The next message due at `now`, with its sequence number.
+    pub fn pop_due(&mut self, now: u64) -> Option<(u64, Envelope<M>)> {
+        let &std::cmp::Reverse((at, seq)) = self.queue.peek()?;
+        if at > now {
+            return None;
+        }
+        self.queue.pop();
+        let envelope = self.in_flight.remove(&seq).expect("queued message");
+        Some((seq, envelope))
+    }
+}
