@@ -180,7 +180,7 @@ crash-test: deps
 	  $(CARGO) test --release --test cluster_crash_safety -- --nocapture
 
 # Many seeds of the deterministic simulations (`make test` runs 1,000 of the replication
-# simulation and 500 of the whole-cluster one): `make sim SEEDS=20000`. A failing seed is
+# simulation and 1,000 of the whole-cluster one): `make sim SEEDS=20000`. A failing seed is
 # printed with the command that replays it (TETHER_SIM_TRACE=1 prints the cluster's events).
 SEEDS ?= 5000
 

@@ -73,7 +73,7 @@ use tether::replication::{
 use tether::server::{REBALANCE_INTERVAL_MS, RECONCILE_MS};
 
 /// Seeds run by default (`make test`).
-const SEEDS_DEFAULT: u64 = 500;
+const SEEDS_DEFAULT: u64 = 1_000;
 /// Steps (milliseconds) of the fault phase.
 const FAULT_STEPS: u64 = 12_000;
 /// Steps the cluster gets to converge once faults stop.
