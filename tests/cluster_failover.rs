@@ -14,10 +14,10 @@ use std::time::Duration;
 use tether::client::{
     Client, ClientBuilder, ClientEvent, DedupState, Event, EventStream, Interest,
 };
+use tether::control::reconcile::rendezvous_key;
 use tether::protocol::{PublishAck, PublishOp, QueueReport, QueueStatus};
 
 use common::cluster::ProcCluster;
-use tether::cluster::meta::fnv1a;
 
 /// Operations per publish request.
 const OPS_PER_PUBLISH: u32 = 50;
@@ -861,7 +861,7 @@ async fn a_primary_cut_from_the_leader_only_hands_over_to_its_copy() {
     // An id whose copy goes to the third member, and whose new primary there chooses the old
     // one as its new copy: copies go to the members with the highest rendezvous hash of (id,
     // member name) (`choose_secondaries`).
-    let hash = |id: &str, i: usize| fnv1a(&format!("{id}\u{0}n{}", i + 1));
+    let hash = |id: &str, i: usize| rendezvous_key(id, &format!("n{}", i + 1));
     let id = (0..)
         .map(|k| format!("d{k}"))
         .find(|id| hash(id, third) > hash(id, leader) && hash(id, primary) > hash(id, leader))

@@ -26,7 +26,7 @@ fn builder(node: &Node) -> ClientBuilder {
 /// third member `other` (copies go to the members with the highest rendezvous hash of
 /// (id, member name)).
 fn id_copied_on(prefix: &str, copy: &str, other: &str) -> String {
-    let hash = |id: &str, name: &str| tether::cluster::meta::fnv1a(&format!("{id}\u{0}{name}"));
+    let hash = tether::control::reconcile::rendezvous_key;
     (0..)
         .map(|k| format!("{prefix}{k}"))
         .find(|id| hash(id, copy) > hash(id, other))

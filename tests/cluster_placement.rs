@@ -397,7 +397,7 @@ async fn a_drained_member_hands_its_queues_and_copies_away_losing_nothing() {
     ];
     // ...and queues placed on n2 with their copy on n1 (copies go to the members with the
     // highest rendezvous hash of (id, member name)).
-    let hash = |id: &str, name: &str| tether::cluster::meta::fnv1a(&format!("{id}\u{0}{name}"));
+    let hash = tether::control::reconcile::rendezvous_key;
     let copied_on_n1: Vec<String> = (0..)
         .map(|k| format!("k{k}"))
         .filter(|id| hash(id, "n1") > hash(id, "n3"))

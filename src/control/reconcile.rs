@@ -1274,14 +1274,13 @@ mod tests {
     /// new member ends with its part of the copies.
     #[test]
     fn spreading_ends_without_moving_a_copy_back_and_fills_a_new_member() {
-        use crate::cluster::meta::fnv1a;
         let members: Vec<NodeId> = (1..=4).map(NodeId).collect();
         let name = |n: NodeId| format!("n{}", n.0);
         let order = |id: &str, primary: NodeId| -> Vec<NodeId> {
             let candidates = members
                 .iter()
                 .filter(|&&n| n != primary)
-                .map(|&n| (n, fnv1a(&format!("{id}\u{0}{}", name(n)))));
+                .map(|&n| (n, rendezvous_key(id, &name(n))));
             rendezvous(candidates, u8::MAX)
         };
         let mut queues: Vec<(String, Placement, Vec<NodeId>)> = (0..60)
