@@ -63,9 +63,8 @@ use tether::config::{NODE_FAILURE_MS_DEFAULT, NODE_FAILURE_MS_MIN};
 use tether::control::lease::Lease;
 use tether::control::liveness::{FailureDetector, PING_INTERVAL_MS, PING_TIMEOUT_MS};
 use tether::control::rebalance::{self, Candidate};
-use tether::control::reconcile::{
-    self, CopiesSeen, CopyStep, OwnQueueStep, PlacedHereStep, RepairStep, Spread, SpreadRound,
-};
+use tether::control::reconcile::{self, CopyStep, OwnQueueStep, PlacedHereStep, SpreadRound};
+use tether::control::round::{self, MembersSeen, RepairKind, ShippedSeen};
 use tether::replication::{
     AppendHeader, Decision, NodeId, Offset, Replica, Reply, Shipper, ShipperConfig, SnapshotHeader,
     ToSecondary, Write, WriteOp,
@@ -1234,8 +1233,9 @@ impl World {
         }
     }
 
-    /// `repair`: at most one metadata change for a queue this node is primary of.
-    fn repair(&mut self, i: usize, q: usize, p: &Placement, round: &SpreadRound) {
+    /// `repair`: at most one metadata change for a queue this node is primary of
+    /// ([`round::repair`], as the server's reconciler).
+    fn repair(&mut self, i: usize, q: usize, p: &Placement, spread: &SpreadRound) {
         let now = self.now;
         let ids = self.ids();
         let named = self.named();
@@ -1244,81 +1244,37 @@ impl World {
         let Role::Primary { shipper, .. } = &node.parts[q].role else {
             return;
         };
-        let (id, expected_epoch) = (queue_name(q), p.epoch);
         let regressed: Vec<NodeId> = shipper.regressed_peers().collect();
-        let in_sync = |n| shipper.peer_in_sync(n);
-        let unreachable = |n| node.detector.unreachable(n, now);
-        let live = |n| node.detector.is_live(n, now);
-        let ranked = match round.worth(p) {
-            true => round.ranked(&id, me),
-            false => Vec::new(),
-        };
-        let seen = CopiesSeen {
-            regressed: &regressed,
-            in_sync: &in_sync,
-            unreachable: &unreachable,
+        let members = MembersSeen {
+            me,
+            named: &named,
+            draining: &node.view.draining,
+            live: &|n| node.detector.is_live(n, now),
+            unreachable: &|n| node.detector.unreachable(n, now),
             majority_reachable: node
                 .detector
                 .majority_reachable(me, ids.iter().copied(), now),
-            draining: &|n| node.view.draining.contains(&n),
-            spread: (!ranked.is_empty()).then_some(Spread {
-                ranked: &ranked,
-                copies: round.copies(),
-                live: &live,
-                may_add: round.may_add(),
-            }),
         };
-        let step = reconcile::repair_step(p, me, &seen);
-        let secondaries = match step {
-            RepairStep::TakeOut { secondaries, .. }
-            | RepairStep::TakeOutUnreachable { secondaries, .. } => {
-                self.stats.taken_out += 1;
-                secondaries
-            }
-            RepairStep::TakeOutDraining { secondaries, .. } => {
-                self.stats.taken_off_draining += 1;
-                secondaries
-            }
-            RepairStep::TakeOutSurplus { secondaries, .. } => {
-                self.stats.surplus_taken_out += 1;
-                secondaries
-            }
-            RepairStep::Synced(n) => {
-                let cmd = MetaCommand::Synced {
-                    id,
-                    expected_epoch,
-                    node: n,
-                };
-                return self.propose(i, cmd);
-            }
-            RepairStep::Add { want, exclude } => {
-                let draining = &node.view.draining;
-                let add = reconcile::choose_secondaries(named, &id, want, &exclude, draining, live);
-                if add.is_empty() {
-                    return;
-                }
-                self.stats.added += 1;
-                let mut secondaries = p.secondaries.clone();
-                secondaries.extend(add);
-                secondaries
-            }
-            RepairStep::SpreadTo { to } => {
-                if !round.take_move() {
-                    return;
-                }
-                self.stats.spread += 1;
-                let mut secondaries = p.secondaries.clone();
-                secondaries.push(to);
-                secondaries
-            }
-            RepairStep::Nothing => return,
+        let shipped = ShippedSeen {
+            regressed: &regressed,
+            in_sync: &|n| shipper.peer_in_sync(n),
         };
-        let cmd = MetaCommand::SetSecondaries {
-            id,
-            expected_epoch,
-            secondaries,
+        let Some(write) = round::repair(&queue_name(q), p, &members, &shipped, spread) else {
+            return;
         };
-        self.propose(i, cmd);
+        // (A report of a synced copy is counted once committed.)
+        let counter = match write.kind {
+            RepairKind::Regressed | RepairKind::Unreachable => Some(&mut self.stats.taken_out),
+            RepairKind::Draining => Some(&mut self.stats.taken_off_draining),
+            RepairKind::Surplus => Some(&mut self.stats.surplus_taken_out),
+            RepairKind::Added => Some(&mut self.stats.added),
+            RepairKind::Spread => Some(&mut self.stats.spread),
+            RepairKind::Synced => None,
+        };
+        if let Some(c) = counter {
+            *c += 1;
+        }
+        self.propose(i, write.cmd);
     }
 
     // -- draining ------------------------------------------------------------------------------
@@ -1330,16 +1286,8 @@ impl World {
         let now = self.now;
         let node = &self.nodes[i];
         let me = node.id;
-        let draining = &node.view.draining;
-        let live: Vec<NodeId> = self
-            .nodes
-            .iter()
-            .map(|n| n.id)
-            .filter(|&n| n == me || node.detector.is_live(n, now))
-            .filter(|n| !draining.contains(n) || *n == me)
-            .collect();
-        let (counts, _) = rebalance::primary_counts(&live, node.view.queues.values());
-        let mut wanted = rebalance::drain_takers(&counts, me);
+        let live = |n| node.detector.is_live(n, now);
+        let mut wanted = round::takers(me, self.ids(), &live, &node.view, false);
         let candidates: Vec<Candidate> = (0..self.opts.queues)
             .filter_map(|q| {
                 let placement = node.view.queues.get(&queue_name(q))?.clone();
@@ -1694,8 +1642,7 @@ impl World {
             return;
         };
         let asks = node.up
-            && p.secondaries.contains(&node.id)
-            && !p.syncing.contains(&node.id)
+            && reconcile::may_take_over(p, node.id)
             && node
                 .detector
                 .silent_ms(p.primary, now)

@@ -15,10 +15,13 @@
 //! - [`reconcile`]: per queue and per copy, what the node does next (ship and repair, depose,
 //!   drop, promote), and the fencing checks on copies;
 //! - [`rebalance`]: how many queues each member hands over, and which;
+//! - [`round`]: one round composed of those steps (a primary's repair as a metadata write,
+//!   the takers of a rebalancing round), executed by the server and the cluster simulation;
 //! - [`watermark`]: how far a copy holds the publishes its primary applied.
 
 pub mod lease;
 pub mod liveness;
 pub mod rebalance;
 pub mod reconcile;
+pub mod round;
 pub mod watermark;

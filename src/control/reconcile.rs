@@ -155,6 +155,13 @@ pub fn promotes(p: &Placement, me: NodeId, copy_epoch: u64) -> bool {
     p.primary == me && p.epoch > copy_epoch
 }
 
+/// Whether this node (`me`) may take `p`'s queue over at its client's request (client-managed
+/// failover, once the primary does not answer it either): it is a secondary that is not
+/// syncing, so it holds everything the queue may have delivered.
+pub fn may_take_over(p: &Placement, me: NodeId) -> bool {
+    p.primary != me && p.secondaries.contains(&me) && !p.syncing.contains(&me)
+}
+
 /// The step for a copy at `copy_epoch` (its primary's), shipped under placements up to
 /// `placed_at`; see [`copy_not_held`] for the other inputs.
 pub fn copy_step(
@@ -870,6 +877,18 @@ mod tests {
         );
         assert_eq!(step(None, 39), Keep);
         assert_eq!(step(None, 40), Drop);
+    }
+
+    #[test]
+    fn only_a_secondary_not_syncing_takes_over_for_a_client() {
+        let p = placed(NodeId(1), &[NodeId(2), NodeId(3)], &[NodeId(3)], 40);
+        assert!(may_take_over(&p, NodeId(2)));
+        assert!(
+            !may_take_over(&p, NodeId(3)),
+            "syncing: it may lack delivered entries"
+        );
+        assert!(!may_take_over(&p, NodeId(1)), "the primary itself");
+        assert!(!may_take_over(&p, NodeId(4)), "no copy");
     }
 
     fn step(p: &Placement, regressed: &[NodeId], in_sync: fn(NodeId) -> bool) -> RepairStep {

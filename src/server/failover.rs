@@ -57,7 +57,8 @@ use crate::cluster::meta::{MetaCommand, MetaResponse, NodeId, Placement};
 use crate::cluster::network::{PeerRequest, PeerResponse};
 use crate::control::lease::Lease;
 use crate::control::liveness::{FailureDetector, PING_INTERVAL_MS, PING_TIMEOUT_MS};
-use crate::control::reconcile::{self, CopyStep, OwnQueueStep, RepairStep, SpreadRound};
+use crate::control::reconcile::{self, CopyStep, OwnQueueStep, SpreadRound};
+use crate::control::round::{self, RepairKind, RepairWrite};
 use crate::control::watermark::{self, Through};
 use crate::core::{RecentForward, Record, RecoveryError};
 use crate::metrics as m;
@@ -769,7 +770,17 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
     });
     run_bounded(promotions.collect::<Vec<_>>(), PROMOTIONS_AT_ONCE).await;
     let own: Vec<(String, u64)> = shared.core().durable_epochs();
-    let spread = Arc::new(spread_round(cluster));
+    let members = cluster.members();
+    let named: Vec<(NodeId, &str)> = members
+        .nodes
+        .iter()
+        .map(|(&n, node)| (n, node.name.as_str()))
+        .collect();
+    let (spread, draining) = cluster.read(|s| {
+        let spread = SpreadRound::read(s, named.iter().copied(), me);
+        (spread, s.draining.clone())
+    });
+    let majority_reachable = shared.member.liveness.majority_reachable(cluster);
     let mut repairs = Vec::new();
     for (id, epoch) in own {
         let placement = cluster.placement(&id);
@@ -780,8 +791,18 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
             OwnQueueStep::Primary => {
                 let p = placement.expect("a primary's queue is placed");
                 ensure_shipping(shared, &id, &p);
-                let (shared, cluster, spread) = (shared.clone(), cluster.clone(), spread.clone());
-                repairs.push(async move { repair(&shared, &cluster, &id, &p, &spread).await });
+                let members = round::MembersSeen {
+                    me,
+                    named: &named,
+                    draining: &draining,
+                    live: &|n| shared.member.liveness.is_live(n),
+                    unreachable: &|n| shared.member.liveness.unreachable(n),
+                    majority_reachable,
+                };
+                if let Some(w) = repair(shared, &id, &p, &members, &spread) {
+                    let cluster = cluster.clone();
+                    repairs.push(async move { write_repair(&cluster, &id, w).await });
+                }
             }
             OwnQueueStep::Deposed => {
                 let by = match &placement {
@@ -966,183 +987,78 @@ pub(crate) fn ensure_shipping(shared: &Arc<Shared>, id: &str, p: &Placement) {
     );
 }
 
-/// Why secondaries are taken out of a replica set.
-#[derive(Clone, Copy)]
-enum TakenOut {
-    /// They lost entries they had acknowledged.
-    Regressed,
-    /// This node has not reached them for a while.
-    Unreachable,
-    /// Their members are draining, and enough copies elsewhere are in sync.
-    Draining,
-    /// Their copies moved to members holding fewer (spreading), the new ones in sync.
-    Spread,
-}
-
-/// Takes `nodes` out of `id`'s replica set (placed as `p`), leaving `secondaries`.
-async fn take_out(
-    cluster: &Cluster,
+/// The repair of `id`, placed as `p` with this node primary ([`round::repair`]), from what
+/// its shipping reports of the copies; see [`reconcile::repair_step`] for the order of steps.
+fn repair(
+    shared: &Shared,
     id: &str,
     p: &Placement,
-    secondaries: Vec<NodeId>,
-    nodes: &[NodeId],
-    why: TakenOut,
-) {
-    let cmd = MetaCommand::SetSecondaries {
-        id: id.to_string(),
-        expected_epoch: p.epoch,
-        secondaries,
-    };
-    let (counter, what) = match why {
-        TakenOut::Regressed => (
-            m::REPLICATION_COPIES_REGRESSED,
-            "a secondary lost entries it had acknowledged",
-        ),
-        TakenOut::Unreachable => (
-            m::REPLICATION_COPIES_UNREACHABLE,
-            "this node cannot reach a secondary",
-        ),
-        TakenOut::Draining => (m::DRAIN_COPIES_MOVED, "a secondary's member is draining"),
-        TakenOut::Spread => (
-            m::SPREAD_COPIES_MOVED,
-            "a secondary moved to a member holding fewer copies",
-        ),
-    };
-    match cluster.write(cmd).await {
-        Ok(MetaResponse::Placed(_)) => {
-            metrics::counter!(counter).increment(1);
-            tracing::warn!(durable_id = %id, ?nodes, "{what}: taken out of the replica set")
-        }
-        Ok(r) => tracing::debug!(
-            durable_id = %id,
-            ?nodes,
-            result = ?r,
-            "{what}: the metadata changed before it was taken out"
-        ),
-        Err(e) => tracing::warn!(
-            durable_id = %id,
-            ?nodes,
-            error = %e,
-            "{what}: could not take it out of the replica set"
-        ),
-    }
-}
-
-/// Restores a queue's redundancy: a syncing secondary that caught up is reported (it may be
-/// promoted from then on), and a missing secondary is replaced by a live member; then copies
-/// are spread to members holding far fewer ([`reconcile::spread_step`]).
-async fn repair(
-    shared: &Arc<Shared>,
-    cluster: &Arc<Cluster>,
-    id: &str,
-    p: &Placement,
-    round: &SpreadRound,
-) {
+    members: &round::MembersSeen<'_>,
+    spread: &SpreadRound,
+) -> Option<RepairWrite> {
     let shipped = shared.member.shipping.get(id);
     let regressed = shipped
         .as_ref()
         .map(|sq| sq.regressed())
         .unwrap_or_default();
-    let draining = cluster.read(|s| s.draining.clone());
-    let ranked = match round.worth(p) {
-        true => round.ranked(id, cluster.id()),
-        false => Vec::new(),
+    let in_sync = |n| shipped.as_ref().is_some_and(|sq| sq.in_sync(n));
+    let seen = round::ShippedSeen {
+        regressed: &regressed,
+        in_sync: &in_sync,
     };
-    let step = {
-        let in_sync = |n| shipped.as_ref().is_some_and(|sq| sq.in_sync(n));
-        let unreachable = |n| shared.member.liveness.unreachable(n);
-        let live = |n| shared.member.liveness.is_live(n);
-        let seen = reconcile::CopiesSeen {
-            regressed: &regressed,
-            in_sync: &in_sync,
-            unreachable: &unreachable,
-            majority_reachable: shared.member.liveness.majority_reachable(cluster),
-            draining: &|n| draining.contains(&n),
-            spread: (!ranked.is_empty()).then_some(reconcile::Spread {
-                ranked: &ranked,
-                copies: round.copies(),
-                live: &live,
-                may_add: round.may_add(),
-            }),
-        };
-        reconcile::repair_step(p, cluster.id(), &seen)
+    round::repair(id, p, members, &seen, spread)
+}
+
+/// Commits a repair's metadata write for `id` (a compare-and-set on the placement's epoch:
+/// a placement changed meanwhile leaves it without effect), counted and logged by its kind.
+async fn write_repair(cluster: &Cluster, id: &str, w: RepairWrite) {
+    let RepairWrite { kind, nodes, cmd } = w;
+    let taken_out = match kind {
+        RepairKind::Regressed => Some((
+            m::REPLICATION_COPIES_REGRESSED,
+            "a secondary lost entries it had acknowledged",
+        )),
+        RepairKind::Unreachable => Some((
+            m::REPLICATION_COPIES_UNREACHABLE,
+            "this node cannot reach a secondary",
+        )),
+        RepairKind::Draining => Some((m::DRAIN_COPIES_MOVED, "a secondary's member is draining")),
+        RepairKind::Surplus => Some((
+            m::SPREAD_COPIES_MOVED,
+            "a secondary moved to a member holding fewer copies",
+        )),
+        RepairKind::Synced | RepairKind::Added | RepairKind::Spread => None,
     };
-    match step {
-        RepairStep::TakeOutUnreachable {
-            unreachable,
-            secondaries,
-        } => {
-            take_out(
-                cluster,
-                id,
-                p,
-                secondaries,
-                &unreachable,
-                TakenOut::Unreachable,
-            )
-            .await
+    let result = cluster.write(cmd).await;
+    match (taken_out, result) {
+        (Some((counter, what)), Ok(MetaResponse::Placed(_))) => {
+            metrics::counter!(counter).increment(1);
+            tracing::warn!(durable_id = %id, ?nodes, "{what}: taken out of the replica set")
         }
-        RepairStep::TakeOut { lost, secondaries } => {
-            take_out(cluster, id, p, secondaries, &lost, TakenOut::Regressed).await
-        }
-        RepairStep::TakeOutDraining {
-            draining,
-            secondaries,
-        } => take_out(cluster, id, p, secondaries, &draining, TakenOut::Draining).await,
-        RepairStep::TakeOutSurplus {
-            surplus,
-            secondaries,
-        } => take_out(cluster, id, p, secondaries, &surplus, TakenOut::Spread).await,
-        RepairStep::SpreadTo { to } => {
-            if round.take_move() {
-                let why = "spreading copies: a copy added on a member holding fewer";
-                add_copies(cluster, id, p, vec![to], why).await;
-            }
-        }
-        RepairStep::Synced(node) => {
-            let cmd = MetaCommand::Synced {
-                id: id.to_string(),
-                expected_epoch: p.epoch,
-                node,
+        (Some((_, what)), Ok(r)) => tracing::debug!(
+            durable_id = %id,
+            ?nodes,
+            result = ?r,
+            "{what}: the metadata changed before it was taken out"
+        ),
+        (Some((_, what)), Err(e)) => tracing::warn!(
+            durable_id = %id,
+            ?nodes,
+            error = %e,
+            "{what}: could not take it out of the replica set"
+        ),
+        (None, Ok(r)) if kind != RepairKind::Synced => {
+            let why = match kind {
+                RepairKind::Spread => "spreading copies: a copy added on a member holding fewer",
+                _ => "repairing redundancy",
             };
-            if let Err(e) = cluster.write(cmd).await {
-                tracing::debug!(durable_id = %id, error = %e, "could not report a synced copy");
-            }
+            tracing::info!(durable_id = %id, added = ?nodes, result = ?r, "{why}")
         }
-        RepairStep::Add { want, exclude } => {
-            let add = choose_secondaries(shared, cluster, id, want, &exclude);
-            if !add.is_empty() {
-                add_copies(cluster, id, p, add, "repairing redundancy").await;
-            }
+        (None, Ok(_)) => {}
+        (None, Err(e)) => {
+            tracing::debug!(durable_id = %id, ?kind, error = %e, "repair not written")
         }
-        RepairStep::Nothing => {}
     }
-}
-
-/// Adds copies of `id` (placed as `p`) on `add`, as syncing secondaries (a compare-and-set on
-/// the placement's epoch); `why` says what for in the log.
-async fn add_copies(cluster: &Cluster, id: &str, p: &Placement, add: Vec<NodeId>, why: &str) {
-    let mut secondaries = p.secondaries.clone();
-    secondaries.extend(add);
-    let cmd = MetaCommand::SetSecondaries {
-        id: id.to_string(),
-        expected_epoch: p.epoch,
-        secondaries: secondaries.clone(),
-    };
-    match cluster.write(cmd).await {
-        Ok(r) => tracing::info!(durable_id = %id, ?secondaries, result = ?r, "{why}"),
-        Err(e) => tracing::debug!(durable_id = %id, error = %e, "{why}: not written"),
-    }
-}
-
-/// What spreading copies reads once per reconcile round, from the metadata applied here.
-fn spread_round(cluster: &Cluster) -> SpreadRound {
-    let members = cluster.members();
-    let named = members
-        .nodes
-        .iter()
-        .map(|(&n, node)| (n, node.name.as_str()));
-    cluster.read(|s| SpreadRound::read(s, named, cluster.id()))
 }
 
 /// Up to `count` live members for copies of `id`, none of them in `exclude` or draining

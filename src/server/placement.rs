@@ -208,9 +208,7 @@ pub(crate) async fn place_durable(
         // Only the queue's owner may have its copy promoted here: checked before, not after.
         check_copy_owner(shared, &d.id, principal).await?;
     }
-    if placement.primary != me
-        && placement.secondaries.contains(&me)
-        && !placement.syncing.contains(&me)
+    if reconcile::may_take_over(&placement, me)
         && lost.is_some_and(|lost| {
             cluster
                 .members()

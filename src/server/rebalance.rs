@@ -41,6 +41,7 @@ use super::Shared;
 use crate::cluster::Cluster;
 use crate::cluster::meta::{MetaCommand, MetaResponse, NodeId, Placement};
 use crate::control::rebalance::{self, Candidate};
+use crate::control::round;
 use crate::core::QueueState;
 use crate::metrics as m;
 use crate::protocol::ErrorCode;
@@ -77,35 +78,18 @@ pub(crate) async fn rebalance_loop(weak: Weak<Shared>, cluster: Arc<Cluster>, re
 /// those it could hand over away ([`DRAINING_REASON`]); draining members take no queue.
 async fn round(shared: &Arc<Shared>, cluster: &Arc<Cluster>, rebalance: bool) {
     let me = cluster.id();
-    let draining = cluster.read(|s| s.draining.clone());
-    let me_draining = draining.contains(&me);
-    if !rebalance && !me_draining {
-        return;
-    }
-    let live: Vec<NodeId> = cluster
-        .members()
-        .nodes
-        .keys()
-        .copied()
-        .filter(|&n| n == me || shared.member.liveness.is_live(n))
-        .filter(|n| !draining.contains(n) || *n == me)
-        .collect();
-    let (counts, syncing) = cluster.read(|s| rebalance::primary_counts(&live, s.queues.values()));
-    let mut wanted = match me_draining {
-        true => rebalance::drain_takers(&counts, me),
-        false => rebalance::wanted(&counts, &syncing, me),
-    };
+    let members = cluster.members();
+    let live = |n| shared.member.liveness.is_live(n);
+    let (mut wanted, draining) = cluster.read(|s| {
+        let takers = round::takers(me, members.nodes.keys().copied(), &live, s, rebalance);
+        (takers, s.draining.clone())
+    });
     if wanted.is_empty() {
         return;
     }
+    let me_draining = draining.contains(&me);
     // Only now (most rounds plan nothing) this node's placements that could move.
-    let mine: Vec<(String, Placement)> = cluster.read(|s| {
-        s.queues
-            .iter()
-            .filter(|(_, p)| rebalance::movable(p, me))
-            .map(|(id, p)| (id.clone(), p.clone()))
-            .collect()
-    });
+    let mine = cluster.read(|s| round::movable(s, me));
     let in_sync = |id: &str, taker| {
         shared
             .member
