@@ -50,6 +50,8 @@ pub const REPLICATION_SUPERSEDED: &str = "tether_replication_superseded_total";
 pub const REPLICATION_COPIES_REGRESSED: &str = "tether_replication_copies_regressed_total";
 pub const REPLICATION_DEPOSED_SENDERS_FENCED: &str =
     "tether_replication_deposed_senders_fenced_total";
+pub const REPLICATION_COPIES_OF_ANOTHER_QUEUE: &str =
+    "tether_replication_copies_of_another_queue_total";
 pub const REPLICATION_STEPPED_ASIDE: &str = "tether_replication_stepped_aside_total";
 pub const REPLICATION_COPIES_UNREACHABLE: &str = "tether_replication_copies_unreachable_total";
 pub const QUEUES_DEPOSED_BY_RIVAL: &str = "tether_queues_deposed_by_rival_total";
@@ -156,6 +158,10 @@ fn describe() {
     describe_counter!(
         REPLICATION_DEPOSED_SENDERS_FENCED,
         "Replication messages from a primary the metadata here deposed since it shipped them, answered fenced (no copy taken from it)"
+    );
+    describe_counter!(
+        REPLICATION_COPIES_OF_ANOTHER_QUEUE,
+        "Copies replaced because their primary shipped another queue of the same durable id (the one copied had ended, and the id was placed again)"
     );
     describe_counter!(
         REPLICATION_COPIES_UNREACHABLE,

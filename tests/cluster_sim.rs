@@ -11,8 +11,9 @@
 //! - every node runs its own detector (pings every [`PING_INTERVAL_MS`]) and, every
 //!   [`RECONCILE_MS`], the reconciler's decisions on *its own applied metadata*:
 //!   [`reconcile::own_queue_step`] (ship, depose, wait), [`reconcile::copy_step`] (promote,
-//!   keep, drop), [`reconcile::repair_step`] (take out, report synced, add copies chosen by
-//!   [`reconcile::rendezvous`]), proposing metadata changes to the service over the network;
+//!   keep, drop), and a primary's repair as the server composes it ([`round::repair`]: take
+//!   out, report synced, add copies chosen by [`reconcile::rendezvous`], spread), proposing
+//!   metadata changes to the service over the network;
 //! - a durable client that lost its primary asks a copy to take over; the copy, in sync by its
 //!   metadata, proposes `Promote` if the primary does not answer it either (`client_failover`);
 //! - every queue is shipped by the real [`Shipper`] and held by real [`Replica`]s, a primary
@@ -43,10 +44,18 @@
 //! in-sync copy (`rebalance::drain_takers`, `pick`, `Handover`), and copies spread to members
 //! holding far fewer (`SpreadRound`, `spread_step`) once it is undrained.
 //!
+//! Membership changes: the operator adds a node (`add-node`: marked draining, added to the
+//! group with nothing, undrained by itself once its metadata caught up, then given copies by
+//! spreading) and removes a member (`remove-node`: drained, removed from the group once the
+//! metadata makes it primary of nothing; the metadata forgets it as the membership entry
+//! applies, `MetaState::forget_members`). Each node acts on the members of its own applied
+//! metadata (pings, majority, the members copies may go to). A removed member gets no more
+//! metadata and keeps running on its stale view until the operator stops it.
+//!
 //! Not modelled yet: the publish log and its replay at promotion (publishes reach the primary
 //! directly), the core (sessions, acknowledged offsets, redelivery flags), rebalancing by
-//! counts (its slack needs more queues than the simulation runs), membership changes, a lost
-//! disk, the metadata service's own elections.
+//! counts (its slack needs more queues than the simulation runs), a lost disk, the metadata
+//! service's own elections, learners (a node joins as a voter at once).
 //!
 //! `TETHER_CLUSTER_SIM_SEED=<n>` runs one seed (`TETHER_SIM_TRACE=1` prints its events),
 //! `TETHER_CLUSTER_SIM_SEEDS=<count>` sets how many run (`make sim`), from
@@ -59,6 +68,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use sim::World as _;
 use sim::{Entry, Envelope, Network, Payload, Rng, Store, apply, env_u64};
 use tether::cluster::meta::{MetaCommand, MetaResponse, MetaState, Placement};
+use tether::cluster::network::FORWARD_TIMEOUT_MS;
 use tether::config::{NODE_FAILURE_MS_DEFAULT, NODE_FAILURE_MS_MIN};
 use tether::control::lease::Lease;
 use tether::control::liveness::{FailureDetector, PING_INTERVAL_MS, PING_TIMEOUT_MS};
@@ -102,6 +112,19 @@ fn cluster_sim() {
     // Coverage guard: a change that stops the simulation from reaching these paths must fail.
     if seeds >= SEEDS_DEFAULT {
         let reached = [
+            ("queues closed by their clients", total.released),
+            ("releases never committed", total.releases_lost),
+            ("queues dropped once no longer placed", total.queues_ended),
+            (
+                "copies of an ended queue replaced",
+                total.copies_of_another_queue,
+            ),
+            ("members added", total.joined),
+            ("members removed", total.removed),
+            (
+                "writes giving a queue to a removed member refused",
+                total.refused_non_member,
+            ),
             ("members declared failed", total.declared),
             ("promotions asked by clients", total.client_promotions),
             ("copies promoted", total.promotions),
@@ -213,6 +236,55 @@ fn a_deposed_primary_gets_no_copy_from_a_member_that_dropped_its_queue() {
     assert_eq!(w.stats.senders_fenced, 1, "n1 fenced n0: {}", w.describe());
 }
 
+/// Found while modelling closed queues (reading `placement::forget`): a durable client closes
+/// its queue, the primary ends it at once and asks the metadata to release the placement, and
+/// that write fails (it is not retried). The id stays placed on the primary at the same epoch,
+/// its copy on n1 still holds the ended queue, and the next hello starts a new queue there:
+/// from offset 0, under the same placement epoch. Offsets and epochs match the old copy's, and
+/// the old copy's acknowledged offset is above the new queue's: without
+/// `copy_of_another_queue`, n1 never acknowledged any of the new queue's entries (its
+/// `replicated_end` stayed 0 while 300 were appended, the copy's log at the old queue's 100),
+/// so the new queue delivered nothing while its primary held its lease. The copy is now
+/// replaced when the new queue (another `QueueInfo::incarnation`) first ships to it.
+#[test]
+fn a_copy_of_a_closed_queue_is_replaced_when_its_id_starts_again() {
+    let mut w = World::scripted(3, &[1]);
+    let placement = |w: &World| w.meta.state.queues["q0"].clone();
+    for step in 0..100 {
+        w.append(0, 0, 1);
+        if step % 25 == 24 {
+            w.client_ack(0);
+        }
+        w.step(true);
+    }
+    assert!(w.committed[0].len() > 50, "n0 replicated to n1");
+    let epoch = placement(&w).epoch;
+    // The client closes the queue; the release is not committed.
+    w.release(0, false);
+    for _ in 0..10_000 {
+        w.step(true);
+        if matches!(w.nodes[0].parts[0].role, Role::Primary { .. }) {
+            break;
+        }
+    }
+    assert!(
+        matches!(w.nodes[0].parts[0].role, Role::Primary { .. }),
+        "a hello started a new queue: {}",
+        w.describe()
+    );
+    assert_eq!(placement(&w).epoch, epoch, "under the same placement epoch");
+    for _ in 0..300 {
+        w.append(0, 0, 1);
+        w.step(true);
+    }
+    assert!(
+        w.committed[0].len() > 200,
+        "n0 replicated the new queue: {}",
+        w.describe()
+    );
+    assert_eq!(w.stats.copies_of_another_queue, 1, "{}", w.describe());
+}
+
 #[test]
 fn replay_is_deterministic() {
     for seed in [1, 2] {
@@ -251,6 +323,8 @@ impl sim::World for World {
                 self.hello(q);
             }
         }
+        self.membership_changes();
+        self.releases_settle();
         self.metadata_reaches_nodes();
         self.flush_some();
         self.pings();
@@ -265,7 +339,10 @@ impl sim::World for World {
         self.faults = false;
         self.cut.clear();
         for i in 0..self.nodes.len() {
-            if !self.nodes[i].up {
+            let id = self.nodes[i].id;
+            if self.removed.contains(&id) {
+                self.decommission(i);
+            } else if !self.nodes[i].up && self.meta.members.contains(&id) {
                 self.restart(i);
             }
         }
@@ -273,7 +350,14 @@ impl sim::World for World {
 
     fn converged(&self) -> bool {
         let end = self.meta.log.len() as u64;
-        if self.nodes.iter().any(|n| !n.up || n.applied < end) {
+        let members = &self.meta.members;
+        if self.joining.is_some()
+            || self.removing.is_some()
+            || self
+                .nodes
+                .iter()
+                .any(|n| members.contains(&n.id) && (!n.up || n.applied < end))
+        {
             return false;
         }
         (0..self.opts.queues).all(|q| {
@@ -285,7 +369,7 @@ impl sim::World for World {
                 return false;
             };
             let draining = &self.meta.state.draining;
-            let eligible = self.nodes.len() - draining.len();
+            let eligible = members.len() - draining.len();
             let wanted = usize::from(p.redundancy).min(eligible - 1);
             let mut shipped: Vec<NodeId> = shipper.secondaries().collect();
             let mut placed = p.secondaries.clone();
@@ -376,6 +460,13 @@ impl sim::World for World {
 /// What a run exercised.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Stats {
+    refused_non_member: u64,
+    released: u64,
+    releases_lost: u64,
+    copies_of_another_queue: u64,
+    queues_ended: u64,
+    joined: u64,
+    removed: u64,
     declared: u64,
     client_promotions: u64,
     promotions: u64,
@@ -406,6 +497,13 @@ struct Stats {
 
 impl Stats {
     fn add(&mut self, o: &Stats) {
+        self.refused_non_member += o.refused_non_member;
+        self.released += o.released;
+        self.releases_lost += o.releases_lost;
+        self.copies_of_another_queue += o.copies_of_another_queue;
+        self.queues_ended += o.queues_ended;
+        self.joined += o.joined;
+        self.removed += o.removed;
         self.declared += o.declared;
         self.client_promotions += o.client_promotions;
         self.promotions += o.promotions;
@@ -454,6 +552,11 @@ struct Options {
     client_failover_per_mille: u64,
     drain_per_mille: u64,
     undrain_per_mille: u64,
+    /// Nodes that are not members at the start, to be added (`add-node`).
+    spares: u64,
+    release_per_mille: u64,
+    join_per_mille: u64,
+    remove_per_mille: u64,
     flush_per_mille: u64,
     shipper: ShipperConfig,
 }
@@ -477,6 +580,10 @@ impl Options {
             client_failover_per_mille: rng.below(4),
             drain_per_mille: rng.below(2),
             undrain_per_mille: rng.below(2),
+            spares: rng.below(2),
+            release_per_mille: rng.below(2),
+            join_per_mille: rng.below(2),
+            remove_per_mille: rng.below(2),
             flush_per_mille: rng.between(100, 900),
             shipper: ShipperConfig {
                 batch_entries_max: rng.between(2, 16),
@@ -536,6 +643,8 @@ struct Part {
     rival_epoch: u64,
     /// Per primary: when the latest message this copy took from it was sent.
     taken_sent_at: BTreeMap<NodeId, u64>,
+    /// Which queue of its id the store holds (`QueueInfo::incarnation`, stored with it).
+    incarnation: u64,
 }
 
 impl Part {
@@ -548,6 +657,7 @@ impl Part {
             last_replicated_end: 0,
             rival_epoch: 0,
             taken_sent_at: BTreeMap::new(),
+            incarnation: 0,
         }
     }
 
@@ -581,6 +691,11 @@ struct Node {
     parts: Vec<Part>,
     /// The metadata applied here, and up to which index.
     view: MetaState,
+    /// The members as of the metadata applied here.
+    members: BTreeSet<NodeId>,
+    /// Queues whose placement this node is removing (`placement::Releasing`), with when an
+    /// unanswered removal is settled by a read barrier instead, and that barrier's index.
+    releasing: BTreeMap<usize, (u64, Option<u64>)>,
     applied: u64,
     /// The index of this life's read barrier, once committed.
     barrier: Option<u64>,
@@ -599,22 +714,59 @@ impl Node {
 struct Meta {
     /// Whether events are printed (`TETHER_SIM_TRACE`).
     tracing: bool,
-    log: Vec<MetaCommand>,
+    log: Vec<LogEntry>,
     state: MetaState,
+    /// The members (voters) after the log's latest membership entry.
+    members: BTreeSet<NodeId>,
     detector: FailureDetector,
+}
+
+/// An entry of the metadata log: a command, or a membership change (openraft's membership
+/// entry), after which the state forgets the members left out (`MetaState::forget_members`,
+/// as the server's state machine does when it applies one).
+#[derive(Clone, Debug)]
+enum LogEntry {
+    Command(MetaCommand),
+    Members(BTreeSet<NodeId>),
+}
+
+impl LogEntry {
+    /// Applies the entry at `index` to a node's view of the metadata and of the members.
+    fn apply(
+        &self,
+        index: u64,
+        state: &mut MetaState,
+        members: &mut BTreeSet<NodeId>,
+    ) -> MetaResponse {
+        match self {
+            LogEntry::Command(cmd) => state.apply(index, cmd),
+            LogEntry::Members(new) => {
+                let gone: Vec<NodeId> = members.difference(new).copied().collect();
+                *members = new.clone();
+                state.forget_members(index, &gone)
+            }
+        }
+    }
 }
 
 impl Meta {
     /// Commits `cmd` at the next index.
     fn commit(&mut self, cmd: MetaCommand) -> MetaResponse {
-        self.log.push(cmd);
+        self.append(LogEntry::Command(cmd))
+    }
+
+    /// Commits a membership change to `members`.
+    fn change_members(&mut self, members: BTreeSet<NodeId>) -> MetaResponse {
+        self.append(LogEntry::Members(members))
+    }
+
+    fn append(&mut self, entry: LogEntry) -> MetaResponse {
+        self.log.push(entry);
         let index = self.log.len() as u64;
-        let r = self.state.apply(index, &self.log[index as usize - 1]);
+        let entry = &self.log[index as usize - 1];
+        let r = entry.apply(index, &mut self.state, &mut self.members);
         if self.tracing {
-            eprintln!(
-                "metadata {index}: {:?} -> {r:?}",
-                self.log[index as usize - 1]
-            );
+            eprintln!("metadata {index}: {entry:?} -> {r:?}");
         }
         r
     }
@@ -626,6 +778,8 @@ enum Msg {
     Ship {
         q: usize,
         placement_epoch: u64,
+        /// The primary's queue's incarnation (sent with its queue info).
+        incarnation: u64,
         ship: Ship,
     },
     /// A copy's reply, with the send time of the latest message it took from the primary.
@@ -641,6 +795,10 @@ enum Msg {
     HandedOver {
         q: usize,
         epoch: u64,
+    },
+    /// The metadata service's answer to a node's release of queue `q` (whatever it was).
+    ReleaseAnswered {
+        q: usize,
     },
 }
 
@@ -664,6 +822,15 @@ struct World {
     committed: Vec<BTreeMap<Offset, Entry>>,
     /// Per queue: the redundancy its client asks for.
     redundancy: Vec<u8>,
+    /// Per queue: the incarnation of its current queue (0 between a release and the next).
+    incarnation: Vec<u64>,
+    next_incarnation: u64,
+    /// The member being added (`add-node`), until it undrained itself.
+    joining: Option<NodeId>,
+    /// The member being removed (`remove-node`: drained, removed once primary of nothing).
+    removing: Option<NodeId>,
+    /// Members removed: never restarted; one may still run on its stale metadata.
+    removed: BTreeSet<NodeId>,
     trace: u64,
     stats: Stats,
 }
@@ -702,6 +869,10 @@ impl World {
             client_failover_per_mille: 0,
             drain_per_mille: 0,
             undrain_per_mille: 0,
+            spares: 0,
+            release_per_mille: 0,
+            join_per_mille: 0,
+            remove_per_mille: 0,
             flush_per_mille: 1_000,
             shipper: ShipperConfig::default(),
         };
@@ -711,21 +882,26 @@ impl World {
 
     fn with(seed: u64, mut rng: Rng, opts: Options, redundancy: Vec<u8>, placed: &[bool]) -> Self {
         let ids: Vec<NodeId> = (0..opts.nodes).map(NodeId).collect();
+        let members: BTreeSet<NodeId> = ids.iter().copied().collect();
         let mut meta = Meta {
             tracing: std::env::var_os("TETHER_SIM_TRACE").is_some(),
             log: Vec::new(),
             state: MetaState::default(),
+            members: members.clone(),
             detector: FailureDetector::new(ids.iter().copied(), 0, opts.failure_ms),
         };
-        let mut nodes: Vec<Node> = ids
-            .iter()
-            .map(|&id| Node {
+        // The members first, then the spares (down until they are added).
+        let mut nodes: Vec<Node> = (0..opts.nodes + opts.spares)
+            .map(NodeId)
+            .map(|id| Node {
                 id,
                 name: format!("node-{}", id.0),
-                up: true,
+                up: members.contains(&id),
                 started_at: 0,
                 parts: (0..opts.queues).map(|_| Part::empty()).collect(),
                 view: MetaState::default(),
+                members: members.clone(),
+                releasing: BTreeMap::new(),
                 applied: 0,
                 barrier: Some(0),
                 detector: FailureDetector::new(
@@ -760,6 +936,7 @@ impl World {
             shipper.set_secondaries(&secondaries, 0);
             part.store.epoch = p.epoch;
             part.core = true;
+            part.incarnation = q as u64 + 1;
             part.role = Role::Primary {
                 shipper: Box::new(shipper),
                 lease: Lease::placed(0),
@@ -780,6 +957,11 @@ impl World {
             client_acked: vec![0; opts.queues],
             committed: vec![BTreeMap::new(); opts.queues],
             redundancy,
+            incarnation: (1..=opts.queues as u64).collect(),
+            next_incarnation: opts.queues as u64,
+            joining: None,
+            removing: None,
+            removed: BTreeSet::new(),
             trace: seed,
             stats: Stats::default(),
             opts,
@@ -799,13 +981,24 @@ impl World {
             .rotate_left(7);
     }
 
+    /// The members, as committed.
     fn ids(&self) -> Vec<NodeId> {
+        self.meta.members.iter().copied().collect()
+    }
+
+    /// Every node, member or not (a node to join, or removed).
+    fn all_ids(&self) -> Vec<NodeId> {
         self.nodes.iter().map(|n| n.id).collect()
     }
 
-    /// Every member's id and name.
-    fn named(&self) -> Vec<(NodeId, &str)> {
-        self.nodes.iter().map(|n| (n.id, n.name.as_str())).collect()
+    /// Every member's id and name, as node `i` knows the members.
+    fn named(&self, i: usize) -> Vec<(NodeId, &str)> {
+        let members = &self.nodes[i].members;
+        self.nodes
+            .iter()
+            .filter(|n| members.contains(&n.id))
+            .map(|n| (n.id, n.name.as_str()))
+            .collect()
     }
 
     // -- the network --------------------------------------------------------------------------
@@ -869,6 +1062,9 @@ impl World {
             Msg::Pong => self.nodes[i].detector.answered_ping(from, now),
             Msg::Propose(_) => unreachable!("proposals go to the metadata service"),
             Msg::HandedOver { q, epoch } => self.handed_over(i, q, epoch),
+            Msg::ReleaseAnswered { q } => {
+                self.nodes[i].releasing.remove(&q);
+            }
             Msg::Reply { q, reply, sent_at } => {
                 if let Role::Primary { shipper, lease, .. } = &mut self.nodes[i].parts[q].role {
                     shipper.on_reply(from, reply, now);
@@ -881,21 +1077,18 @@ impl World {
             Msg::Ship {
                 q,
                 placement_epoch,
+                incarnation,
                 ship,
-            } => self.shipped(i, q, from, placement_epoch, env.sent_at, ship),
+            } => {
+                let sent = (from, placement_epoch, incarnation, env.sent_at);
+                self.shipped(i, q, sent, ship)
+            }
         }
     }
 
     /// A replication message for queue `q` reached node `i`.
-    fn shipped(
-        &mut self,
-        i: usize,
-        q: usize,
-        from: NodeId,
-        placement_epoch: u64,
-        sent_at: u64,
-        ship: Ship,
-    ) {
+    fn shipped(&mut self, i: usize, q: usize, sent: (NodeId, u64, u64, u64), ship: Ship) {
+        let (from, placement_epoch, incarnation, sent_at) = sent;
         let name = queue_name(q);
         let node = &mut self.nodes[i];
         let placement = node.view.queues.get(&name);
@@ -920,6 +1113,14 @@ impl World {
             part.rival_epoch = epoch;
             self.stats.deposed_on_ship += 1;
         }
+        // `copies::handle`: a copy of an ended queue of the id is replaced by the new queue's.
+        if matches!(part.role, Role::Copy { .. })
+            && !reconcile::shipped_by_non_primary(placement, from, placement_epoch, node.applied)
+            && reconcile::copy_of_another_queue(part.incarnation, incarnation)
+        {
+            part.drop_all();
+            self.stats.copies_of_another_queue += 1;
+        }
         match &mut part.role {
             Role::Primary { shipper, .. } => {
                 part.rival_epoch = part.rival_epoch.max(epoch);
@@ -936,6 +1137,7 @@ impl World {
                         replica: Box::new(Replica::new()),
                         placed_at: 0,
                     };
+                    part.incarnation = incarnation;
                 }
                 let Role::Copy { replica, placed_at } = &mut part.role else {
                     unreachable!("a copy")
@@ -998,6 +1200,15 @@ impl World {
             } => Some((queue_index(id), *new_primary)),
             _ => None,
         };
+        if let MetaCommand::Release { id, .. } = &cmd {
+            let q = queue_index(id);
+            self.send(META, from, Msg::ReleaseAnswered { q });
+        }
+        // The leader refuses a forwarded write that gives a queue to a non-member (`network.rs`).
+        if !cmd.places_on_members_only(|n| self.meta.members.contains(&n)) {
+            self.stats.refused_non_member += 1;
+            return;
+        }
         match self.meta.commit(cmd) {
             MetaResponse::Placed(p) if handover.is_some_and(|(_, to)| p.primary == to) => {
                 let (q, epoch) = (handover.expect("a handover").0, p.epoch);
@@ -1015,7 +1226,9 @@ impl World {
         let end = self.meta.log.len() as u64;
         for i in 0..self.nodes.len() {
             let id = self.nodes[i].id;
+            // A removed member gets no more of the log (it keeps its stale view).
             if !self.nodes[i].up
+                || !self.meta.members.contains(&id)
                 || !self.linked(META, id)
                 || !self.linked(id, META)
                 || !self.rng.per_mille(self.opts.meta_per_mille)
@@ -1025,8 +1238,8 @@ impl World {
             let node = &mut self.nodes[i];
             while node.applied < end {
                 node.applied += 1;
-                let cmd = &self.meta.log[node.applied as usize - 1];
-                node.view.apply(node.applied, cmd);
+                let entry = &self.meta.log[node.applied as usize - 1];
+                entry.apply(node.applied, &mut node.view, &mut node.members);
             }
             // A node that started commits a barrier through the leader and waits for it.
             node.barrier.get_or_insert(end);
@@ -1066,7 +1279,13 @@ impl World {
                 continue;
             }
             let from = node.id;
-            for &to in ids.iter().filter(|&&n| n != from) {
+            let to: Vec<NodeId> = node
+                .members
+                .iter()
+                .copied()
+                .filter(|&n| n != from)
+                .collect();
+            for to in to {
                 self.send(from, to, Msg::Ping);
             }
         }
@@ -1078,7 +1297,7 @@ impl World {
         for i in 0..self.nodes.len() {
             if self.nodes[i].up && self.now % RECONCILE_MS == self.nodes[i].phase {
                 let node = &self.nodes[i];
-                let round = SpreadRound::read(&node.view, self.named(), node.id);
+                let round = SpreadRound::read(&node.view, self.named(i), node.id);
                 for q in 0..self.opts.queues {
                     self.reconcile(i, q, &round);
                 }
@@ -1132,7 +1351,14 @@ impl World {
                         self.nodes[i].parts[q].drop_all();
                         self.note(0xde90_0000 | (i as u64) << 8 | q as u64);
                     }
-                    OwnQueueStep::Wait | OwnQueueStep::Unreplicated | OwnQueueStep::Ended => {}
+                    OwnQueueStep::Ended => {
+                        // `drop_unplaced`: the queue ended while this node held it (released
+                        // or expired elsewhere, or here by a release it did not see commit).
+                        self.event(format_args!("node {i} dropped q{q}: no longer placed"));
+                        self.nodes[i].parts[q].drop_all();
+                        self.stats.queues_ended += 1;
+                    }
+                    OwnQueueStep::Wait | OwnQueueStep::Unreplicated => {}
                 }
             }
             Role::Copy { replica, placed_at } => {
@@ -1237,8 +1463,7 @@ impl World {
     /// ([`round::repair`], as the server's reconciler).
     fn repair(&mut self, i: usize, q: usize, p: &Placement, spread: &SpreadRound) {
         let now = self.now;
-        let ids = self.ids();
-        let named = self.named();
+        let named = self.named(i);
         let node = &self.nodes[i];
         let me = node.id;
         let Role::Primary { shipper, .. } = &node.parts[q].role else {
@@ -1251,9 +1476,11 @@ impl World {
             draining: &node.view.draining,
             live: &|n| node.detector.is_live(n, now),
             unreachable: &|n| node.detector.unreachable(n, now),
-            majority_reachable: node
-                .detector
-                .majority_reachable(me, ids.iter().copied(), now),
+            majority_reachable: node.detector.majority_reachable(
+                me,
+                node.members.iter().copied(),
+                now,
+            ),
         };
         let shipped = ShippedSeen {
             regressed: &regressed,
@@ -1287,7 +1514,7 @@ impl World {
         let node = &self.nodes[i];
         let me = node.id;
         let live = |n| node.detector.is_live(n, now);
-        let mut wanted = round::takers(me, self.ids(), &live, &node.view, false);
+        let mut wanted = round::takers(me, node.members.iter().copied(), &live, &node.view, false);
         let candidates: Vec<Candidate> = (0..self.opts.queues)
             .filter_map(|q| {
                 let placement = node.view.queues.get(&queue_name(q))?.clone();
@@ -1390,6 +1617,7 @@ impl World {
                     let msg = Msg::Ship {
                         q,
                         placement_epoch,
+                        incarnation: self.nodes[i].parts[q].incarnation,
                         ship,
                     };
                     self.send(from, t.to, msg);
@@ -1433,6 +1661,10 @@ impl World {
             if self.rng.per_mille(self.opts.client_failover_per_mille) {
                 self.client_failover(q);
             }
+            if self.rng.per_mille(self.opts.release_per_mille) {
+                let commit = self.rng.below(4) != 0;
+                self.release(q, commit);
+            }
             if self.rng.per_mille(self.opts.trim_per_mille) {
                 let i = self.rng.below(self.nodes.len() as u64) as usize;
                 self.trim(i, q);
@@ -1447,13 +1679,16 @@ impl World {
         }
         if self.rng.per_mille(self.opts.restart_per_mille) {
             let i = self.rng.below(count) as usize;
-            if !self.nodes[i].up {
+            let id = self.nodes[i].id;
+            if self.removed.contains(&id) {
+                self.decommission(i);
+            } else if !self.nodes[i].up && self.meta.members.contains(&id) {
                 self.restart(i);
             }
         }
         if self.rng.per_mille(self.opts.partition_per_mille) {
             let a = NodeId(self.rng.below(count));
-            let others: Vec<NodeId> = self.ids().into_iter().chain([META]).collect();
+            let others: Vec<NodeId> = self.all_ids().into_iter().chain([META]).collect();
             for b in others {
                 if b == a || self.rng.below(2) == 0 {
                     continue;
@@ -1477,12 +1712,12 @@ impl World {
             self.event(format_args!("node {a} partly cut off"));
         }
         // The operator drains a member (one at a time, in clusters of four or more, so the others
-        // can hold every queue's copies), and undrains it.
-        if self.rng.per_mille(self.opts.drain_per_mille)
-            && self.meta.state.draining.is_empty()
-            && count >= 4
-        {
-            let node = NodeId(self.rng.below(count));
+        // can hold every queue's copies), and undrains it; adds a node, or removes a member (one
+        // change at a time, while nothing else drains; at least three members stay).
+        let members = self.ids();
+        let quiet = self.meta.state.draining.is_empty();
+        if self.rng.per_mille(self.opts.drain_per_mille) && quiet && members.len() >= 4 {
+            let node = members[self.rng.below(members.len() as u64) as usize];
             self.meta.commit(MetaCommand::SetDraining {
                 node,
                 draining: true,
@@ -1490,8 +1725,14 @@ impl World {
             self.stats.drains += 1;
             self.event(format_args!("node {node} drained"));
         }
+        let removing = self.removing;
         if self.rng.per_mille(self.opts.undrain_per_mille)
-            && let Some(&node) = self.meta.state.draining.first()
+            && let Some(&node) = self
+                .meta
+                .state
+                .draining
+                .iter()
+                .find(|&&n| Some(n) != removing)
         {
             self.meta.commit(MetaCommand::SetDraining {
                 node,
@@ -1499,9 +1740,173 @@ impl World {
             });
             self.event(format_args!("node {node} undrained"));
         }
+        let quiet = self.meta.state.draining.is_empty();
+        if self.rng.per_mille(self.opts.join_per_mille) && quiet {
+            self.add_node();
+        }
+        if self.rng.per_mille(self.opts.remove_per_mille) && quiet && members.len() >= 4 {
+            let node = members[self.rng.below(members.len() as u64) as usize];
+            self.meta.commit(MetaCommand::SetDraining {
+                node,
+                draining: true,
+            });
+            self.removing = Some(node);
+            self.event(format_args!("removing node {node}: drained"));
+        }
         if self.rng.per_mille(self.opts.heal_per_mille) {
             self.cut.clear();
             self.event(format_args!("every link healed"));
+        }
+    }
+
+    // -- membership ---------------------------------------------------------------------------
+
+    /// `tether cluster add-node`: a spare node never a member is marked draining (no queue
+    /// goes to it before it is ready), added to the group, and started with nothing; it
+    /// undrains itself once its metadata caught up (`join.rs`; the simulation has no region
+    /// values to copy), then takes copies by spreading and primaries by handovers.
+    fn add_node(&mut self) {
+        let spare = self
+            .nodes
+            .iter()
+            .map(|n| n.id)
+            .find(|n| !self.meta.members.contains(n) && !self.removed.contains(n));
+        let Some(node) = spare.filter(|_| self.joining.is_none() && self.removing.is_none()) else {
+            return;
+        };
+        self.meta.commit(MetaCommand::SetDraining {
+            node,
+            draining: true,
+        });
+        let mut members = self.meta.members.clone();
+        members.insert(node);
+        self.meta.change_members(members.clone());
+        let (now, failure_ms) = (self.now, self.opts.failure_ms);
+        let n = &mut self.nodes[node.0 as usize];
+        n.up = true;
+        n.started_at = now;
+        n.barrier = None;
+        n.detector =
+            FailureDetector::new(members.into_iter().filter(|&m| m != node), now, failure_ms);
+        self.joining = Some(node);
+        self.event(format_args!("node {node} added"));
+    }
+
+    /// Moves the membership changes on, every step: a joining node undrains itself once
+    /// caught up; a member being removed is removed once the metadata makes it primary of
+    /// nothing (`remove-node`, which the operator repeats until it is not refused). A removed
+    /// member keeps running on its stale metadata until the operator stops it (at once once
+    /// faults stop).
+    fn membership_changes(&mut self) {
+        if let Some(node) = self.joining {
+            let n = &self.nodes[node.0 as usize];
+            if !self.meta.state.draining.contains(&node) {
+                self.joining = None;
+                self.stats.joined += 1;
+                self.event(format_args!("node {node} joined"));
+            } else if n.up && n.caught_up() && self.now.is_multiple_of(REBALANCE_INTERVAL_MS) {
+                let cmd = MetaCommand::SetDraining {
+                    node,
+                    draining: false,
+                };
+                self.propose(node.0 as usize, cmd);
+            }
+        }
+        if let Some(node) = self.removing
+            && self.meta.state.held_by(node).0 == 0
+        {
+            let mut members = self.meta.members.clone();
+            members.remove(&node);
+            self.meta.change_members(members);
+            self.removing = None;
+            self.removed.insert(node);
+            self.stats.removed += 1;
+            self.event(format_args!("node {node} removed"));
+            if !self.faults {
+                self.decommission(node.0 as usize);
+            }
+        }
+    }
+
+    /// A removal of a placement unanswered for the write's timeout is settled by a read barrier
+    /// (`placement::forget`): committed through the metadata service (so after anything the
+    /// node sent before), then applied here.
+    fn releases_settle(&mut self) {
+        let (now, end) = (self.now, self.meta.log.len() as u64);
+        for i in 0..self.nodes.len() {
+            let id = self.nodes[i].id;
+            let reaches_meta = self.linked(id, META) && self.linked(META, id);
+            let node = &mut self.nodes[i];
+            if !node.up {
+                continue;
+            }
+            node.releasing.retain(|_, (settle_by, barrier)| {
+                if now >= *settle_by && barrier.is_none() && reaches_meta {
+                    *barrier = Some(end);
+                }
+                barrier.is_none_or(|b| node.applied < b)
+            });
+        }
+    }
+
+    /// The operator stops a removed member: its data goes with it.
+    fn decommission(&mut self, i: usize) {
+        let node = &mut self.nodes[i];
+        let gone = |p: &Part| matches!(p.role, Role::None) && !p.core && p.store.epoch == 0;
+        if !node.up && node.parts.iter().all(gone) {
+            return;
+        }
+        node.up = false;
+        for part in &mut node.parts {
+            part.drop_all();
+        }
+        let id = node.id;
+        self.event(format_args!("node {id} stopped for good"));
+        for other in self.all_ids() {
+            self.connection_lost(other, id);
+        }
+    }
+
+    /// `q`'s client closes its queue on the primary the metadata names (`placement::forget`):
+    /// the node ends its queue at once, then asks the metadata to release the placement; the
+    /// write may fail (`commit` false: it is not retried), which leaves the queue placed there,
+    /// on a node that no longer holds it, with its copies still holding the ended queue. The
+    /// next hello places (or, placed still, starts) a new queue of the id.
+    fn release(&mut self, q: usize, commit: bool) {
+        let Some(i) = self.primary_of(q) else {
+            return;
+        };
+        let node = &self.nodes[i];
+        let part = &node.parts[q];
+        if !node.up || !matches!(part.role, Role::Primary { .. }) {
+            return;
+        }
+        let Some(p) = node
+            .view
+            .queues
+            .get(&queue_name(q))
+            .filter(|p| p.primary == node.id)
+        else {
+            return;
+        };
+        let cmd = MetaCommand::Release {
+            id: queue_name(q),
+            expected_epoch: p.epoch,
+        };
+        self.nodes[i].parts[q].drop_all();
+        let settle_by = self.now + FORWARD_TIMEOUT_MS;
+        self.nodes[i].releasing.insert(q, (settle_by, None));
+        // The client is told the queue is closed: what it held no longer binds anyone.
+        self.committed[q].clear();
+        self.client_acked[q] = 0;
+        self.incarnation[q] = 0;
+        self.stats.released += 1;
+        self.event(format_args!(
+            "q{q} closed on node {i} (release committed: {commit})"
+        ));
+        match commit {
+            true => self.propose(i, cmd),
+            false => self.stats.releases_lost += 1,
         }
     }
 
@@ -1538,6 +1943,9 @@ impl World {
         let Role::Primary { shipper, .. } = &mut part.role else {
             return;
         };
+        if part.incarnation != self.incarnation[q] {
+            return;
+        }
         let mut to = self.client_acked[q];
         if shipper.replicated_end() > shipper.acked() {
             to = to.max(
@@ -1571,6 +1979,9 @@ impl World {
         if p.primary != node.id || !matches!(part.role, Role::None) {
             return; // Redirected, or served by what the reconciler keeps in line.
         }
+        if node.releasing.contains_key(&q) {
+            return; // `unavailable`: the queue's placement is being removed here.
+        }
         let rival = (part.rival_epoch > 0).then_some((None, part.rival_epoch));
         // The read barrier returns once this node applied everything committed before it.
         let confirmed = node.applied == end;
@@ -1594,6 +2005,10 @@ impl World {
             placement_epoch: p.epoch,
         };
         self.stats.started_empty += 1;
+        // A new queue of the id (`QueueInfo::incarnation`).
+        self.next_incarnation += 1;
+        self.nodes[i].parts[q].incarnation = self.next_incarnation;
+        self.incarnation[q] = self.next_incarnation;
         self.event(format_args!("node {i} started q{q} empty at e{}", p.epoch));
     }
 
@@ -1603,12 +2018,29 @@ impl World {
     fn place(&mut self, q: usize) {
         let (now, name) = (self.now, queue_name(q));
         let i = self.rng.below(self.nodes.len() as u64) as usize;
-        let named = self.named();
         let node = &self.nodes[i];
         let placed_here = node.view.queues.contains_key(&name);
         if !node.up || !node.caught_up() || placed_here || node.view.draining.contains(&node.id) {
             return; // Refused, redirected, or served by the placement's primary.
         }
+        // `placement::drop_ended_copy`: a copy of an ended queue of the id goes first.
+        if let Role::Copy { replica, placed_at } = &node.parts[q].role {
+            let step = reconcile::copy_step(
+                None,
+                node.id,
+                replica.epoch(),
+                *placed_at,
+                node.applied,
+                node.caught_up(),
+            );
+            if step != CopyStep::Drop {
+                return; // `unavailable`: retry.
+            }
+            self.nodes[i].parts[q].drop_all();
+            self.stats.copies_dropped += 1;
+        }
+        let named = self.named(i);
+        let node = &self.nodes[i];
         let redundancy = self.redundancy[q];
         let live = |n| node.detector.is_live(n, now);
         let draining = &node.view.draining;
@@ -1689,6 +2121,7 @@ impl World {
     fn crash(&mut self, i: usize) {
         let node = &mut self.nodes[i];
         node.up = false;
+        node.releasing.clear();
         for part in &mut node.parts {
             part.pending.clear();
             part.role = Role::None;
@@ -1697,7 +2130,7 @@ impl World {
         self.event(format_args!("node {i} crashed"));
         let id = self.nodes[i].id;
         self.note(0xdead_0000 | id.0);
-        for other in self.ids() {
+        for other in self.all_ids() {
             self.connection_lost(other, id);
         }
     }
@@ -1724,14 +2157,13 @@ impl World {
     /// recovers.
     fn restart(&mut self, i: usize) {
         let now = self.now;
-        let ids = self.ids();
         let node = &mut self.nodes[i];
         let me = node.id;
         node.up = true;
         node.started_at = now;
         node.barrier = None;
         node.detector = FailureDetector::new(
-            ids.into_iter().filter(|&n| n != me),
+            node.members.iter().copied().filter(|&n| n != me),
             now,
             self.opts.failure_ms,
         );
@@ -1768,6 +2200,9 @@ impl World {
                 let Role::Primary { shipper, .. } = &part.role else {
                     continue;
                 };
+                if part.incarnation != self.incarnation[q] {
+                    continue; // A queue of the id that ended (its primary not told yet).
+                }
                 let end = shipper.replicated_end();
                 assert!(
                     end >= part.last_replicated_end,
@@ -1832,8 +2267,12 @@ impl World {
                     );
                 }
             }
-            // 2. Stores agree with what was committed, in its epoch.
+            // 2. Stores agree with what was committed, in its epoch (stores of the current queue
+            // of the id: one of an ended queue, not dropped yet, holds other entries).
             for node in &self.nodes {
+                if node.parts[q].incarnation != self.incarnation[q] {
+                    continue;
+                }
                 let store = &node.parts[q].store;
                 store.check(node.id);
                 let end = store.log.end();

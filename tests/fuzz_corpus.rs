@@ -681,6 +681,7 @@ mod findings {
                 copy: None,
                 copy_through: Default::default(),
                 copy_seen: Default::default(),
+                incarnation: 0,
             })
             .unwrap()
         };

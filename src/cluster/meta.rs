@@ -168,6 +168,33 @@ impl MetaCommand {
         }
     }
 
+    /// Whether every node the command gives a queue to (a primary or a copy: `Place`,
+    /// `Promote`, `Handover`, `SetSecondaries`) is a member (`is_member`). A member removed
+    /// while its metadata lagged (it never applied its draining mark) still places queues on
+    /// itself on its stale view, and its writes, forwarded to the leader, would commit: a
+    /// queue placed there is on a node the failure detector no longer watches, for good.
+    /// The leader refuses such a forwarded write (`network.rs`).
+    pub fn places_on_members_only(&self, is_member: impl Fn(NodeId) -> bool) -> bool {
+        match self {
+            MetaCommand::Place {
+                primary,
+                secondaries,
+                ..
+            } => is_member(*primary) && secondaries.iter().all(|&n| is_member(n)),
+            MetaCommand::SetSecondaries { secondaries, .. } => {
+                secondaries.iter().all(|&n| is_member(n))
+            }
+            MetaCommand::Promote { new_primary, .. }
+            | MetaCommand::Handover { new_primary, .. } => is_member(*new_primary),
+            MetaCommand::Synced { .. }
+            | MetaCommand::Expire { .. }
+            | MetaCommand::Release { .. }
+            | MetaCommand::NodeFailed { .. }
+            | MetaCommand::Barrier
+            | MetaCommand::SetDraining { .. } => true,
+        }
+    }
+
     /// Checks the command's sizes before it is proposed: a durable id of 1 to
     /// [`DURABLE_ID_BYTES_MAX`](crate::limits::DURABLE_ID_BYTES_MAX) bytes, at most
     /// [`REDUNDANCY_MAX`] secondaries. Every command in the log is then small.
@@ -473,6 +500,33 @@ mod tests {
             redundancy: secondaries.len() as u8,
             timeout_ms: 60_000,
         }
+    }
+
+    #[test]
+    fn a_command_giving_a_queue_to_a_non_member_is_told() {
+        let (n1, n2, gone) = (NodeId(1), NodeId(2), NodeId(9));
+        let member = |n: NodeId| n != gone;
+        assert!(place("q", n1, &[n2]).places_on_members_only(member));
+        assert!(!place("q", gone, &[n2]).places_on_members_only(member));
+        assert!(!place("q", n1, &[gone]).places_on_members_only(member));
+        let promote = |new_primary| MetaCommand::Promote {
+            id: "q".into(),
+            expected_epoch: 3,
+            new_primary,
+        };
+        assert!(promote(n2).places_on_members_only(member));
+        assert!(!promote(gone).places_on_members_only(member));
+        let set = MetaCommand::SetSecondaries {
+            id: "q".into(),
+            expected_epoch: 3,
+            secondaries: vec![n2, gone],
+        };
+        assert!(!set.places_on_members_only(member));
+        let failed = MetaCommand::NodeFailed { node: gone };
+        assert!(
+            failed.places_on_members_only(member),
+            "forgetting one is no placement"
+        );
     }
 
     #[test]

@@ -876,6 +876,15 @@ pub async fn serve_peer(
     }
 }
 
+/// Whether `cmd` gives queues only to members of the group as this node knows it (its latest
+/// membership, committed or not: a member being removed counts as gone).
+fn places_on_members(raft: &Raft, cmd: &MetaCommand) -> bool {
+    let metrics = raft.metrics();
+    let metrics = metrics.borrow();
+    let membership = metrics.membership_config.membership();
+    cmd.places_on_members_only(|n| membership.get_node(&n).is_some())
+}
+
 async fn dispatch(
     raft: &Raft,
     sink: Option<&dyn PublishSink>,
@@ -888,6 +897,11 @@ async fn dispatch(
             PeerResponse::InstallSnapshot(raft.install_snapshot(r).await)
         }
         PeerRequest::Write(cmd) => match cmd.validate() {
+            Ok(()) if !places_on_members(raft, &cmd) => PeerResponse::BadRequest(
+                "metadata command refused: it gives a queue to a node that is not a member \
+                 (removed while its metadata lagged?)"
+                    .into(),
+            ),
             Ok(()) => PeerResponse::Write(raft.client_write(cmd).await),
             Err(e) => PeerResponse::BadRequest(format!("metadata command refused: {e}")),
         },

@@ -155,6 +155,20 @@ pub fn promotes(p: &Placement, me: NodeId, copy_epoch: u64) -> bool {
     p.primary == me && p.epoch > copy_epoch
 }
 
+/// Whether a copy of a queue whose incarnation is `held` (`QueueInfo::incarnation`) holds
+/// another queue than the one its primary now ships, of incarnation `shipped`: the queue
+/// copied ended (closed, expired) and its durable id was placed again, maybe on the same
+/// member at the same placement epoch, before this node dropped the copy. Its entries share
+/// offsets and even epochs with the new queue's, so the replica would take them for the new
+/// queue's and acknowledge what it does not hold: the copy is replaced by a new one. An
+/// incarnation of 0 is unknown (a queue created before they were recorded): a primary
+/// shipping 0 is not told apart from anything (the queue may have passed through a member of
+/// an older build, which drops the field), while a copy holding 0 of a queue that now ships
+/// one holds an older queue (incarnations are only given when a queue is created).
+pub fn copy_of_another_queue(held: u64, shipped: u64) -> bool {
+    shipped != 0 && held != shipped
+}
+
 /// Whether this node (`me`) may take `p`'s queue over at its client's request (client-managed
 /// failover, once the primary does not answer it either): it is a secondary that is not
 /// syncing, so it holds everything the queue may have delivered.
@@ -877,6 +891,21 @@ mod tests {
         );
         assert_eq!(step(None, 39), Keep);
         assert_eq!(step(None, 40), Drop);
+    }
+
+    #[test]
+    fn a_copy_of_another_queue_of_the_id_is_told_apart_only_by_known_incarnations() {
+        assert!(!copy_of_another_queue(7, 7), "the same queue");
+        assert!(copy_of_another_queue(7, 9), "the id placed again");
+        assert!(
+            copy_of_another_queue(0, 9),
+            "a copy from before incarnations"
+        );
+        assert!(
+            !copy_of_another_queue(7, 0),
+            "a primary that does not say (an older build in the queue's past)"
+        );
+        assert!(!copy_of_another_queue(0, 0));
     }
 
     #[test]

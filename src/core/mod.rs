@@ -149,6 +149,11 @@ pub struct QueueInfo {
     /// the queue (`Queue::seen`). Never shipped.
     #[serde(default, skip_serializing_if = "HashMap::is_empty")]
     pub copy_seen: SeenEvents,
+    /// Which queue of its durable id this is (see [`Queue::incarnation`]); 0 for a queue
+    /// created before incarnations were recorded. Shipped: a copy of another queue of the same
+    /// id is replaced, not continued (`control::reconcile::copy_of_another_queue`).
+    #[serde(default)]
+    pub incarnation: u64,
 }
 
 /// Where a queue's client is.
@@ -189,6 +194,12 @@ pub struct Queue {
     pub prior_runs: Vec<EpochStart>,
     /// See [`QueueInfo::promoted_at`].
     pub promoted_at: Offset,
+    /// Tells this queue from every other queue its durable id had or will have (one closed
+    /// or expired, then the id placed again): a hash of the node that created it, its queue
+    /// id there and that node's start time, never 0; kept through promotions and handovers.
+    /// Offsets and epochs alone cannot tell them apart: a new queue placed on the same
+    /// member, at the same placement epoch, starts again at offset 0.
+    pub incarnation: u64,
     /// Bytes of the entries waiting, for the byte limit.
     pub bytes: QueueBytes,
     /// On a queue promoted here (cluster failover): per publisher, the highest event sequence
@@ -357,6 +368,7 @@ impl Queue {
             copy: None,
             copy_through: BTreeMap::new(),
             copy_seen: HashMap::new(),
+            incarnation: self.incarnation,
         }
     }
 
@@ -780,6 +792,10 @@ pub struct NodeCore {
     /// Pass-1 matches of a publish: (op index, queue, wants values).
     match_scratch: Vec<(usize, QueueId, bool)>,
     limits: Limits,
+    /// When this core was recovered (wall ms; 0 for a new core): with the node id and queue
+    /// id, what makes each queue's [`Queue::incarnation`] unique, even after a node lost its
+    /// data directory and allocates queue ids from 1 again.
+    started_ms: u64,
 }
 
 impl NodeCore {
@@ -800,6 +816,7 @@ impl NodeCore {
             scratch: BTreeMap::new(),
             match_scratch: Vec::new(),
             limits: Limits::default(),
+            started_ms: 0,
         }
     }
 
@@ -816,6 +833,7 @@ impl NodeCore {
         mut entry_bytes: impl FnMut(QueueId, Offset, Offset) -> Result<u64, StorageError>,
     ) -> Result<(Self, Batch), RecoveryError> {
         let mut core = NodeCore::new(node_id);
+        core.started_ms = now_ms;
         let read_u64 = |key: &'static str| -> Result<Option<u64>, RecoveryError> {
             match state(key)? {
                 None => Ok(None),
@@ -914,6 +932,7 @@ impl NodeCore {
             deliver_cap: None,
             prior_runs: info.prior_runs.clone(),
             promoted_at: info.promoted_at,
+            incarnation: info.incarnation,
             bytes,
             // A promoted queue's, as stored (see `Queue::info`).
             seen: (!info.copy_seen.is_empty()).then(|| Box::new(info.copy_seen)),
@@ -1324,6 +1343,12 @@ impl NodeCore {
         batch: &mut Batch,
     ) -> QueueId {
         let id = self.alloc_queue(batch);
+        let incarnation = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::hash::DefaultHasher::new();
+            (&self.node_id, self.started_ms, id).hash(&mut h);
+            h.finish().max(1)
+        };
         let mut q = Queue {
             id,
             durable_id,
@@ -1342,6 +1367,7 @@ impl NodeCore {
             deliver_cap: None,
             prior_runs: Vec::new(),
             promoted_at: 0,
+            incarnation,
             bytes: QueueBytes::default(),
             seen: None,
             held_through: None,
@@ -2354,6 +2380,7 @@ mod tests {
             copy: None,
             copy_through: BTreeMap::from([("a".to_string(), 9)]),
             copy_seen: HashMap::from([("b".to_string(), HashMap::from([(7, 4)]))]),
+            incarnation: 17,
         };
         let meta = QueueMeta {
             info: encode_body(&info).unwrap(),

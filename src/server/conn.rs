@@ -705,6 +705,18 @@ async fn connect(
     for _ in 0..TAKEOVER_ATTEMPTS_MAX {
         let attempt = {
             let mut core = shared.core();
+            // A queue of the id ended here and its placement is being removed: a new queue
+            // would lose that placement when the removal commits (`placement::forget`).
+            if let (Some(d), Some(_)) = (durable, placed)
+                && core.durable_queue(&d.id).is_none()
+                && shared.member.releasing.contains(&d.id)
+            {
+                return Err(WireError::new(
+                    ErrorCode::Unavailable,
+                    "this durable id's queue just ended here and its placement is being \
+                     removed; retry",
+                ));
+            }
             match core.connect_as(durable, principal) {
                 Ok(mut c) => {
                     let mut batch = std::mem::take(&mut c.batch);

@@ -19,7 +19,9 @@
 //! metadata does not name as the queue's primary is refused
 //! (`control::reconcile::shipped_by_non_primary`), or, from a primary the metadata here
 //! deposed since the placement it shipped under, answered `Fenced` with the newer epoch
-//! (`control::reconcile::deposed_sender`): it never gets a new copy here.
+//! (`control::reconcile::deposed_sender`): it never gets a new copy here. A copy of a queue
+//! that ended, whose durable id was placed again, is replaced when the new queue is first
+//! shipped to it (`control::reconcile::copy_of_another_queue`, by `QueueInfo::incarnation`).
 
 use crate::bug::LockExt;
 use std::collections::HashMap;
@@ -245,6 +247,29 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
         }
     };
     let placed_at = msg.placement_epoch.max(epoch);
+    if let Some(info) = &info
+        && let Some(held) = shared.member.copies.get(&msg.durable_id)
+    {
+        let mut copy = held.lock().await;
+        if !copy.gone
+            && crate::control::reconcile::copy_of_another_queue(
+                copy.info.incarnation,
+                info.incarnation,
+            )
+        {
+            // The queue copied ended and its id was placed again: a new copy starts below.
+            if !drop_copy(shared, &msg.durable_id, &mut copy).await {
+                return PeerResponse::Replicated(None);
+            }
+            metrics::counter!(m::REPLICATION_COPIES_OF_ANOTHER_QUEUE).increment(1);
+            tracing::warn!(
+                durable_id = %msg.durable_id,
+                held = copy.info.incarnation,
+                shipped = info.incarnation,
+                "the copy held an ended queue of this durable id: replaced by the new queue's"
+            );
+        }
+    }
     let cell = match &info {
         Some(info) => match copy_for(shared, &msg.durable_id, info, placed_at).await {
             Ok(c) => c,
@@ -405,6 +430,20 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
 
 /// The copy of `id`, started (empty, with a queue id of its own) on the first message, which
 /// its primary shipped under placement epoch `placed_at`.
+/// Drops the copy of `id` (`copy`, locked): its entries go, and it leaves the map (later
+/// messages for it are ignored). False if the write failed: the copy stays.
+pub(crate) async fn drop_copy(shared: &Arc<Shared>, id: &str, copy: &mut Copy) -> bool {
+    let mut batch = Batch::new();
+    batch.drop_queue(copy.qid);
+    if shared.apply(|_| Ok(((), batch))).await.is_err() {
+        return false;
+    }
+    copy.gone = true;
+    shared.member.copies.remove(id);
+    shared.recent_forwards().copy_gone(id);
+    true
+}
+
 async fn copy_for(
     shared: &Arc<Shared>,
     id: &str,
@@ -542,6 +581,7 @@ mod tests {
             }),
             copy_through: Default::default(),
             copy_seen: seen.clone(),
+            incarnation: 5,
         };
         // As stored with a write of the copy, and read back at start.
         let info: QueueInfo = decode_body(&encode_body(&info).unwrap()).unwrap();

@@ -848,12 +848,7 @@ async fn reconcile(shared: &Arc<Shared>, cluster: &Arc<Cluster>) {
             continue; // Kept, or promoted by the next round.
         }
         // Not ours any more (expired, released, or another replica set): drop it.
-        let mut batch = tether_storage::Batch::new();
-        batch.drop_queue(copy.qid);
-        if shared.apply(|_| Ok(((), batch))).await.is_ok() {
-            copy.gone = true;
-            shared.member.copies.remove(&id);
-            shared.recent_forwards().copy_gone(&id);
+        if super::copies::drop_copy(shared, &id, &mut copy).await {
             tracing::info!(durable_id = %id, "dropped a copy this node no longer holds");
         }
     }

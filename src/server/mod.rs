@@ -202,6 +202,8 @@ pub(crate) struct Member {
     pub(crate) copies: copies::Copies,
     /// Durable hellos between placing and attaching (`placement.rs`).
     pub(crate) placing: placement::Placing,
+    /// Durable ids whose placement this node is removing (`placement::forget`).
+    pub(crate) releasing: placement::Releasing,
     /// Queues this node ships to their secondaries (clustered nodes).
     pub(crate) shipping: shipping::Shipping,
     /// When each member last answered (clustered nodes).
@@ -1255,6 +1257,7 @@ impl Shared {
                 forwarding: recovered.forwarding,
                 copies: recovered.copies,
                 placing: Default::default(),
+                releasing: Default::default(),
                 shipping: shipping::Shipping::default(),
                 liveness: failover::Liveness::new(Duration::from_millis(config.node_failure_ms)),
                 recent: Mutex::new(recovered.recent),

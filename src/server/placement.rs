@@ -23,6 +23,10 @@
 //!   its next hello; a node that has not applied that far waits for its metadata (at most
 //!   [`REDIRECT_CATCH_UP_MS`]) or answers `unavailable`, and never redirects by an older
 //!   placement: so redirects converge (`control::reconcile::redirect_catch_up`).
+//! - A queue that ends here (close, expiry, drop) has its placement removed ([`forget`]); until
+//!   that removal is settled no new queue of the id starts here ([`Releasing`]), or a late
+//!   removal would take the new queue's placement away. Found by the whole-cluster simulation
+//!   (`tests/cluster_sim.rs`, seed 6 of the version that first closed queues).
 
 use crate::bug::LockExt;
 use std::collections::HashMap;
@@ -94,6 +98,40 @@ pub(crate) fn release_unused(shared: &Arc<Shared>, guard: &PlacingGuard<'_>) {
     }
 }
 
+/// Drops this node's copy of `id`, a queue the metadata no longer places
+/// (`control::reconcile::copy_step` says `Drop`), before a new queue of the id is placed
+/// here. A copy shipped under a placement the metadata here has not applied yet cannot be
+/// judged: the hello is told `unavailable` (retry).
+async fn drop_ended_copy(
+    shared: &Arc<Shared>,
+    cluster: &Cluster,
+    id: &str,
+) -> Result<(), WireError> {
+    let Some(cell) = shared.member.copies.get(id) else {
+        return Ok(());
+    };
+    let mut copy = cell.lock().await;
+    if copy.gone {
+        return Ok(());
+    }
+    let step = reconcile::copy_step(
+        cluster.placement(id).as_ref(),
+        cluster.id(),
+        copy.replica.epoch(),
+        copy.placed_at,
+        cluster.applied_index(),
+        *shared.member.meta_caught_up.borrow(),
+    );
+    if step == reconcile::CopyStep::Drop && super::copies::drop_copy(shared, id, &mut copy).await {
+        tracing::info!(durable_id = %id, "dropped a copy of an ended queue before placing the id here");
+        return Ok(());
+    }
+    Err(WireError::new(
+        ErrorCode::Unavailable,
+        "this node still holds a copy of an ended queue of this durable id; retry",
+    ))
+}
+
 /// Longest wait of a redirected hello for this node's metadata to apply the epoch the
 /// redirect named, in milliseconds; it is refused with `unavailable` after it.
 pub const REDIRECT_CATCH_UP_MS: u64 = 1_000;
@@ -151,6 +189,9 @@ pub(crate) async fn place_durable(
         None => {
             // A queue left here from before the queue moved (this node was down) and ended.
             super::failover::drop_unplaced(shared, cluster, &d.id).await;
+            // A copy of an ended queue of the id, not dropped yet: placed here, the new queue
+            // would be that copy promoted (the closed queue's events back).
+            drop_ended_copy(shared, cluster, &d.id).await?;
             // Expired on whichever node held it: this connection must say `expired` once, to
             // the id's owner only (checked before anything is placed).
             let (expired, owner) = cluster.read(|s| {
@@ -370,6 +411,12 @@ pub(crate) enum Ended {
 /// or by a close or drop (`ended`). Runs in the background;
 /// a failed removal is not retried yet and only means the next client with this id is sent
 /// here, where it starts a new queue.
+///
+/// Until the removal is settled (committed, refused, or, unanswered, known not to commit
+/// after a read barrier), no new queue of the id starts here ([`Releasing`]): a removal that
+/// commits late would take the new queue's placement away, and the queue with it (what its
+/// client was acknowledged included). A new queue that started before the mark keeps the
+/// placement: nothing is removed.
 pub(crate) fn forget(shared: &Arc<Shared>, id: &str, ended: Ended) {
     let Some(cluster) = shared.member.cluster.get().cloned() else {
         return;
@@ -380,7 +427,14 @@ pub(crate) fn forget(shared: &Arc<Shared>, id: &str, ended: Ended) {
     if p.primary != cluster.id() {
         return;
     }
+    let mark = shared.member.releasing.mark(id);
+    if shared.core().durable_queue(id).is_some() {
+        // A new queue of the id started here since this one ended: its placement stays.
+        shared.member.releasing.settled(id, mark);
+        return;
+    }
     let id = id.to_string();
+    let shared = shared.clone();
     tokio::spawn(async move {
         let cmd = match ended {
             Ended::Expired { owner } => MetaCommand::Expire {
@@ -395,6 +449,47 @@ pub(crate) fn forget(shared: &Arc<Shared>, id: &str, ended: Ended) {
         };
         if let Err(e) = cluster.write(cmd).await {
             tracing::warn!(durable_id = %id, error = %e, "could not remove the queue's placement");
+            // It may still commit: a read barrier settles it either way.
+            while cluster.barrier().await.is_err() {
+                tokio::time::sleep(Duration::from_millis(RELEASE_SETTLE_RETRY_MS)).await;
+            }
         }
+        shared.member.releasing.settled(&id, mark);
     });
+}
+
+/// Pause between read barriers that settle an unanswered removal of a placement
+/// ([`forget`]), in milliseconds.
+pub const RELEASE_SETTLE_RETRY_MS: u64 = 1_000;
+
+/// Durable ids whose queue ended on this node while the removal of their placement is not
+/// settled ([`forget`]): no new queue of the id starts here meanwhile (the hello is told
+/// `unavailable`, retry). Each mark has a generation, so an older removal that settles last
+/// does not lift a newer one's mark.
+#[derive(Default)]
+pub(crate) struct Releasing {
+    marks: Mutex<HashMap<String, u64>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl Releasing {
+    /// Marks `id`; returns the mark's generation, for [`settled`](Self::settled).
+    fn mark(&self, id: &str) -> u64 {
+        let generation = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.marks.lock_or_stop().insert(id.to_string(), generation);
+        generation
+    }
+
+    /// Lifts mark `generation` of `id`, unless a newer one replaced it.
+    fn settled(&self, id: &str, generation: u64) {
+        let mut marks = self.marks.lock_or_stop();
+        if marks.get(id) == Some(&generation) {
+            marks.remove(id);
+        }
+    }
+
+    /// Whether the removal of `id`'s placement is under way here.
+    pub(crate) fn contains(&self, id: &str) -> bool {
+        self.marks.lock_or_stop().contains_key(id)
+    }
 }
