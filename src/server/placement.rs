@@ -434,7 +434,7 @@ pub(crate) fn forget(shared: &Arc<Shared>, id: &str, ended: Ended) {
         return;
     }
     let id = id.to_string();
-    let shared = shared.clone();
+    let weak = Arc::downgrade(shared);
     tokio::spawn(async move {
         let cmd = match ended {
             Ended::Expired { owner } => MetaCommand::Expire {
@@ -451,10 +451,15 @@ pub(crate) fn forget(shared: &Arc<Shared>, id: &str, ended: Ended) {
             tracing::warn!(durable_id = %id, error = %e, "could not remove the queue's placement");
             // It may still commit: a read barrier settles it either way.
             while cluster.barrier().await.is_err() {
+                if weak.strong_count() == 0 {
+                    return; // The node stopped.
+                }
                 tokio::time::sleep(Duration::from_millis(RELEASE_SETTLE_RETRY_MS)).await;
             }
         }
-        shared.member.releasing.settled(&id, mark);
+        if let Some(shared) = weak.upgrade() {
+            shared.member.releasing.settled(&id, mark);
+        }
     });
 }
 
