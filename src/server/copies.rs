@@ -428,8 +428,6 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
     PeerResponse::Replicated(reply)
 }
 
-/// The copy of `id`, started (empty, with a queue id of its own) on the first message, which
-/// its primary shipped under placement epoch `placed_at`.
 /// Drops the copy of `id` (`copy`, locked): its entries go, and it leaves the map (later
 /// messages for it are ignored). False if the write failed: the copy stays.
 pub(crate) async fn drop_copy(shared: &Arc<Shared>, id: &str, copy: &mut Copy) -> bool {
@@ -444,6 +442,8 @@ pub(crate) async fn drop_copy(shared: &Arc<Shared>, id: &str, copy: &mut Copy) -
     true
 }
 
+/// The copy of `id`, started (empty, with a queue id of its own) on the first message, which
+/// its primary shipped under placement epoch `placed_at`.
 async fn copy_for(
     shared: &Arc<Shared>,
     id: &str,
