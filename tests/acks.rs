@@ -8,7 +8,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{TestNode, WAIT};
-use tether::client::{AckMode, ClientError, ClientEvent, Event, EventStream, Interest};
+use tether::client::{
+    AckMode, ClientError, ClientEvent, Event, EventStream, Interest, StreamBatch,
+};
+use tether::protocol::EventOp;
 
 const REGION: &str = "R";
 
@@ -174,6 +177,115 @@ async fn a_restarted_client_with_its_checkpoint_gets_no_event_twice() {
     // The acks, the checkpoint's included, reached the server: nothing waits.
     let q = n.queue("ledger").expect("kept");
     assert_eq!(q.pending, 0, "{q:?}");
+}
+
+/// The next events as a batch read in place (a live marker or other item fails the test).
+async fn next_events(events: &mut EventStream) -> tether::client::EventBatch {
+    match tokio::time::timeout(WAIT, events.next_batch()).await {
+        Ok(Some(StreamBatch::Events(b))) => b,
+        other => panic!("expected events, got {other:?}"),
+    }
+}
+
+/// Batches read in place (`EventStream::next_batch`) carry what `next` yields, mixed with it
+/// in any order, and count as processed the same way: a backlog replayed over many delivery
+/// frames, taken partly event by event and partly in batches, then closed; the reconnected
+/// client gets exactly the rest (manual acks, batches acked at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_read_in_place_carry_and_ack_what_events_do() {
+    const TOTAL: u32 = 3_000;
+    const TAKE_AT_LEAST: u64 = 2_000;
+    let n = TestNode::start().await;
+    let c = n.builder().durable("batches", 300).connect().await.unwrap();
+    c.region(REGION)
+        .register(Interest::all_keys())
+        .await
+        .unwrap();
+    c.ready_for_events().await.unwrap();
+    c.close(true).await.unwrap();
+    n.put_many(REGION, 0..TOTAL).await;
+
+    let c = n.builder().durable("batches", 300).connect().await.unwrap();
+    assert_eq!(c.pending(), Some(u64::from(TOTAL)));
+    let mut events = c.events().unwrap();
+    c.ready_for_events().await.unwrap();
+    // (offset, key, value) of each event taken, in the order taken.
+    let mut taken: Vec<(u64, String, Vec<u8>)> = Vec::new();
+    let mut batches = 0;
+    while (taken.len() as u64) < TAKE_AT_LEAST {
+        // A few events one by one (the rest of their batch comes next, from `next_batch`).
+        for _ in 0..3 {
+            let e = next_entry(&mut events).await.expect("event");
+            assert!(e.replayed && !e.possible_duplicate, "{e:?}");
+            taken.push((e.offset, e.key, e.value.expect("a value")));
+        }
+        let b = next_events(&mut events).await;
+        assert!(!b.is_empty());
+        assert_eq!(b.len(), b.iter().len());
+        for v in b.iter() {
+            assert!(v.replayed && !v.possible_duplicate, "{v:?}");
+            assert_eq!(v.op, EventOp::Create);
+            assert_eq!(v.region, REGION);
+            assert_eq!(v.to_event().key, v.key);
+            taken.push((
+                v.offset,
+                v.key.to_owned(),
+                v.value.expect("a value").to_vec(),
+            ));
+        }
+        assert_eq!(b.last_offset(), taken.last().map(|t| t.0));
+        batches += 1;
+    }
+    assert!(batches > 1, "the backlog came in several batches");
+    for (i, (offset, key, value)) in taken.iter().enumerate() {
+        assert_eq!(
+            *offset,
+            taken[0].0 + i as u64,
+            "offsets in order, none skipped"
+        );
+        assert_eq!(key, &format!("key-{i}"));
+        assert_eq!(value, format!("v-{i}").as_bytes());
+    }
+    events.commit();
+    c.close(true).await.unwrap();
+    let done = taken.len() as u64;
+    assert_eq!(
+        n.queue("batches").expect("kept").pending,
+        u64::from(TOTAL) - done
+    );
+
+    // The rest, in batches, acked by hand.
+    let c = n
+        .builder()
+        .durable("batches", 300)
+        .ack_mode(AckMode::Manual)
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(c.pending(), Some(u64::from(TOTAL) - done));
+    let mut events = c.events().unwrap();
+    c.ready_for_events().await.unwrap();
+    let acker = events.acker().unwrap();
+    let mut next_key = done;
+    while next_key < u64::from(TOTAL) {
+        let b = next_events(&mut events).await;
+        for v in b.iter() {
+            assert_eq!(
+                v.key,
+                format!("key-{next_key}"),
+                "the rest, from where it stopped"
+            );
+            next_key += 1;
+        }
+        let offsets: Vec<u64> = b.offsets().collect();
+        assert_eq!(acker.ack_many(&offsets).unwrap(), b.last_offset().unwrap());
+    }
+    match tokio::time::timeout(WAIT, events.next_batch()).await {
+        Ok(Some(StreamBatch::Other(ClientEvent::Live { .. }))) => {}
+        other => panic!("expected the live marker, got {other:?}"),
+    }
+    c.close(true).await.unwrap();
+    assert_eq!(n.queue("batches").expect("kept").pending, 0);
 }
 
 /// Bad input: each gets one clear error and changes nothing the server holds.

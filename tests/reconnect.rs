@@ -12,7 +12,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use common::ServerProc;
-use tether::client::{AckMode, ClientBuilder, ClientEvent, Event, Interest, Subscription};
+use tether::client::{
+    AckMode, ClientBuilder, ClientEvent, Event, Interest, StreamBatch, Subscription,
+};
 use tether::protocol::QueueStatus;
 
 /// Bound on waiting for one event across an outage (detection, down time, backoff).
@@ -225,6 +227,72 @@ async fn survives(stop: Stop, down: Duration) {
     }
     durable.close(false).await.expect("close");
     plain.close(false).await.expect("close");
+}
+
+/// `Subscription::next_batch` across a killed and restarted server: the events in batches
+/// read in place, the loss and the reconnection as the batches' other items, and nothing the
+/// application processed shown twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_across_a_restart_show_everything_once() {
+    let mut server = Server::start();
+    let mut sub = server
+        .builder()
+        .durable("batched", 300)
+        .subscribe([(REGION.to_string(), Interest::all_keys())])
+        .await
+        .expect("durable subscription");
+    let mut keys: Vec<String> = Vec::new();
+    let (mut lost, mut back) = (false, false);
+    let take = async |sub: &mut Subscription, keys: &mut Vec<String>| match tokio::time::timeout(
+        OUTAGE_WAIT,
+        sub.next_batch(),
+    )
+    .await
+    .expect("an item")
+    .expect("the subscription goes on")
+    {
+        StreamBatch::Events(b) => {
+            for v in b.iter() {
+                assert!(!v.possible_duplicate, "{v:?}");
+                keys.push(v.key.to_owned());
+            }
+            None
+        }
+        StreamBatch::Other(ClientEvent::Live { .. }) => None,
+        StreamBatch::Other(other) => Some(other),
+    };
+    server.put_range(0..BEFORE).await;
+    while keys.len() < BEFORE as usize {
+        assert!(take(&mut sub, &mut keys).await.is_none());
+    }
+    sub.commit();
+    sub.client().expect("connected").ack_now().await.unwrap();
+    server.stop(Stop::Kill);
+    while !lost {
+        match take(&mut sub, &mut keys).await {
+            Some(ClientEvent::Disconnected { .. }) => lost = true,
+            None => {}
+            Some(other) => panic!("expected the loss, got {other:?}"),
+        }
+    }
+    server.restart();
+    while !back {
+        match take(&mut sub, &mut keys).await {
+            Some(ClientEvent::Reconnected { queue, .. }) => {
+                assert_eq!(queue, QueueStatus::Resumed);
+                back = true;
+            }
+            None => {}
+            Some(other) => panic!("expected the reconnection, got {other:?}"),
+        }
+    }
+    server.put_range(BEFORE..BEFORE + AFTER).await;
+    while keys.len() < (BEFORE + AFTER) as usize {
+        assert!(take(&mut sub, &mut keys).await.is_none());
+    }
+    let expected: Vec<String> = (0..BEFORE + AFTER).map(|i| format!("k-{i}")).collect();
+    assert_eq!(keys, expected, "every event once, in order");
+    sub.close(false).await.expect("close");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -66,7 +66,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tether::client::{Client, ClientBuilder, ClientEvent, Interest};
+use tether::client::{Client, ClientBuilder, ClientEvent, Interest, StreamBatch};
 use tether::config::ServerConfig;
 use tether::protocol::{PublishAck, PublishOp, ResultPolicy};
 use tether::server::Node;
@@ -945,6 +945,13 @@ struct Replay {
     bytes: u64,
 }
 
+/// Whether replays take owned events one by one (`EventStream::next`, with
+/// TETHER_BENCH_REPLAY_API=events) instead of the default: batches read in place
+/// (`EventStream::next_batch`), as an application that wants the replay's speed does.
+fn replay_api_events() -> bool {
+    std::env::var("TETHER_BENCH_REPLAY_API").as_deref() == Ok("events")
+}
+
 /// Events between two updates of the replay's progress bar.
 const REPLAY_PROGRESS_EVENTS: u64 = 16_384;
 
@@ -960,14 +967,31 @@ async fn replay(builder: &ClientBuilder, id: &str, expect: u64) -> Replay {
     let t = Instant::now();
     c.ready_for_events().await.unwrap();
     let (mut first, mut count, mut bytes) = (None, 0u64, 0u64);
-    while let ClientEvent::Event(e) = events.next().await.expect("stream open") {
-        if first.is_none() {
-            first = Some(t.elapsed());
+    if replay_api_events() {
+        while let ClientEvent::Event(e) = events.next().await.expect("stream open") {
+            if first.is_none() {
+                first = Some(t.elapsed());
+            }
+            count += 1;
+            bytes += e.value.as_ref().map_or(0, |v| v.len() as u64);
+            if count.is_multiple_of(REPLAY_PROGRESS_EVENTS) {
+                bar.set_position(count);
+            }
         }
-        count += 1;
-        bytes += e.value.as_ref().map_or(0, |v| v.len() as u64);
-        if count.is_multiple_of(REPLAY_PROGRESS_EVENTS) {
-            bar.set_position(count);
+    } else {
+        let mut shown = 0u64;
+        while let StreamBatch::Events(batch) = events.next_batch().await.expect("stream open") {
+            if first.is_none() {
+                first = Some(t.elapsed());
+            }
+            for e in batch.iter() {
+                count += 1;
+                bytes += e.value.map_or(0, |v| v.len() as u64);
+            }
+            if count - shown >= REPLAY_PROGRESS_EVENTS {
+                bar.set_position(count);
+                shown = count;
+            }
         }
     }
     let live = t.elapsed();

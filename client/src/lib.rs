@@ -19,7 +19,7 @@
 //! `client/tests/dependencies.rs` fails if this crate's dependency tree ever holds RocksDB or
 //! openraft.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -33,11 +33,14 @@ use tether_transport::{PROTOCOL_VERSION, tls};
 use tokio::sync::{Mutex as AsyncMutex, mpsc, oneshot};
 
 mod acks;
+mod batch;
 pub mod protocol;
 mod publisher;
 mod reconnect;
 
 pub use crate::acks::{AckError, AckMode, AckTracker};
+use crate::batch::EntryIndex;
+pub use crate::batch::{EventBatch, EventView, StreamBatch};
 use crate::protocol::*;
 pub use crate::publisher::Publisher;
 pub use crate::reconnect::{
@@ -316,6 +319,14 @@ impl DedupState {
     fn shown(&self, offset: u64) {
         let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
         d.acks.shown(offset);
+    }
+
+    /// [`DedupState::shown`] for each offset, under one lock.
+    fn shown_many(&self, offsets: impl Iterator<Item = u64>) {
+        let mut d = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        for offset in offsets {
+            d.acks.shown(offset);
+        }
     }
 
     fn ack(&self, offset: u64) -> Result<u64, AckError> {
@@ -1020,7 +1031,7 @@ async fn control_task(inner: Arc<Inner>, mut reader: FrameReader) {
 async fn delivery_task(
     conn: quinn::Connection,
     inner: Arc<Inner>,
-    tx: mpsc::Sender<Vec<ClientEvent>>,
+    tx: mpsc::Sender<StreamBatch>,
     dedup: DedupState,
 ) {
     let Ok(recv) = conn.accept_uni().await else {
@@ -1028,33 +1039,40 @@ async fn delivery_task(
     };
     let mut reader = FrameReader::new(recv);
     while let Ok(Some(frame)) = reader.next_raw().await {
-        let batch = match codec::decode_body::<Delivery<'_>>(&frame) {
-            Ok(Delivery::Live(regions)) => match dedup.live(regions) {
-                Some(regions) => vec![ClientEvent::Live { regions }],
-                None => Vec::new(),
-            },
+        match codec::decode_body::<Delivery<'_>>(&frame) {
+            Ok(Delivery::Live(regions)) => {
+                if let Some(regions) = dedup.live(regions)
+                    && tx
+                        .send(StreamBatch::Other(ClientEvent::Live { regions }))
+                        .await
+                        .is_err()
+                {
+                    return;
+                }
+            }
             Ok(Delivery::Events(entries)) => {
                 let seen = dedup.processed_through();
                 // Offsets shown later than this are ones this loop passed already (events are
                 // shown in offset order), so only offsets at or below it can be in progress.
                 let shown_through = dedup.highest_shown();
-                let mut out = Vec::with_capacity(entries.len().min(DECODE_BATCH_EVENTS));
+                let batch_len = entries.len().min(DECODE_BATCH_EVENTS);
+                let mut out = Vec::with_capacity(batch_len);
                 // The frame's newest entry, told to the next server of this queue.
                 let newest = entries.last().map(|e| (e.offset, e.record));
-                for e in entries {
+                let mut newest_shown = None;
+                for e in &entries {
                     if out.len() >= DECODE_BATCH_EVENTS {
                         // A replay's frame holds thousands of events: hand them over in
                         // batches and let the runtime's other tasks (another session's live
                         // events) run between them.
-                        let full =
-                            std::mem::replace(&mut out, Vec::with_capacity(DECODE_BATCH_EVENTS));
-                        if tx.send(full).await.is_err() {
+                        let full = std::mem::replace(&mut out, Vec::with_capacity(batch_len));
+                        let batch = StreamBatch::Events(EventBatch::new(frame.clone(), full));
+                        if tx.send(batch).await.is_err() {
                             return;
                         }
                         tokio::task::yield_now().await;
                     }
                     inner.received.fetch_max(e.offset, Ordering::AcqRel);
-                    let dup = e.flags & FLAG_POSSIBLE_DUPLICATE != 0;
                     if e.offset <= seen {
                         // Processed by this process before (or under its checkpoint): not
                         // shown again, but acked. Offsets are never reused within a resumed
@@ -1068,7 +1086,8 @@ async fn delivery_task(
                         // acks): its ack will count; showing it again would run it twice.
                         continue;
                     }
-                    let Ok(rec) = codec::decode_body::<EventRecord>(e.record) else {
+                    // Decoded in place: only where its fields lie is kept (no allocation).
+                    let Some(index) = EntryIndex::new(&frame, e.offset, e.flags, e.record) else {
                         tracing::warn!(offset = e.offset, "undecodable event record");
                         conn.close(
                             ErrorCode::MalformedFrame.varint(),
@@ -1076,34 +1095,25 @@ async fn delivery_task(
                         );
                         return;
                     };
-                    let (op, value) = match rec.op {
-                        EventOp::Create | EventOp::Update if e.flags & FLAG_NO_VALUE != 0 => {
-                            (EventOp::Invalidate, None)
-                        }
-                        op => (op, rec.value),
-                    };
-                    out.push(ClientEvent::Event(Event {
-                        region: rec.region,
-                        key: rec.key,
-                        op,
-                        value,
-                        offset: e.offset,
-                        event_id: rec.id,
-                        replayed: e.flags & FLAG_REPLAYED != 0,
-                        possible_duplicate: dup,
-                    }));
+                    out.push(index);
+                    newest_shown = Some(e.offset);
                 }
+                let tail = EventBatch::new(frame.clone(), out);
                 if let Some((offset, record)) = newest {
-                    let id = match out.last() {
-                        Some(ClientEvent::Event(e)) if e.offset == offset => {
-                            Some(e.event_id.clone())
-                        }
+                    let id = if newest_shown == Some(offset) {
+                        tail.last_event_id()
+                    } else {
                         // Not shown (processed before): decoded for its id alone.
-                        _ => codec::decode_body::<EventRecord>(record).ok().map(|r| r.id),
+                        codec::decode_body::<EventRecordRef<'_>>(record)
+                            .ok()
+                            .map(|r| r.id.to_event_id())
                     };
                     dedup.saw(offset, id);
                 }
-                out
+                drop(entries);
+                if !tail.is_empty() && tx.send(StreamBatch::Events(tail)).await.is_err() {
+                    return;
+                }
             }
             Err(e) => {
                 tracing::warn!(error = %e, "undecodable delivery frame");
@@ -1113,9 +1123,6 @@ async fn delivery_task(
                 );
                 return;
             }
-        };
-        if !batch.is_empty() && tx.send(batch).await.is_err() {
-            return;
         }
     }
 }
@@ -1146,7 +1153,7 @@ pub struct Client {
     queue_servers: Vec<QueueServer>,
     diverged: bool,
     durable: bool,
-    events: Mutex<Option<mpsc::Receiver<Vec<ClientEvent>>>>,
+    events: Mutex<Option<mpsc::Receiver<StreamBatch>>>,
     dedup: DedupState,
     publish_ack: PublishAck,
     ack_mode: AckMode,
@@ -1250,7 +1257,7 @@ impl Client {
             .ok_or_else(|| ClientError::Usage("the event stream was already taken".into()))?;
         Ok(EventStream {
             rx,
-            buffered: VecDeque::new(),
+            current: None,
             inner: self.inner.clone(),
             dedup: self.dedup.clone(),
             last: None,
@@ -1617,8 +1624,9 @@ impl Region<'_> {
 
 /// The events of a client, in order. Ends when the connection closes.
 pub struct EventStream {
-    rx: mpsc::Receiver<Vec<ClientEvent>>,
-    buffered: VecDeque<ClientEvent>,
+    rx: mpsc::Receiver<StreamBatch>,
+    /// The batch [`EventStream::next`] is taking events from, and how many it took.
+    current: Option<(EventBatch, usize)>,
     inner: Arc<Inner>,
     dedup: DedupState,
     /// Offset of the event yielded last: processed once the next one is asked for.
@@ -1685,21 +1693,58 @@ impl EventStream {
 
     fn poll_next_event(&mut self, cx: &mut Context<'_>) -> Poll<Option<ClientEvent>> {
         self.mark_processed();
-        if self.buffered.is_empty() {
+        loop {
+            if let Some((batch, taken)) = &mut self.current {
+                if let Some(view) = batch.get(*taken) {
+                    *taken += 1;
+                    let event = view.to_event();
+                    match self.mode {
+                        AckMode::Auto => self.last = Some(event.offset),
+                        AckMode::Manual => self.dedup.shown(event.offset),
+                    }
+                    return Poll::Ready(Some(ClientEvent::Event(event)));
+                }
+                self.current = None;
+            }
             match self.rx.poll_recv(cx) {
-                Poll::Ready(Some(batch)) => self.buffered.extend(batch),
+                Poll::Ready(Some(StreamBatch::Events(batch))) => self.current = Some((batch, 0)),
+                Poll::Ready(Some(StreamBatch::Other(ev))) => return Poll::Ready(Some(ev)),
                 Poll::Ready(None) => return Poll::Ready(None),
                 Poll::Pending => return Poll::Pending,
             }
         }
-        let ev = self.buffered.pop_front();
-        if let Some(ClientEvent::Event(e)) = &ev {
-            match self.mode {
-                AckMode::Auto => self.last = Some(e.offset),
-                AckMode::Manual => self.dedup.shown(e.offset),
+    }
+
+    /// The next events of a delivery frame (up to a few hundred, those [`EventStream::next`]
+    /// has not yielded yet), read in place: no allocation per event. Or the stream's next other
+    /// item ([`ClientEvent::Live`], ...). None once the connection is gone.
+    ///
+    /// Acknowledgement as with [`EventStream::next`], for the batch as a whole: with
+    /// [`AckMode::Auto`] its events count as processed once the application asks for the next
+    /// batch or event (or commits, or closes the client); with [`AckMode::Manual`] each of them
+    /// is shown and must be acked.
+    pub async fn next_batch(&mut self) -> Option<StreamBatch> {
+        std::future::poll_fn(|cx| self.poll_next_batch(cx)).await
+    }
+
+    fn poll_next_batch(&mut self, cx: &mut Context<'_>) -> Poll<Option<StreamBatch>> {
+        self.mark_processed();
+        let batch = match self.current.take() {
+            Some((mut batch, taken)) if taken < batch.len() => {
+                batch.skip(taken);
+                batch
             }
+            _ => match self.rx.poll_recv(cx) {
+                Poll::Ready(Some(StreamBatch::Events(batch))) => batch,
+                Poll::Ready(other) => return Poll::Ready(other),
+                Poll::Pending => return Poll::Pending,
+            },
+        };
+        match self.mode {
+            AckMode::Auto => self.last = batch.last_offset(),
+            AckMode::Manual => self.dedup.shown_many(batch.offsets()),
         }
-        Poll::Ready(ev)
+        Poll::Ready(Some(StreamBatch::Events(batch)))
     }
 
     /// Marks the last yielded event processed without waiting for the next one.

@@ -114,6 +114,37 @@ pub struct EventRecord {
     pub value: Option<Vec<u8>>,
 }
 
+/// An [`EventRecord`] decoded in place: its strings and value borrow from the encoded bytes
+/// (the same fields in the same order, so it reads every encoding of one).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+pub struct EventRecordRef<'a> {
+    #[serde(borrow)]
+    pub id: EventIdRef<'a>,
+    pub region: &'a str,
+    pub key: &'a str,
+    pub op: EventOp,
+    #[serde(borrow, with = "serde_bytes")]
+    pub value: Option<&'a [u8]>,
+}
+
+/// An [`EventId`] decoded in place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+pub struct EventIdRef<'a> {
+    pub node: &'a str,
+    pub session: u64,
+    pub seq: u64,
+}
+
+impl EventIdRef<'_> {
+    pub fn to_event_id(&self) -> EventId {
+        EventId {
+            node: self.node.to_owned(),
+            session: self.session,
+            seq: self.seq,
+        }
+    }
+}
+
 /// What a client wants to hear about in one region.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

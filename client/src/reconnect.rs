@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use crate::protocol::{ErrorCode, InitialEntry};
 use crate::{
     AckError, AckMode, Acker, Client, ClientBuilder, ClientError, ClientEvent, DedupState,
-    EventStream, Interest, Listener,
+    EventStream, Interest, Listener, StreamBatch,
 };
 
 /// First wait before reconnecting, in milliseconds (doubled after each failed attempt).
@@ -270,37 +270,63 @@ impl Subscription {
     /// ([`ended`](Self::ended) says why). Asking for the next event marks the previous one
     /// processed, as [`EventStream::next`] does.
     pub async fn next(&mut self) -> Option<ClientEvent> {
+        if let Some(item) = self.pending_item().await {
+            return item;
+        }
+        let (_, stream) = self.session.as_mut()?;
+        match stream.next().await {
+            Some(ev) => Some(ev),
+            None => self.lost_connection(),
+        }
+    }
+
+    /// [`EventStream::next_batch`] across reconnections: the next events read in place, or
+    /// one of the items [`Subscription::next`] yields besides events.
+    pub async fn next_batch(&mut self) -> Option<StreamBatch> {
+        if let Some(item) = self.pending_item().await {
+            return item.map(StreamBatch::Other);
+        }
+        let (_, stream) = self.session.as_mut()?;
+        match stream.next_batch().await {
+            Some(batch) => Some(batch),
+            None => self.lost_connection().map(StreamBatch::Other),
+        }
+    }
+
+    /// What comes before the stream's next item: a queued notice, the end, or (after
+    /// reconnecting if the connection was lost) nothing, and the stream is asked.
+    async fn pending_item(&mut self) -> Option<Option<ClientEvent>> {
         loop {
             if let Some(ev) = self.queued.pop_front() {
-                return Some(ev);
+                return Some(Some(ev));
             }
             if self.ended.is_some() {
+                return Some(None);
+            }
+            if !self.lost {
                 return None;
             }
-            if self.lost {
-                self.reconnect().await;
-                continue;
-            }
-            let (client, stream) = self.session.as_mut()?;
-            if let Some(ev) = stream.next().await {
-                return Some(ev);
-            }
-            // The stream marked the last event processed (in the shared DedupState) before
-            // it ended: the next session drops its redelivery.
-            let error = client.closed_error();
-            tracing::info!(error = %error, "connection lost; reconnecting");
-            if let Some((client, _)) = self.session.take() {
-                client.abandon(ErrorCode::ClosedByPeer, b"lost");
-            }
-            self.lost = true;
-            if is_permanent(&error) {
-                self.ended = Some(error);
-                return None;
-            }
-            return Some(ClientEvent::Disconnected {
-                error: error.to_string(),
-            });
+            self.reconnect().await;
         }
+    }
+
+    /// The stream ended: the connection is lost. Reconnects at the next call unless the
+    /// error is permanent.
+    fn lost_connection(&mut self) -> Option<ClientEvent> {
+        // The stream marked the last event processed (in the shared DedupState) before it
+        // ended: the next session drops its redelivery.
+        let (client, _) = self.session.take()?;
+        let error = client.closed_error();
+        tracing::info!(error = %error, "connection lost; reconnecting");
+        client.abandon(ErrorCode::ClosedByPeer, b"lost");
+        self.lost = true;
+        if is_permanent(&error) {
+            self.ended = Some(error);
+            return None;
+        }
+        Some(ClientEvent::Disconnected {
+            error: error.to_string(),
+        })
     }
 
     async fn reconnect(&mut self) {
