@@ -14,7 +14,12 @@
 //! delivery → the application) goes into an HDR histogram: p50/p99/p999, once on an idle node
 //! and once while another durable client drains a backlog of all the events.
 //! TETHER_BENCH_SYNC sets the node's sync mode (default batch); TETHER_BENCH_SLOW_US=N prints
-//! each live event slower than N µs, with its arrival time on the monotonic clock.
+//! each live event slower than N µs, with its arrival time on the monotonic clock. Beside
+//! them, the disk's own floor for a durable event: the latency of a 1 KiB append plus
+//! `fdatasync` in the same directory, the node stopped (`baseline_fsync_p50_us`, `_p99_us`).
+//!
+//! Replays read events in batches, in place (`EventStream::next_batch`);
+//! TETHER_BENCH_REPLAY_API=events takes them one by one as owned events (`EventStream::next`).
 //!
 //! Then the redundancy phase: a three-node cluster in this process, one durable queue with
 //! redundancy 1, TETHER_BENCH_CLUSTER_EVENTS events (default a fifth of the events, 0 skips)
@@ -73,7 +78,8 @@ use tether::server::Node;
 use tether::storage::{Batch, Entry, RocksStore, Store};
 
 /// The server is allocation-heavy on its hot paths (one record per event on the client side,
-/// frames on the server side); mimalloc roughly halves allocator time there.
+/// frames on the server side); mimalloc roughly halves allocator time there. With the
+/// `tether` binary's settings (`main`).
 #[cfg(not(feature = "system-alloc"))]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -123,8 +129,20 @@ fn row(name: impl Into<String>, d: Duration, events: u64, bytes: u64) -> Row {
     }
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
+fn main() {
+    // The allocator as the `tether` binary sets it (before any thread starts), so the nodes
+    // in this process run as a server process does.
+    #[cfg(not(feature = "system-alloc"))]
+    tether::heap::mimalloc_options::tune();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("the benchmark's runtime")
+        .block_on(run());
+}
+
+async fn run() {
     tether::transport::tls::install_crypto_provider();
     let n = env_u64("TETHER_BENCH_EVENTS", 1_000_000);
     let size = env_u64("TETHER_BENCH_VALUE_BYTES", 128) as usize;
@@ -203,6 +221,8 @@ async fn main() {
     let status = median(&mut statuses);
     let first = median(&mut firsts);
     let live = median(&mut lives);
+    // Baseline 0: the disk's own commit latency, the floor of a durable live event's.
+    let fsync = fsync_latency(dir.path());
 
     // Baseline 1: RocksDB scan of the same entries (same record sizes), same read path.
     let record_len = {
@@ -500,6 +520,8 @@ async fn main() {
     println!("live_p99_us={}", idle_latency.value_at_quantile(0.99));
     println!("live_p999_us={}", idle_latency.value_at_quantile(0.999));
     println!("live_draining_p99_us={}", draining.value_at_quantile(0.99));
+    println!("baseline_fsync_p50_us={}", fsync.value_at_quantile(0.5));
+    println!("baseline_fsync_p99_us={}", fsync.value_at_quantile(0.99));
     println!(
         "publish_events_per_s={:.0}",
         n as f64 / publish.as_secs_f64()
@@ -917,6 +939,31 @@ async fn live_latency(
     if let Some(d) = drainer {
         d.await.unwrap();
     }
+    hist
+}
+
+/// Appends made durable one at a time for the fsync baseline.
+const FSYNC_BASELINE_WRITES: usize = 2_000;
+/// Bytes of each of those appends (a small group commit's write).
+const FSYNC_BASELINE_WRITE_BYTES: usize = 1_024;
+
+/// Latency of appending to a file in `dir` and syncing its data (`fdatasync`), in
+/// microseconds: what the write-ahead log's commit costs on this disk at least, with
+/// nothing else running (a live event under `sync = batch` waits for one or two of them).
+fn fsync_latency(dir: &Path) -> hdrhistogram::Histogram<u64> {
+    use std::io::Write;
+    let path = dir.join("fsync-baseline");
+    let mut file = std::fs::File::create(&path).unwrap();
+    let block = vec![b'f'; FSYNC_BASELINE_WRITE_BYTES];
+    let mut hist = hdrhistogram::Histogram::<u64>::new(3).unwrap();
+    for _ in 0..FSYNC_BASELINE_WRITES {
+        let t = Instant::now();
+        file.write_all(&block).unwrap();
+        file.sync_data().unwrap();
+        hist.record(t.elapsed().as_micros() as u64).unwrap();
+    }
+    drop(file);
+    let _ = std::fs::remove_file(path);
     hist
 }
 

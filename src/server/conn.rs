@@ -1494,6 +1494,57 @@ const DELIVERY_BUFFER_BYTES_KEPT: usize = 64 * 1024;
 /// milliseconds. A replay whose client keeps up never waits that long and keeps them.
 const DELIVERY_BLOCKED_RELEASE_MS: u64 = 200;
 
+/// Frame buffers a delivery task cycles through, at most. A frame's bytes stay with QUIC until
+/// the client acknowledges them, so the buffer of the next frame is a new allocation unless the
+/// task comes back to one whose frame is gone: with a few in rotation a replay reuses them
+/// instead of allocating (and faulting in) a frame's worth of fresh memory per frame.
+const DELIVERY_FRAME_BUFFERS_MAX: usize = 8;
+
+/// The frame buffers of one delivery task, oldest first (see [`DELIVERY_FRAME_BUFFERS_MAX`]),
+/// each with the bytes of the allocation behind it (a buffer whose frame was split off shows
+/// only what is left after the frame as its capacity).
+#[derive(Default)]
+struct FrameBuffers(std::collections::VecDeque<(BytesMut, usize)>);
+
+impl FrameBuffers {
+    /// A buffer with room for `bytes` whose earlier frame is gone (the oldest such), or an
+    /// empty one.
+    fn take(&mut self, bytes: usize) -> BytesMut {
+        for _ in 0..self.0.len() {
+            let Some((mut b, size)) = self.0.pop_front() else {
+                break;
+            };
+            if b.try_reclaim(bytes) {
+                return b;
+            }
+            self.0.push_back((b, size));
+        }
+        BytesMut::new()
+    }
+
+    /// Gives back a buffer after a frame of `frame_bytes` was split off it; the oldest is
+    /// dropped beyond [`DELIVERY_FRAME_BUFFERS_MAX`] (its memory goes with its frame).
+    fn give_back(&mut self, b: BytesMut, frame_bytes: usize) {
+        let size = frame_bytes + b.capacity();
+        if size == 0 {
+            return; // never allocated
+        }
+        self.0.push_back((b, size));
+        if self.0.len() > DELIVERY_FRAME_BUFFERS_MAX {
+            self.0.pop_front();
+        }
+    }
+
+    /// Bytes of the allocations behind the buffers.
+    fn bytes(&self) -> usize {
+        self.0.iter().map(|(_, size)| size).sum()
+    }
+
+    fn clear(&mut self) {
+        self.0.clear();
+    }
+}
+
 /// An entry read from storage, waiting in the frame arena.
 struct Pending {
     offset: Offset,
@@ -1610,7 +1661,7 @@ async fn deliver(
     // up front: a connected session that receives nothing costs no frame buffer.
     let mut arena: Vec<u8> = Vec::new();
     let mut pending: Vec<Pending> = Vec::new();
-    let mut out = BytesMut::new();
+    let mut buffers = FrameBuffers::default();
     // Small first frames get the first events out fast; larger ones then carry the bulk.
     let mut frame_budget = FIRST_DELIVERY_FRAME_BODY_BYTES;
     // The replay rate the client asked for, on a clock counted from here.
@@ -1642,8 +1693,8 @@ async fn deliver(
                     arena = Vec::new();
                     pending = Vec::new();
                 }
-                if out.capacity() > DELIVERY_BUFFER_BYTES_KEPT {
-                    out = BytesMut::new();
+                if buffers.bytes() > DELIVERY_BUFFER_BYTES_KEPT {
+                    buffers.clear();
                 }
                 wake.notified().await
             }
@@ -1680,19 +1731,21 @@ async fn deliver(
                 // on the low-priority delivery pool, so they never hold an async worker that
                 // live sessions' events wait for, nor take the CPU from them.
                 let inline = !replaying && to.saturating_sub(from) < LIVE_INLINE_ENTRIES_MAX;
+                let budget = if inline {
+                    frame_budget.min(LIVE_INLINE_FRAME_BODY_BYTES_MAX)
+                } else {
+                    frame_budget
+                };
                 let mut job = FrameJob {
                     queue,
                     from,
                     to,
-                    budget: if inline {
-                        frame_budget.min(LIVE_INLINE_FRAME_BODY_BYTES_MAX)
-                    } else {
-                        frame_budget
-                    },
+                    budget,
                     bounds,
                     arena: std::mem::take(&mut arena),
                     pending: std::mem::take(&mut pending),
-                    out: std::mem::take(&mut out),
+                    // Records plus their CBOR: a quarter more than the body covers it.
+                    out: buffers.take(budget + budget / 4),
                 };
                 let built = if inline {
                     job.build(&shared, session)
@@ -1715,7 +1768,12 @@ async fn deliver(
                     job = built_job;
                     built
                 };
-                (arena, pending, out) = (job.arena, job.pending, job.out);
+                (arena, pending) = (job.arena, job.pending);
+                let frame_bytes = match &built {
+                    Ok(Some((frame, ..))) => frame.len(),
+                    _ => 0,
+                };
+                buffers.give_back(job.out, frame_bytes);
                 let (frame, counts) = match built {
                     Ok(Some((frame, counts, mark))) => {
                         // Awaited here, on either path: no thread blocks on the writer.
@@ -1749,7 +1807,7 @@ async fn deliver(
                         // read buffers of the next frame while waiting for it.
                         arena = Vec::new();
                         pending = Vec::new();
-                        out = BytesMut::new();
+                        buffers.clear();
                         write.await
                     }
                 };
@@ -1765,5 +1823,48 @@ async fn deliver(
                 metrics::counter!(m::EVENTS_REDELIVERED).increment(dups);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod frame_buffer_tests {
+    use super::*;
+
+    /// A frame split off its buffer and sent.
+    fn frame(buffers: &mut FrameBuffers, bytes: usize) -> (Bytes, *const u8) {
+        let mut b = buffers.take(bytes);
+        b.reserve(bytes);
+        b.extend_from_slice(&vec![7u8; bytes]);
+        let frame = b.split().freeze();
+        let at = frame.as_ptr();
+        buffers.give_back(b, frame.len());
+        (frame, at)
+    }
+
+    #[test]
+    fn a_buffer_is_reused_once_its_frame_is_gone_and_never_before() {
+        let mut buffers = FrameBuffers::default();
+        let (first, at) = frame(&mut buffers, 1000);
+        // Its frame still in flight: the next frame gets other memory.
+        let (second, second_at) = frame(&mut buffers, 1000);
+        assert_ne!(second_at, at);
+        assert_eq!(&first[..], &second[..]);
+        // The first frame acknowledged and dropped: its buffer comes back.
+        drop(first);
+        let (_third, third_at) = frame(&mut buffers, 1000);
+        assert_eq!(third_at, at);
+    }
+
+    #[test]
+    fn at_most_the_bound_of_buffers_is_kept() {
+        let mut buffers = FrameBuffers::default();
+        let in_flight: Vec<_> = (0..DELIVERY_FRAME_BUFFERS_MAX + 5)
+            .map(|_| frame(&mut buffers, 100).0)
+            .collect();
+        assert_eq!(buffers.0.len(), DELIVERY_FRAME_BUFFERS_MAX);
+        assert!(buffers.bytes() >= DELIVERY_FRAME_BUFFERS_MAX * 100);
+        drop(in_flight);
+        buffers.clear();
+        assert_eq!(buffers.bytes(), 0);
     }
 }
