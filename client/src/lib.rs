@@ -6,7 +6,8 @@
 //! learns the queue status ([`Client::queue_status`], [`Client::pending`]) before any event.
 //! Interest is registered through a [`Region`] handle. Events arrive, after
 //! [`Client::ready_for_events`], on an [`EventStream`] (an async `Stream`) or through a
-//! [`Listener`] driven by [`EventStream::run_listener`].
+//! [`Listener`] driven by [`EventStream::run_listener`]; [`EventStream::next_batch`] hands
+//! out a delivery frame's events at once, read in place (no allocation per event).
 //!
 //! Acknowledgements are cumulative and periodic: an event counts as processed once the
 //! application asks the stream for the next one (or closes the client), or, with
