@@ -196,13 +196,7 @@ async fn batches_read_in_place_carry_and_ack_what_events_do() {
     const TOTAL: u32 = 3_000;
     const TAKE_AT_LEAST: u64 = 2_000;
     let n = TestNode::start().await;
-    let c = n.builder().durable("batches", 300).connect().await.unwrap();
-    c.region(REGION)
-        .register(Interest::all_keys())
-        .await
-        .unwrap();
-    c.ready_for_events().await.unwrap();
-    c.close(true).await.unwrap();
+    common::park(n.builder().durable("batches", 300), REGION).await;
     n.put_many(REGION, 0..TOTAL).await;
 
     let c = n.builder().durable("batches", 300).connect().await.unwrap();

@@ -8,20 +8,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{TestNode, WAIT};
-use tether::client::{ClientBuilder, ClientEvent, Event, EventStream, Interest};
+use tether::client::{ClientEvent, Event, EventStream, Interest};
 
 const REGION: &str = "R";
-
-/// Registers `id`'s all-keys interest, says ready and goes away (the queue kept).
-async fn park(builder: ClientBuilder) {
-    let c = builder.connect().await.unwrap();
-    c.region(REGION)
-        .register(Interest::all_keys())
-        .await
-        .unwrap();
-    c.ready_for_events().await.unwrap();
-    c.close(true).await.unwrap();
-}
 
 /// The replayed events until the live marker; panics on anything else.
 async fn replay_until_live(events: &mut EventStream) -> Vec<Event> {
@@ -47,7 +36,7 @@ async fn a_paced_replay_keeps_its_rate_and_loses_nothing() {
     const EVENTS: u32 = 600;
     const RATE: u64 = 1_000;
     let n = TestNode::start().await;
-    park(n.builder().durable("paced", 300)).await;
+    common::park(n.builder().durable("paced", 300), REGION).await;
     n.put_many(REGION, 0..EVENTS).await;
     let c = n
         .builder()
@@ -89,7 +78,7 @@ async fn a_paced_replay_keeps_its_rate_and_loses_nothing() {
 async fn lifting_the_rate_mid_replay_applies_at_once() {
     const EVENTS: u32 = 200;
     let n = TestNode::start().await;
-    park(n.builder().durable("slow", 300)).await;
+    common::park(n.builder().durable("slow", 300), REGION).await;
     n.put_many(REGION, 0..EVENTS).await;
     let c = n
         .builder()

@@ -9,9 +9,21 @@ pub mod crash;
 pub mod ports;
 
 use tether::auth::AuthConfig;
-use tether::client::{Client, ClientBuilder, ClientEvent, Event, EventStream};
+use tether::client::{Client, ClientBuilder, ClientEvent, Event, EventStream, Interest};
 use tether::config::{Limits, ServerConfig};
 use tether::server::Node;
+
+/// Connects `builder`'s durable client, registers all-keys interest in `region`, says ready and
+/// goes away (the queue kept): its queue then gathers what is published.
+pub async fn park(builder: ClientBuilder, region: &str) {
+    let c = builder.connect().await.unwrap();
+    c.region(region)
+        .register(Interest::all_keys())
+        .await
+        .unwrap();
+    c.ready_for_events().await.unwrap();
+    c.close(true).await.unwrap();
+}
 
 /// Upper bound for anything a test waits on; a hang fails the test instead of stalling CI.
 pub const WAIT: Duration = Duration::from_secs(20);
