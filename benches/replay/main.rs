@@ -134,6 +134,7 @@ fn main() {
     // in this process run as a server process does.
     #[cfg(not(feature = "system-alloc"))]
     tether::heap::mimalloc_options::tune();
+    tether::heap::tune_native_heap();
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
