@@ -1507,14 +1507,17 @@ const DELIVERY_FRAME_BUFFERS_MAX: usize = 8;
 struct FrameBuffers(std::collections::VecDeque<(BytesMut, usize)>);
 
 impl FrameBuffers {
-    /// A buffer with room for `bytes` whose earlier frame is gone (the oldest such), or an
-    /// empty one.
-    fn take(&mut self, bytes: usize) -> BytesMut {
+    /// A buffer for a frame read up to `budget` body bytes: one whose earlier frame is gone,
+    /// with room for the budget (the oldest such), or an empty one. A frame needs a little
+    /// more than its budget (the CBOR around each record, and the read's last record may pass
+    /// it), so asking for more than the budget would refuse the very buffers earlier frames
+    /// of the same budget were built in; [`fit_frame_buffer`] makes room when one is short.
+    fn take(&mut self, budget: usize) -> BytesMut {
         for _ in 0..self.0.len() {
             let Some((mut b, size)) = self.0.pop_front() else {
                 break;
             };
-            if b.try_reclaim(bytes) {
+            if b.try_reclaim(budget) {
                 return b;
             }
             self.0.push_back((b, size));
@@ -1542,6 +1545,15 @@ impl FrameBuffers {
 
     fn clear(&mut self) {
         self.0.clear();
+    }
+}
+
+/// Makes room for `need` bytes in a frame's buffer: a reused one too small for this frame is
+/// let go and a buffer of exactly `need` bytes allocated (growing it in place would copy
+/// nothing useful and round its size up to double, which every later frame then pins).
+fn fit_frame_buffer(out: &mut BytesMut, need: usize) {
+    if out.capacity() < need {
+        *out = BytesMut::with_capacity(need);
     }
 }
 
@@ -1628,8 +1640,10 @@ impl FrameJob {
             })
             .collect();
         // Records plus a few bytes of CBOR per entry: one allocation, no regrowth.
-        self.out
-            .reserve(self.arena.len() + self.pending.len() * WIRE_ENTRY_OVERHEAD_BYTES + 16);
+        fit_frame_buffer(
+            &mut self.out,
+            self.arena.len() + self.pending.len() * WIRE_ENTRY_OVERHEAD_BYTES + 16,
+        );
         if let Err(e) = codec::encode_frame_packed_into(&Delivery::Events(refs), &mut self.out) {
             tracing::error!(error = %e, "encoding a delivery frame failed");
             return Err(());
@@ -1744,8 +1758,7 @@ async fn deliver(
                     bounds,
                     arena: std::mem::take(&mut arena),
                     pending: std::mem::take(&mut pending),
-                    // Records plus their CBOR: a quarter more than the body covers it.
-                    out: buffers.take(budget + budget / 4),
+                    out: buffers.take(budget),
                 };
                 let built = if inline {
                     job.build(&shared, session)
@@ -1830,10 +1843,16 @@ async fn deliver(
 mod frame_buffer_tests {
     use super::*;
 
-    /// A frame split off its buffer and sent.
+    /// A frame of `bytes` split off its buffer and sent, as `deliver` and `FrameJob::build`
+    /// take, fit and fill it.
     fn frame(buffers: &mut FrameBuffers, bytes: usize) -> (Bytes, *const u8) {
-        let mut b = buffers.take(bytes);
-        b.reserve(bytes);
+        framed(buffers, bytes, bytes)
+    }
+
+    /// A frame read up to `budget` body bytes that came to `bytes` on the wire.
+    fn framed(buffers: &mut FrameBuffers, budget: usize, bytes: usize) -> (Bytes, *const u8) {
+        let mut b = buffers.take(budget);
+        fit_frame_buffer(&mut b, bytes);
         b.extend_from_slice(&vec![7u8; bytes]);
         let frame = b.split().freeze();
         let at = frame.as_ptr();
@@ -1853,6 +1872,32 @@ mod frame_buffer_tests {
         drop(first);
         let (_third, third_at) = frame(&mut buffers, 1000);
         assert_eq!(third_at, at);
+    }
+
+    /// A frame's wire bytes pass its read budget by its records' CBOR (a few percent with
+    /// 1 KiB values, a fifth with 128 B ones): its buffer must still serve the next frames of
+    /// that budget once it is acknowledged, and never grow beyond what a frame needed.
+    #[test]
+    fn frames_a_little_larger_than_their_budget_reuse_their_buffers() {
+        let budget = DELIVERY_FRAME_BODY_BYTES_MAX;
+        for wire in [budget + budget / 25, budget + budget / 5] {
+            let mut buffers = FrameBuffers::default();
+            let (first, at) = framed(&mut buffers, budget, wire);
+            drop(first);
+            let (second, second_at) = framed(&mut buffers, budget, wire);
+            assert_eq!(second_at, at, "a {wire}-byte frame's buffer was not reused");
+            drop(second);
+            // A frame larger than the buffer gets one of its own size, the short one let go.
+            let (larger, larger_at) = framed(&mut buffers, budget, wire + 1000);
+            assert_ne!(larger_at, at);
+            assert_eq!(larger.len(), wire + 1000);
+            assert_eq!(
+                buffers.bytes(),
+                wire + 1000,
+                "buffers kept: {}",
+                buffers.0.len()
+            );
+        }
     }
 
     #[test]
