@@ -876,6 +876,13 @@ async fn live_latency(
             tokio::spawn(drain)
         }
     });
+    let phase = if drain.is_some() {
+        "live-draining"
+    } else {
+        "live-idle"
+    };
+    // Where the publishing starts (the marks of `main` also cover the setup before it).
+    mark_phase(phase, "publishing");
     let origin = Instant::now();
     let per_tick = (rate / LIVE_TICKS_PER_S).max(1);
     let ticks = secs * LIVE_TICKS_PER_S;
@@ -910,11 +917,6 @@ async fn live_latency(
     let slow_us = std::env::var("TETHER_BENCH_SLOW_US")
         .ok()
         .and_then(|v| v.parse::<u64>().ok());
-    let phase = if drain.is_some() {
-        "live-draining"
-    } else {
-        "live-idle"
-    };
     let mut got = 0u64;
     let expect = ticks * per_tick;
     while got < expect {
