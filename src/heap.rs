@@ -124,6 +124,16 @@ pub fn native_heap() -> Option<NativeHeap> {
 /// and Z: glibc kept 74-103 MB free per node, 20-23 MB with this threshold).
 pub const NATIVE_MMAP_THRESHOLD_BYTES: i32 = 64 << 10;
 
+/// The `tether` binary's allocator settings, first thing in `main` before any thread starts:
+/// mimalloc's ([`mimalloc_options::tune`], unless built with the system allocator) and glibc's
+/// heap, which RocksDB allocates from ([`tune_native_heap`]). The replay benchmark calls it
+/// too, so its in-process nodes run as a server process does.
+pub fn tune_process() {
+    #[cfg(not(feature = "system-alloc"))]
+    mimalloc_options::tune();
+    tune_native_heap();
+}
+
 /// Fixes glibc's mmap threshold at [`NATIVE_MMAP_THRESHOLD_BYTES`], unless the environment
 /// sets one (`MALLOC_MMAP_THRESHOLD_`, or `mmap_threshold` in `GLIBC_TUNABLES`: the operator's
 /// choice); false where it did not (not glibc, set by the environment, or refused). The

@@ -26,8 +26,6 @@ fn main() {
     // A bug stops the process, on whichever thread it shows (see `tether::bug`).
     tether::bug::stop_on_panic();
     // Allocator settings first, before threads and the first large allocations.
-    #[cfg(not(feature = "system-alloc"))]
-    tether::heap::mimalloc_options::tune();
-    tether::heap::tune_native_heap();
+    tether::heap::tune_process();
     cli::main()
 }

@@ -20,12 +20,11 @@ use common::{entries, eventually, take_events, until_live};
 
 /// A durable client of `id` (redundancy 1) through `node`.
 async fn durable(node: &Node, id: &str) -> tether::client::Client {
-    builder(node)
-        .durable(id.to_string(), 300)
-        .redundancy(1)
-        .connect()
-        .await
-        .unwrap()
+    durable_builder(node, id).connect().await.unwrap()
+}
+
+fn durable_builder(node: &Node, id: &str) -> ClientBuilder {
+    builder(node).durable(id.to_string(), 300).redundancy(1)
 }
 
 fn builder(node: &Node) -> ClientBuilder {
@@ -554,12 +553,7 @@ async fn a_drained_member_hands_its_queues_and_copies_away_losing_nothing() {
 async fn durable_when_available(node: &Node, id: &str) -> tether::client::Client {
     let deadline = tokio::time::Instant::now() + common::WAIT;
     loop {
-        match builder(node)
-            .durable(id.to_string(), 300)
-            .redundancy(1)
-            .connect()
-            .await
-        {
+        match durable_builder(node, id).connect().await {
             Ok(d) => return d,
             Err(tether::client::ClientError::Server(e))
                 if e.code == tether::protocol::ErrorCode::Unavailable
@@ -610,12 +604,7 @@ async fn a_queue_dropped_and_opened_again_at_once_keeps_its_new_placement() {
         .await;
         // Back through node 1: redirected to node 0, the queue there with its three events
         // (and no other round's).
-        let back = builder(c.node(1))
-            .durable("again", 300)
-            .redundancy(1)
-            .connect()
-            .await
-            .unwrap();
+        let back = durable(c.node(1), "again").await;
         assert_eq!(
             (back.queue_status(), back.server_addr()),
             (QueueStatus::Resumed, c.node(0).addr()),

@@ -132,9 +132,7 @@ fn row(name: impl Into<String>, d: Duration, events: u64, bytes: u64) -> Row {
 fn main() {
     // The allocator as the `tether` binary sets it (before any thread starts), so the nodes
     // in this process run as a server process does.
-    #[cfg(not(feature = "system-alloc"))]
-    tether::heap::mimalloc_options::tune();
-    tether::heap::tune_native_heap();
+    tether::heap::tune_process();
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
