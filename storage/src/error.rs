@@ -35,6 +35,13 @@ pub enum StorageError {
     /// content may be half-updated, so it refuses further work.
     #[error("store lock poisoned")]
     Poisoned,
+    /// A file-system operation of the store itself (not RocksDB's) failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What the store was doing.
+        what: &'static str,
+        source: std::io::Error,
+    },
 }
 
 /// Checks a database's recorded format (`record`, a big-endian `u32`, None when the database

@@ -50,6 +50,7 @@ pub mod keys;
 mod mem;
 mod raft_log;
 mod rocks;
+mod wal_reaper;
 
 pub use batch::{Batch, Entry, Offset, Op, QueueId, QueueMeta};
 pub use error::StorageError;
@@ -63,7 +64,11 @@ pub use rocks::{
     BLOCK_CACHE_BYTES, BLOOM_BITS_PER_KEY, CF_ENTRIES, CF_MARKS, CF_META, CF_REGIONS, CF_STATE,
     ENTRIES_BLOCK_SIZE_BYTES, ENTRIES_WRITE_BUFFER_BYTES, MEMTABLE_MAX_RANGE_DELETIONS_COUNT,
     READ_AHEAD_BYTES, RocksStore, SMALL_CF_WRITE_BUFFER_BYTES, STORAGE_FORMAT, STORAGE_FORMAT_KEY,
-    STORAGE_FORMAT_OLDEST,
+    STORAGE_FORMAT_OLDEST, WAL_BYTES_MAX,
+};
+pub use wal_reaper::{
+    WAL_ARCHIVE_BACKLOG_BYTES_MAX, WAL_ARCHIVE_DIR, WAL_ARCHIVE_POLL_MS, WAL_ARCHIVE_TTL_SECS,
+    WAL_DELETE_BYTES_PER_SEC, WAL_DELETE_CHUNK_BYTES,
 };
 
 /// Visits one region entry of [`Store::regions_scan`]: (region, key, value as stored).

@@ -12,6 +12,7 @@ use rocksdb::{
 
 use crate::batch::Op;
 use crate::keys::{self, META_FIELD_ACKED, META_FIELD_DELIVERED, META_FIELD_INFO};
+use crate::wal_reaper::{WAL_ARCHIVE_DIR, WAL_ARCHIVE_TTL_SECS, WalReaper};
 use crate::{Batch, Offset, QueueId, QueueMeta, StorageError, Store};
 
 /// Column family of queue entries.
@@ -51,6 +52,8 @@ pub const BLOOM_BITS_PER_KEY: f64 = 10.0;
 pub struct RocksStore {
     db: DB,
     _cache: Cache,
+    /// Deletes the logs RocksDB archives (see [`crate::wal_reaper`]); stopped on drop.
+    _reaper: WalReaper,
 }
 
 impl std::fmt::Debug for RocksStore {
@@ -81,6 +84,8 @@ impl RocksStore {
         db_opts.create_missing_column_families(true);
         db_opts.set_max_open_files(-1);
         db_opts.set_max_total_wal_size(WAL_BYTES_MAX);
+        // Obsolete logs are renamed into `archive/` and deleted gradually by the reaper.
+        db_opts.set_wal_ttl_seconds(WAL_ARCHIVE_TTL_SECS);
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         db_opts.increase_parallelism(i32::try_from(cores).unwrap_or(2).max(2));
 
@@ -111,7 +116,16 @@ impl RocksStore {
             ColumnFamilyDescriptor::new(CF_MARKS, small(DBCompressionType::None)),
         ];
         let db = DB::open_cf_descriptors(&db_opts, dir, cfs)?;
-        let store = RocksStore { db, _cache: cache };
+        let reaper =
+            WalReaper::spawn(dir.join(WAL_ARCHIVE_DIR)).map_err(|source| StorageError::Io {
+                what: "starting the write-ahead log reaper",
+                source,
+            })?;
+        let store = RocksStore {
+            db,
+            _cache: cache,
+            _reaper: reaper,
+        };
         // Not exposed by the rocksdb crate's Options; it is a mutable CF option, so set it
         // on every open.
         let limit = MEMTABLE_MAX_RANGE_DELETIONS_COUNT.to_string();
@@ -640,6 +654,44 @@ mod tests {
     /// and leave no range tombstone in the marks column family: thousands of acks do not pile
     /// up tombstones in its slowly filling memtable (found by `make soak`: a flush of 129,232
     /// of them took 33 s and 3 GB).
+    #[test]
+    fn obsolete_logs_are_archived_then_deleted_by_the_reaper() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RocksStore::open(dir.path()).unwrap();
+        for round in 1..=3u64 {
+            let mut b = Batch::new();
+            b.append(1, round, crate::Entry::new(0, &b"v"[..]));
+            b.state_put("round", round.to_be_bytes().to_vec());
+            s.write(&b, true).unwrap();
+            // Every column family flushed: the log written so far is obsolete.
+            s.flush().unwrap();
+        }
+        // RocksDB moved the obsolete logs into the archive rather than unlinking them (its
+        // info log records each move)...
+        let info = std::fs::read_to_string(dir.path().join("LOG")).unwrap();
+        assert!(info.contains("Move log file"), "no log was archived");
+        // ... and the reaper deleted them there.
+        let archive = dir.path().join(WAL_ARCHIVE_DIR);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let logs_in = |d: &Path| {
+            std::fs::read_dir(d).map_or(0, |entries| {
+                entries
+                    .filter_map(Result::ok)
+                    .filter(|e| e.path().extension().is_some_and(|x| x == "log"))
+                    .count()
+            })
+        };
+        while logs_in(&archive) > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(logs_in(&archive), 0, "archived logs left");
+        assert_eq!(logs_in(dir.path()), 1, "only the live log stays");
+        assert_eq!(
+            s.state_get("round").unwrap(),
+            Some(3u64.to_be_bytes().to_vec())
+        );
+    }
+
     #[test]
     fn acks_delete_byte_marks_without_range_tombstones() {
         let dir = tempfile::tempdir().unwrap();
