@@ -9,7 +9,8 @@ timed apart: most of it is QUIC's draining period, the same for every client):
 
 - python: `tether.Subscriber(durable_id=...)`, blocking iterator, each value read
   (`len(ev.value)`);
-- python-asyncio: the same with `async for`;
+- python-batch: `Subscriber.next_batch()` (256 at a time), each value read;
+- python-asyncio: the same as python with `async for`;
 - rust-lib: the Rust client library alone (`baseline/`: a `Subscription` read the same way,
   no Python; built with cargo unless --no-rust-lib);
 - rust-cli: `tether subscribe --durable-id ... --exit-on-live` with stdout to /dev/null,
@@ -72,9 +73,9 @@ def main() -> int:
             addr, ca = info["addr"], info["ca"]
             common = ["--server", addr, "--ca", ca]
 
-            readers = ["python", "python-asyncio", "rust-cli"]
+            readers = ["python", "python-batch", "python-asyncio", "rust-cli"]
             if baseline:
-                readers.insert(2, "rust-lib")
+                readers.insert(3, "rust-lib")
             # One durable queue per reader, with durable interest in every key of R; then away.
             for r in readers:
                 with tether.Subscriber([addr], ca_file=ca, durable_id=r,
@@ -101,6 +102,24 @@ def main() -> int:
                         nbytes += len(ev.value)
                     elif type(ev) is tether.Live:
                         break
+                t1 = time.perf_counter()
+                sub.close()
+                return t1 - t0, time.perf_counter() - t1, n, nbytes
+
+            def python_batch() -> tuple[float, float | None, int, int]:
+                t0 = time.perf_counter()
+                n = nbytes = 0
+                sub = tether.Subscriber([addr], ca_file=ca, durable_id="python-batch")
+                assert sub.pending == args.events, sub.pending
+                live = False
+                while not live:
+                    for ev in sub.next_batch(256):
+                        if type(ev) is tether.Event:
+                            n += 1
+                            nbytes += len(ev.value)
+                        elif type(ev) is tether.Live:
+                            live = True
+                            break
                 t1 = time.perf_counter()
                 sub.close()
                 return t1 - t0, time.perf_counter() - t1, n, nbytes
@@ -133,7 +152,8 @@ def main() -> int:
                                stdout=subprocess.DEVNULL, check=True)
                 return time.perf_counter() - t0, None, args.events, args.events * args.size
 
-            runs = {"python": python, "python-asyncio": lambda: asyncio.run(python_asyncio()),
+            runs = {"python": python, "python-batch": python_batch,
+                    "python-asyncio": lambda: asyncio.run(python_asyncio()),
                     "rust-lib": rust_lib, "rust-cli": rust_cli}
             results = {}
             for r in readers:
@@ -148,6 +168,7 @@ def main() -> int:
 
     notes = {
         "python": "blocking iterator, each value read; connect to live marker",
+        "python-batch": "next_batch(256), each value read; connect to live marker",
         "python-asyncio": "async for, each value read; connect to live marker",
         "rust-lib": "tether-client Subscription, each value read; connect to live marker",
         "rust-cli": "`tether subscribe --exit-on-live` > /dev/null; includes process start, "
@@ -159,7 +180,7 @@ def main() -> int:
         after = "" if close is None else f"; then close {close * 1000:.0f} ms"
         print(f"  {r:15} {rate:>12,.0f} events/s   ({notes[r]}{after})")
     py = results["python"][0]
-    for r in ("rust-lib", "rust-cli"):
+    for r in ("python-batch", "rust-lib", "rust-cli"):
         if r in results:
             print(f"  python / {r}: {py / results[r][0]:.2f}")
     print(json.dumps({"events": args.events, "size": args.size,

@@ -545,8 +545,9 @@ async fn finish(sub: Subscription, cmd: Option<CloseCmd>) {
 
 struct SubState {
     buf: VecDeque<ClientEvent>,
-    /// Auto acks: the offset of the event handed out last, processed once the next is asked for.
-    last: Option<u64>,
+    /// Auto acks: the offsets of the events handed out last (one event, or one batch),
+    /// processed once the application asks for more.
+    last: Vec<u64>,
     /// The pump is done: Some(why) once it said so (or its channel closed).
     end: Option<Option<ErrInfo>>,
     /// The end was shown to the application (raised or StopIteration).
@@ -579,15 +580,25 @@ enum Step {
 }
 
 impl PySubscription {
-    /// Hands out the next buffered event (acking the one before it in auto mode).
+    /// Hands out the next buffered event (acking those handed out before it in auto mode).
     fn step(&self) -> Step {
         let mut st = lock(&self.state);
-        if self.auto_ack
-            && let Some(o) = st.last.take()
-        {
-            // An offset the queue no longer knows (it expired meanwhile) is simply dropped.
-            let _ = self.acker.ack(o);
+        self.ack_handed_out(&mut st);
+        self.step_locked(&mut st)
+    }
+
+    /// Auto mode: the events handed out before are processed (the application asked for more).
+    fn ack_handed_out(&self, st: &mut SubState) {
+        if self.auto_ack {
+            for o in st.last.drain(..) {
+                // An offset the queue no longer knows (it expired meanwhile) is simply dropped.
+                let _ = self.acker.ack(o);
+            }
         }
+    }
+
+    /// [`Self::step`] without the acks, under the caller's lock.
+    fn step_locked(&self, st: &mut SubState) -> Step {
         if st.closed {
             st.end_reported = true;
             return Step::End(None);
@@ -595,7 +606,7 @@ impl PySubscription {
         match st.buf.pop_front() {
             Some(ev) => {
                 match &ev {
-                    ClientEvent::Event(e) if self.auto_ack => st.last = Some(e.offset),
+                    ClientEvent::Event(e) if self.auto_ack => st.last.push(e.offset),
                     ClientEvent::Reconnected { queue, pending } => {
                         st.queue = *queue;
                         st.pending = *pending;
@@ -614,6 +625,30 @@ impl PySubscription {
                 }
             },
         }
+    }
+
+    /// Up to `max` events at once: the first as [`Self::next_event`] waits for it, then
+    /// whatever else is buffered now, without waiting (the end, if it comes after some events,
+    /// is left for the next call). Auto acks cover the whole batch once more is asked for.
+    fn next_batch(
+        &self,
+        py: Python<'_>,
+        max: usize,
+        timeout: Option<Duration>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        let Some(first) = self.next_event(py, timeout)? else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::with_capacity(max.min(BATCH_MAX_DEFAULT));
+        out.push(first);
+        let mut st = lock(&self.state);
+        while out.len() < max && !st.buf.is_empty() {
+            match self.step_locked(&mut st) {
+                Step::Event(ev) => out.push(to_py_event(py, ev)?),
+                Step::Empty | Step::End(_) => break,
+            }
+        }
+        Ok(out)
     }
 
     /// Waits (without the GIL) up to `timeout` for the pump's next batch; true if one came
@@ -692,6 +727,23 @@ impl PySubscription {
         self.next_event(py, None)
     }
 
+    /// Up to `max_events` events at once (a list; at least one unless `timeout` seconds passed
+    /// or the subscription is finished): the first waited for as `poll` does, then those
+    /// already received. Raises TetherError if the subscription ended by itself before any.
+    #[pyo3(signature = (max_events=256, timeout=None))]
+    fn poll_batch(
+        &self,
+        py: Python<'_>,
+        max_events: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        if max_events == 0 {
+            return Err(PyValueError::new_err("max_events must be at least 1"));
+        }
+        let timeout = timeout.map(secs).transpose()?;
+        self.next_batch(py, max_events, timeout)
+    }
+
     /// The next event, waiting at most `timeout` seconds (None: as long as it takes); None on
     /// a timeout, and once the subscription is finished.
     #[pyo3(signature = (timeout=None))]
@@ -761,13 +813,9 @@ impl PySubscription {
             .map_err(|e| ErrInfo::from(e).to_py(py))
     }
 
-    /// Auto acks: the event handed out last counts as processed now.
+    /// Auto acks: the events handed out last (one, or a batch) count as processed now.
     fn commit(&self) {
-        if self.auto_ack
-            && let Some(o) = lock(&self.state).last.take()
-        {
-            let _ = self.acker.ack(o);
-        }
+        self.ack_handed_out(&mut lock(&self.state));
     }
 
     /// Ends the subscription (see `tether.Subscriber.close`). Closing twice does nothing.
@@ -834,11 +882,12 @@ fn parse_interest(
             ));
         }
     };
-    let policy: ResultPolicy = policy
-        .parse()
-        .map_err(|e: tether_client::protocol::UnknownResultPolicy| {
-            ErrInfo::new(Kind::Value, format!("policy: {e}"))
-        })?;
+    let policy: ResultPolicy =
+        policy
+            .parse()
+            .map_err(|e: tether_client::protocol::UnknownResultPolicy| {
+                ErrInfo::new(Kind::Value, format!("policy: {e}"))
+            })?;
     let mut interest = Interest::key("")
         .policy(policy)
         .receive_values(receive_values);
@@ -954,7 +1003,7 @@ fn subscribe(
             Ok(PySubscription {
                 state: Mutex::new(SubState {
                     buf: VecDeque::new(),
-                    last: None,
+                    last: Vec::new(),
                     end: None,
                     end_reported: false,
                     closed: false,

@@ -68,6 +68,12 @@ def test_wrong_interest_and_publisher_arguments(server):
             sub.ack("3")
         with pytest.raises(TypeError, match="timeout"):
             sub.next("soon")
+        with pytest.raises(ValueError, match="max_events: 0 is outside 1"):
+            sub.next_batch(0)
+        with pytest.raises(TypeError, match="max_events: expected int, got str"):
+            sub.next_batch("3")
+        with pytest.raises(TypeError, match="timeout"):
+            sub.next_batch(3, timeout="soon")
         with pytest.raises(TypeError, match="keepalive"):
             sub.close(keepalive="no")
 

@@ -153,6 +153,38 @@ def test_auto_acks_count_what_the_application_asked_past(server):
             sub.ack(5)
 
 
+def test_batches_come_in_order_and_auto_acks_cover_every_event_of_a_batch(server):
+    with server.subscriber(durable_id="batches", interests={"R": tether.all_keys()}) as sub:
+        until_live(sub)
+    server.cli("put", "--region", "R", "--count", "20")
+    sub = server.subscriber(durable_id="batches")
+    assert sub.pending == 20
+    got: list[tether.Event] = []
+    while len(got) < 6:
+        batch = sub.next_batch(3, timeout=10)
+        assert 1 <= len(batch) <= 3, batch
+        assert all(isinstance(e, tether.Event) and e.replayed for e in batch), batch
+        got.extend(batch)
+    assert [e.offset for e in got] == list(range(1, len(got) + 1))
+    # Closing counts every event handed out as processed, the last batch's too: with only
+    # the last offset of a batch acked, the cumulative ack would stay below the gap.
+    sub.close()
+    with server.subscriber(durable_id="batches") as sub:
+        assert (sub.queue_status, sub.pending) == ("resumed", 20 - len(got))
+        rest: list[tether.Event] = []
+        live = None
+        while live is None:
+            for item in sub.next_batch(timeout=10):
+                if isinstance(item, tether.Live):
+                    live = item
+                else:
+                    rest.append(item)
+        assert [e.offset for e in rest] == list(range(len(got) + 1, 21))
+        assert all(e.replayed for e in rest)
+        # Nothing after the live marker, and a timeout is an empty list.
+        assert sub.next_batch(timeout=0.05) == []
+
+
 def test_manual_acks_out_of_order_and_a_checkpoint_restart_see_no_event_twice(server):
     with server.subscriber(durable_id="m1", interests={"R": tether.all_keys()}) as sub:
         until_live(sub)

@@ -77,6 +77,8 @@ DEFAULT_CA_FILE = os.path.join("data", "tls", "ca.pem")
 
 _POLICIES = ("keys-values", "keys", "none")
 _U64_MAX = 2**64 - 1
+# The most items `Subscriber.next_batch` hands out at once.
+_BATCH_EVENTS_MAX = 1 << 20
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks: one clear TypeError or ValueError naming the argument.
@@ -381,6 +383,18 @@ class Subscriber:
         itself."""
         return self._native.poll(None if timeout is None else _number("timeout", timeout))
 
+    def next_batch(self, max_events: int = 256,
+                   timeout: float | None = None) -> list[ClientEvent]:
+        """Up to ``max_events`` items at once, in order: the first waited for as ``next``
+        waits (at most ``timeout`` seconds; None: as long as it takes), then those already
+        received, without waiting. An empty list on a timeout or once finished; raises
+        TetherError if the subscription ended by itself before any. Fewer Python calls per
+        event than iterating; with ``ack_mode="auto"`` the whole batch counts as processed
+        once more is asked for (or at ``commit`` or ``close``)."""
+        return self._native.poll_batch(
+            _int("max_events", max_events, lo=1, hi=_BATCH_EVENTS_MAX),
+            None if timeout is None else _number("timeout", timeout))
+
     def __aiter__(self) -> AsyncIterator[ClientEvent]:
         return self
 
@@ -410,8 +424,8 @@ class Subscriber:
         return self._native.ack(_int("offset", offset))
 
     def commit(self) -> None:
-        """``ack_mode="auto"``: the event yielded last counts as processed now, without
-        waiting for the next one to be asked for."""
+        """``ack_mode="auto"``: the event yielded last (or the batch ``next_batch`` returned
+        last) counts as processed now, without waiting for more to be asked for."""
         self._native.commit()
 
     # -- closing -------------------------------------------------------------------------------
