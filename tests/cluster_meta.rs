@@ -370,3 +370,67 @@ fn place(id: &str, primary: tether::cluster::meta::NodeId) -> PeerRequest {
         timeout_ms: 1_000,
     })
 }
+
+/// A metadata write that gives a queue to a node that is not a member (as a member whose view
+/// of the membership lagged a removal would send) is refused by the member it reaches, over
+/// the real peer protocol, and commits nothing: the same queue placed on a member afterwards
+/// gets that member, not the stranger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_placing_a_queue_on_a_non_member_is_refused_and_commits_nothing() {
+    use tether_transport::PEER_PROTOCOL_VERSION as V;
+    let c = TestCluster::start(3).await;
+    let leader = c.leader().await;
+    let files = member_tls(&c, 0);
+    let addr = c.node(leader).addr();
+    let cfg = tls::peer_client_config_speaking(&files, V..=V).unwrap();
+    let ep = tether_transport::client_endpoint(cfg.clone(), addr).unwrap();
+    let pool = PeerPool::new(ep, cfg);
+    let leader_id = raft_id(&c.names[leader]);
+    let stranger = raft_id("not-a-member");
+    let call = |request: PeerRequest| {
+        let pool = &pool;
+        async move {
+            pool.call(
+                leader_id,
+                &addr.to_string(),
+                request,
+                Duration::from_secs(10),
+            )
+            .await
+            .expect("the member answers")
+        }
+    };
+
+    let as_copy = PeerRequest::Write(MetaCommand::Place {
+        id: "q".into(),
+        primary: leader_id,
+        secondaries: vec![stranger],
+        redundancy: 1,
+        timeout_ms: 1_000,
+    });
+    for request in [place("q", stranger), as_copy] {
+        let r = call(request).await;
+        let PeerResponse::BadRequest(text) = r else {
+            panic!("a write placing a queue on a non-member was not refused")
+        };
+        assert!(
+            text.contains("not a member"),
+            "the refusal names the cause: {text}"
+        );
+    }
+
+    let r = call(place("q", leader_id)).await;
+    let PeerResponse::Write(Ok(w)) = r else {
+        panic!("not a committed write")
+    };
+    let MetaResponse::Placed(p) = w.data else {
+        panic!("not placed: {:?}", w.data)
+    };
+    assert_eq!(
+        (p.primary, p.secondaries),
+        (leader_id, vec![]),
+        "nothing of the refused writes"
+    );
+    pool.close();
+    c.shutdown().await;
+}
