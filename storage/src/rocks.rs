@@ -650,10 +650,8 @@ mod tests {
             .unwrap()
     }
 
-    /// Acks delete a queue's byte marks one by one, also marks put earlier in the same batch,
-    /// and leave no range tombstone in the marks column family: thousands of acks do not pile
-    /// up tombstones in its slowly filling memtable (found by `make soak`: a flush of 129,232
-    /// of them took 33 s and 3 GB).
+    /// Obsolete write-ahead logs are renamed into the archive, not unlinked whole, and the
+    /// store's reaper empties it; the live log and the data stay.
     #[test]
     fn obsolete_logs_are_archived_then_deleted_by_the_reaper() {
         let dir = tempfile::tempdir().unwrap();
@@ -692,6 +690,10 @@ mod tests {
         );
     }
 
+    /// Acks delete a queue's byte marks one by one, also marks put earlier in the same batch,
+    /// and leave no range tombstone in the marks column family: thousands of acks do not pile
+    /// up tombstones in its slowly filling memtable (found by `make soak`: a flush of 129,232
+    /// of them took 33 s and 3 GB).
     #[test]
     fn acks_delete_byte_marks_without_range_tombstones() {
         let dir = tempfile::tempdir().unwrap();

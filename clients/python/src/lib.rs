@@ -639,14 +639,23 @@ impl PySubscription {
         let Some(first) = self.next_event(py, timeout)? else {
             return Ok(Vec::new());
         };
-        let mut out = Vec::with_capacity(max.min(BATCH_MAX_DEFAULT));
-        out.push(first);
-        let mut st = lock(&self.state);
-        while out.len() < max && !st.buf.is_empty() {
-            match self.step_locked(&mut st) {
-                Step::Event(ev) => out.push(to_py_event(py, ev)?),
-                Step::Empty | Step::End(_) => break,
+        // Taken under the lock, made Python objects after it: creating them may run Python
+        // code (a collection's finalizers) that calls back into this subscription.
+        let rest = {
+            let mut st = lock(&self.state);
+            let mut rest = Vec::with_capacity(max.saturating_sub(1).min(st.buf.len()));
+            while rest.len() + 1 < max && !st.buf.is_empty() {
+                match self.step_locked(&mut st) {
+                    Step::Event(ev) => rest.push(ev),
+                    Step::Empty | Step::End(_) => break,
+                }
             }
+            rest
+        };
+        let mut out = Vec::with_capacity(rest.len() + 1);
+        out.push(first);
+        for ev in rest {
+            out.push(to_py_event(py, ev)?);
         }
         Ok(out)
     }
