@@ -68,7 +68,7 @@ pub use rocks::{
 };
 pub use wal_reaper::{
     WAL_ARCHIVE_BACKLOG_BYTES_MAX, WAL_ARCHIVE_DIR, WAL_ARCHIVE_POLL_MS, WAL_ARCHIVE_TTL_SECS,
-    WAL_DELETE_BYTES_PER_SEC, WAL_DELETE_CHUNK_BYTES,
+    WAL_DELETE_BYTES_PER_SEC, WAL_DELETE_CHUNK_BYTES, WAL_REAPER_WARN_INTERVAL_SECS,
 };
 
 /// Visits one region entry of [`Store::regions_scan`]: (region, key, value as stored).

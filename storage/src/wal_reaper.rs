@@ -41,6 +41,10 @@ pub const WAL_ARCHIVE_POLL_MS: u64 = 100;
 /// (checked every half of it). Only reached if the reaper cannot keep up or fails.
 pub const WAL_ARCHIVE_TTL_SECS: u64 = 3600;
 
+/// The reaper logs a failure to delete at most once per this many seconds (it retries
+/// every [`WAL_ARCHIVE_POLL_MS`]).
+pub const WAL_REAPER_WARN_INTERVAL_SECS: u64 = 60;
+
 /// The sub-directory of a RocksDB WAL directory that archived logs are moved into.
 pub const WAL_ARCHIVE_DIR: &str = "archive";
 
@@ -89,6 +93,8 @@ fn run(archive: &Path, stopped: &mpsc::Receiver<()>) {
             Ok(()) | Err(RecvTimeoutError::Timeout)
         )
     };
+    // When a failure was last logged: a file that cannot be deleted fails on every pass.
+    let mut warned: Option<std::time::Instant> = None;
     loop {
         let mut files = archived_logs(archive);
         let mut backlog: u64 = files.iter().map(|(_, len)| len).sum();
@@ -99,7 +105,11 @@ fn run(archive: &Path, stopped: &mpsc::Receiver<()>) {
                 Ok(false) => return,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => {
-                    tracing::warn!(path = %path.display(), error = %e, "could not delete an archived write-ahead log; retrying on the next pass");
+                    let quiet = Duration::from_secs(WAL_REAPER_WARN_INTERVAL_SECS);
+                    if warned.is_none_or(|at| at.elapsed() >= quiet) {
+                        warned = Some(std::time::Instant::now());
+                        tracing::warn!(path = %path.display(), error = %e, "could not delete an archived write-ahead log; retrying on every pass (this warning at most once a minute)");
+                    }
                 }
             }
         }
