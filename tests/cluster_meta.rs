@@ -304,14 +304,9 @@ async fn a_member_of_another_peer_protocol_version_is_refused_clearly() {
     use tether_transport::PEER_PROTOCOL_VERSION as V;
     let c = TestCluster::start(3).await;
     let leader = c.leader().await;
-    let files = member_tls(&c, 0);
     let addr = c.node(leader).addr();
     let write = |id: &str| place(id, raft_id(&c.names[leader]));
-    let pool_speaking = |versions: std::ops::RangeInclusive<u32>| {
-        let cfg = tls::peer_client_config_speaking(&files, versions).unwrap();
-        let ep = tether_transport::client_endpoint(cfg.clone(), addr).unwrap();
-        PeerPool::new(ep, cfg)
-    };
+    let pool_speaking = |versions| member_pool(&c, 0, addr, versions);
     let leader_id = raft_id(&c.names[leader]);
 
     let newer_only = pool_speaking(V + 1..=V + 1);
@@ -360,6 +355,19 @@ fn member_tls(c: &TestCluster, i: usize) -> tls::TlsFiles {
     }
 }
 
+/// A peer pool with member `i`'s certificate, speaking `versions` of the peer protocol, its
+/// endpoint bound for `to`.
+fn member_pool(
+    c: &TestCluster,
+    i: usize,
+    to: std::net::SocketAddr,
+    versions: std::ops::RangeInclusive<u32>,
+) -> PeerPool {
+    let cfg = tls::peer_client_config_speaking(&member_tls(c, i), versions).unwrap();
+    let ep = tether_transport::client_endpoint(cfg.clone(), to).unwrap();
+    PeerPool::new(ep, cfg)
+}
+
 /// A metadata write placing queue `id` on `primary`, without copies.
 fn place(id: &str, primary: tether::cluster::meta::NodeId) -> PeerRequest {
     PeerRequest::Write(MetaCommand::Place {
@@ -380,11 +388,8 @@ async fn a_write_placing_a_queue_on_a_non_member_is_refused_and_commits_nothing(
     use tether_transport::PEER_PROTOCOL_VERSION as V;
     let c = TestCluster::start(3).await;
     let leader = c.leader().await;
-    let files = member_tls(&c, 0);
     let addr = c.node(leader).addr();
-    let cfg = tls::peer_client_config_speaking(&files, V..=V).unwrap();
-    let ep = tether_transport::client_endpoint(cfg.clone(), addr).unwrap();
-    let pool = PeerPool::new(ep, cfg);
+    let pool = member_pool(&c, 0, addr, V..=V);
     let leader_id = raft_id(&c.names[leader]);
     let stranger = raft_id("not-a-member");
     let call = |request: PeerRequest| {

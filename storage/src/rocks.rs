@@ -670,20 +670,16 @@ mod tests {
         assert!(info.contains("Move log file"), "no log was archived");
         // ... and the reaper deleted them there.
         let archive = dir.path().join(WAL_ARCHIVE_DIR);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        let logs_in = |d: &Path| {
-            std::fs::read_dir(d).map_or(0, |entries| {
-                entries
-                    .filter_map(Result::ok)
-                    .filter(|e| e.path().extension().is_some_and(|x| x == "log"))
-                    .count()
-            })
-        };
-        while logs_in(&archive) > 0 && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        assert_eq!(logs_in(&archive), 0, "archived logs left");
-        assert_eq!(logs_in(dir.path()), 1, "only the live log stays");
+        assert_eq!(
+            crate::wal_reaper::wait_until_empty(&archive),
+            Vec::new(),
+            "archived logs left"
+        );
+        assert_eq!(
+            crate::wal_reaper::log_files(dir.path()).len(),
+            1,
+            "only the live log stays"
+        );
         assert_eq!(
             s.state_get("round").unwrap(),
             Some(3u64.to_be_bytes().to_vec())

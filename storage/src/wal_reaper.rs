@@ -96,7 +96,7 @@ fn run(archive: &Path, stopped: &mpsc::Receiver<()>) {
     // When a failure was last logged: a file that cannot be deleted fails on every pass.
     let mut warned: Option<std::time::Instant> = None;
     loop {
-        let mut files = archived_logs(archive);
+        let mut files = log_files(archive);
         let mut backlog: u64 = files.iter().map(|(_, len)| len).sum();
         files.sort();
         for (path, len) in files {
@@ -119,10 +119,10 @@ fn run(archive: &Path, stopped: &mpsc::Receiver<()>) {
     }
 }
 
-/// The archived log files (`*.log`) in `archive` with their lengths; empty if the directory
-/// does not exist (yet).
-fn archived_logs(archive: &Path) -> Vec<(PathBuf, u64)> {
-    let Ok(dir) = std::fs::read_dir(archive) else {
+/// The log files (`*.log`) in `dir` (the archive, or the WAL directory itself) with their
+/// lengths; empty if the directory does not exist (yet).
+pub(crate) fn log_files(dir: &Path) -> Vec<(PathBuf, u64)> {
+    let Ok(dir) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
     dir.filter_map(Result::ok)
@@ -161,21 +161,23 @@ fn shrink_and_remove(
     Ok(true)
 }
 
+/// Waits (up to a generous deadline, polling) until `archive` holds no log file; what is
+/// left then.
+#[cfg(test)]
+pub(crate) fn wait_until_empty(archive: &Path) -> Vec<(PathBuf, u64)> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = log_files(archive);
+        if left.is_empty() || std::time::Instant::now() > deadline {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Waits (up to a generous deadline, polling) until `archive` holds no log file.
-    fn wait_until_empty(archive: &Path) -> Vec<(PathBuf, u64)> {
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let left = archived_logs(archive);
-            if left.is_empty() || std::time::Instant::now() > deadline {
-                return left;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
 
     #[test]
     fn archived_logs_are_deleted_and_other_files_left_alone() {
@@ -212,13 +214,13 @@ mod tests {
         drop(reaper);
         // Stopped mid-file: what it had not shrunk yet stays, whole chunks only, and nothing
         // changes any more.
-        let left = archived_logs(&archive);
+        let left = log_files(&archive);
         assert_eq!(left.len(), 1, "{left:?}");
         let (_, l) = left[0];
         assert!(l < len, "the reaper had started shrinking: {l}");
         assert_eq!(l % WAL_DELETE_CHUNK_BYTES, 0);
         std::thread::sleep(Duration::from_millis(100));
-        assert_eq!(archived_logs(&archive), left);
+        assert_eq!(log_files(&archive), left);
         // A new reaper (the store opened again) finishes the job.
         let _again = WalReaper::spawn(archive.clone()).unwrap();
         assert_eq!(wait_until_empty(&archive), Vec::new());

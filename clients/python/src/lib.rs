@@ -627,39 +627,6 @@ impl PySubscription {
         }
     }
 
-    /// Up to `max` events at once: the first as [`Self::next_event`] waits for it, then
-    /// whatever else is buffered now, without waiting (the end, if it comes after some events,
-    /// is left for the next call). Auto acks cover the whole batch once more is asked for.
-    fn next_batch(
-        &self,
-        py: Python<'_>,
-        max: usize,
-        timeout: Option<Duration>,
-    ) -> PyResult<Vec<Py<PyAny>>> {
-        let Some(first) = self.next_event(py, timeout)? else {
-            return Ok(Vec::new());
-        };
-        // Taken under the lock, made Python objects after it: creating them may run Python
-        // code (a collection's finalizers) that calls back into this subscription.
-        let rest = {
-            let mut st = lock(&self.state);
-            let mut rest = Vec::with_capacity(max.saturating_sub(1).min(st.buf.len()));
-            while rest.len() + 1 < max && !st.buf.is_empty() {
-                match self.step_locked(&mut st) {
-                    Step::Event(ev) => rest.push(ev),
-                    Step::Empty | Step::End(_) => break,
-                }
-            }
-            rest
-        };
-        let mut out = Vec::with_capacity(rest.len() + 1);
-        out.push(first);
-        for ev in rest {
-            out.push(to_py_event(py, ev)?);
-        }
-        Ok(out)
-    }
-
     /// Waits (without the GIL) up to `timeout` for the pump's next batch; true if one came
     /// or the subscription ended.
     fn wait_batch(&self, timeout: Duration) -> bool {
@@ -738,7 +705,9 @@ impl PySubscription {
 
     /// Up to `max_events` events at once (a list; at least one unless `timeout` seconds passed
     /// or the subscription is finished): the first waited for as `poll` does, then those
-    /// already received. Raises TetherError if the subscription ended by itself before any.
+    /// already received, without waiting (an end after some events is left for the next
+    /// call). Raises TetherError if the subscription ended by itself before any. Auto acks
+    /// cover the whole batch once more is asked for.
     #[pyo3(signature = (max_events=256, timeout=None))]
     fn poll_batch(
         &self,
@@ -750,7 +719,28 @@ impl PySubscription {
             return Err(PyValueError::new_err("max_events must be at least 1"));
         }
         let timeout = timeout.map(secs).transpose()?;
-        self.next_batch(py, max_events, timeout)
+        let Some(first) = self.next_event(py, timeout)? else {
+            return Ok(Vec::new());
+        };
+        // Taken under the lock, made Python objects after it: creating them may run Python
+        // code (a collection's finalizers) that calls back into this subscription.
+        let rest = {
+            let mut st = lock(&self.state);
+            let mut rest = Vec::with_capacity(max_events.saturating_sub(1).min(st.buf.len()));
+            while rest.len() + 1 < max_events && !st.buf.is_empty() {
+                match self.step_locked(&mut st) {
+                    Step::Event(ev) => rest.push(ev),
+                    Step::Empty | Step::End(_) => break,
+                }
+            }
+            rest
+        };
+        let mut out = Vec::with_capacity(rest.len() + 1);
+        out.push(first);
+        for ev in rest {
+            out.push(to_py_event(py, ev)?);
+        }
+        Ok(out)
     }
 
     /// The next event, waiting at most `timeout` seconds (None: as long as it takes); None on
