@@ -6,6 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use tether::cluster::ClusterError;
 use tether::cluster::meta::{MetaCommand, MetaResponse, raft_id};
 use tether::cluster::network::{PeerPool, PeerRequest, PeerResponse};
 use tether::config::ServerConfig;
@@ -437,5 +438,66 @@ async fn a_write_placing_a_queue_on_a_non_member_is_refused_and_commits_nothing(
         "nothing of the refused writes"
     );
     pool.close();
+    c.shutdown().await;
+}
+
+/// A member's own metadata write that gives a queue to a non-member (what a member whose view
+/// lagged a removal writes) is refused with its cause: on the leader, which checks it before
+/// proposing it, as on a follower, which forwards it and hands back the leader's refusal
+/// (instead of retrying it until the caller hears that no leader is reachable). Neither
+/// commits: the same queue placed afterwards gets that placement, not the refused one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_members_own_write_placing_a_queue_on_a_non_member_is_refused_with_its_cause() {
+    let c = TestCluster::start(3).await;
+    let leader = c.leader().await;
+    let follower = (leader + 1) % 3;
+    let leader_id = raft_id(&c.names[leader]);
+    let stranger = raft_id("not-a-member");
+    for i in [leader, follower] {
+        let copy_on_stranger = MetaCommand::Place {
+            id: "q".into(),
+            primary: raft_id(&c.names[i]),
+            secondaries: vec![stranger],
+            redundancy: 1,
+            timeout_ms: 1_000,
+        };
+        let e = c
+            .node(i)
+            .cluster()
+            .unwrap()
+            .write(copy_on_stranger)
+            .await
+            .expect_err("a write placing a copy on a non-member committed");
+        assert!(
+            !matches!(e, ClusterError::NoLeader(_)),
+            "refused for its cause, not for want of a leader: {e}"
+        );
+        assert!(
+            e.to_string().contains("not a member"),
+            "the refusal names the cause: {e}"
+        );
+    }
+    let on_leader = MetaCommand::Place {
+        id: "q".into(),
+        primary: leader_id,
+        secondaries: vec![],
+        redundancy: 0,
+        timeout_ms: 1_000,
+    };
+    let MetaResponse::Placed(p) = c
+        .node(follower)
+        .cluster()
+        .unwrap()
+        .write(on_leader)
+        .await
+        .unwrap()
+    else {
+        panic!("not placed")
+    };
+    assert_eq!(
+        (p.primary, p.secondaries),
+        (leader_id, vec![]),
+        "nothing of the refused writes"
+    );
     c.shutdown().await;
 }

@@ -142,9 +142,12 @@ pub enum MetaCommand {
     SetDraining { node: NodeId, draining: bool },
 }
 
-/// A metadata command refused before it is proposed ([`MetaCommand::validate`]).
+/// A metadata command refused before it is proposed ([`MetaCommand::validate`], and
+/// [`MetaCommand::places_on_members_only`] on the leader).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum CommandRefused {
+    #[error("it gives a queue to a node that is not a member (removed while its metadata lagged?)")]
+    NotAMember,
     #[error("redundancy {0} is above the limit of {max}", max = REDUNDANCY_MAX)]
     Redundancy(u8),
     #[error("an owner of {0} bytes (at most {max})", max = crate::limits::PRINCIPAL_BYTES_MAX)]
@@ -173,7 +176,8 @@ impl MetaCommand {
     /// while its metadata lagged (it never applied its draining mark) still places queues on
     /// itself on its stale view, and its writes, forwarded to the leader, would commit: a
     /// queue placed there is on a node the failure detector no longer watches, for good.
-    /// The leader refuses such a forwarded write (`network.rs`).
+    /// The leader refuses such a write, its own ([`Cluster::write`](super::Cluster::write))
+    /// or forwarded (`network.rs`).
     pub fn places_on_members_only(&self, is_member: impl Fn(NodeId) -> bool) -> bool {
         match self {
             MetaCommand::Place {

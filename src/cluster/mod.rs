@@ -89,6 +89,9 @@ pub enum ClusterError {
     Refused(#[from] meta::CommandRefused),
     #[error("no metadata leader reachable within {0} ms")]
     NoLeader(u64),
+    /// The leader answered a forwarded command with a refusal (its reason).
+    #[error("the metadata leader answered: {0}")]
+    LeaderRefused(String),
     #[error("membership change refused: {0}")]
     Membership(String),
     #[error("consensus stopped: {0}")]
@@ -477,7 +480,9 @@ impl Cluster {
     /// Commits `cmd` through consensus (forwarding to the leader when this node does not
     /// lead) and returns its result once it is applied on the leader. Retries across leader
     /// changes until [`network::FORWARD_TIMEOUT_MS`]; commands are compare-and-set or
-    /// idempotent, so a retry never applies a change twice.
+    /// idempotent, so a retry never applies a change twice. A command the leader refuses
+    /// ([`meta::CommandRefused`]: on the leader itself, or forwarded and answered with its
+    /// reason) is not retried.
     pub async fn write(&self, cmd: MetaCommand) -> Result<MetaResponse, ClusterError> {
         self.write_logged(cmd).await.map(|(r, _)| r)
     }
@@ -500,12 +505,30 @@ impl Cluster {
         cmd.validate()?;
         let deadline = Instant::now() + Duration::from_millis(network::FORWARD_TIMEOUT_MS);
         loop {
-            let leader = match self.raft.client_write(cmd.clone()).await {
-                Ok(r) => return Ok((r.data, r.log_id.index)),
-                Err(e) => match e.forward_to_leader() {
-                    Some(f) => f.leader_id.zip(f.leader_node.clone()),
-                    None => return Err(ClusterError::Fatal(e.to_string())),
-                },
+            let leader = if network::places_on_members(&self.raft, &cmd) {
+                match self.raft.client_write(cmd.clone()).await {
+                    Ok(r) => return Ok((r.data, r.log_id.index)),
+                    Err(e) => match e.forward_to_leader() {
+                        Some(f) => f.leader_id.zip(f.leader_node.clone()),
+                        None => return Err(ClusterError::Fatal(e.to_string())),
+                    },
+                }
+            } else {
+                // A node the command gives a queue to is not a member as this node knows the
+                // group. The leader's membership is the latest: there it is refused; a
+                // follower's may lag a member just added, so the leader decides.
+                let metrics = self.raft.metrics().borrow().clone();
+                match metrics.current_leader {
+                    Some(id) if id == self.me => {
+                        return Err(meta::CommandRefused::NotAMember.into());
+                    }
+                    Some(id) => metrics
+                        .membership_config
+                        .membership()
+                        .get_node(&id)
+                        .map(|node| (id, node.clone())),
+                    None => None,
+                }
             };
             if let Some((id, node)) = leader {
                 let left = deadline.saturating_duration_since(Instant::now());
@@ -523,6 +546,10 @@ impl Cluster {
                     }
                     Ok(PeerResponse::Write(Err(e))) if e.forward_to_leader().is_none() => {
                         return Err(ClusterError::Fatal(e.to_string()));
+                    }
+                    // Refused for what it says (sent again, it would be again).
+                    Ok(PeerResponse::BadRequest(why)) => {
+                        return Err(ClusterError::LeaderRefused(why));
                     }
                     _ => {}
                 }

@@ -42,8 +42,8 @@ use serde::{Deserialize, Serialize};
 use tether_transport::{codec, tls};
 use tokio::sync::{Semaphore, watch};
 
-use super::meta::{MetaCommand, NodeId, raft_id};
-use super::{PeerNode, Raft, TypeConfig};
+use super::meta::{CommandRefused, MetaCommand, NodeId, raft_id};
+use super::{ClusterError, PeerNode, Raft, TypeConfig};
 use crate::protocol::PublishOp;
 
 /// Longest peer request or response body, in bytes (a snapshot chunk is at most 3 MiB).
@@ -878,7 +878,7 @@ pub async fn serve_peer(
 
 /// Whether `cmd` gives queues only to members of the group as this node knows it (its latest
 /// membership, committed or not: a member being removed counts as gone).
-fn places_on_members(raft: &Raft, cmd: &MetaCommand) -> bool {
+pub(super) fn places_on_members(raft: &Raft, cmd: &MetaCommand) -> bool {
     let metrics = raft.metrics();
     let metrics = metrics.borrow();
     let membership = metrics.membership_config.membership();
@@ -897,11 +897,9 @@ async fn dispatch(
             PeerResponse::InstallSnapshot(raft.install_snapshot(r).await)
         }
         PeerRequest::Write(cmd) => match cmd.validate() {
-            Ok(()) if !places_on_members(raft, &cmd) => PeerResponse::BadRequest(
-                "metadata command refused: it gives a queue to a node that is not a member \
-                 (removed while its metadata lagged?)"
-                    .into(),
-            ),
+            Ok(()) if !places_on_members(raft, &cmd) => {
+                PeerResponse::BadRequest(ClusterError::from(CommandRefused::NotAMember).to_string())
+            }
             Ok(()) => PeerResponse::Write(raft.client_write(cmd).await),
             Err(e) => PeerResponse::BadRequest(format!("metadata command refused: {e}")),
         },
