@@ -185,6 +185,53 @@ def test_batches_come_in_order_and_auto_acks_cover_every_event_of_a_batch(server
         assert sub.next_batch(timeout=0.05) == []
 
 
+def test_asyncio_batches_replay_in_order_keep_the_loop_running_and_end_empty(server):
+    with server.subscriber(durable_id="abatch", interests={"R": tether.all_keys()}) as sub:
+        until_live(sub)
+    server.cli("put", "--region", "R", "--count", "50", "--size", "16")
+
+    async def main() -> tuple[list, list, int, list]:
+        sub = await tether.Subscriber.open([server.addr], ca_file=server.ca,
+                                           durable_id="abatch")
+        got, sizes = [], []
+        ticks = 0
+
+        async def ticker() -> None:  # the event loop keeps running while the client waits
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        t = asyncio.create_task(ticker())
+        live = None
+        while live is None:
+            batch = await sub.anext_batch(8)
+            assert batch, "a batch before the live marker is never empty"
+            sizes.append(len(batch))
+            for item in batch:
+                if isinstance(item, tether.Live):
+                    live = item
+                else:
+                    got.append(item)
+        # Nothing arrives for a while: the loop keeps ticking during the wait.
+        waiting = asyncio.create_task(sub.anext_batch())
+        before = ticks
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and ticks > before + 5
+        await asyncio.to_thread(sub.close)
+        after_close = await asyncio.wait_for(waiting, 10)
+        t.cancel()
+        return got, sizes, ticks, after_close
+
+    got, sizes, ticks, after_close = asyncio.run(main())
+    assert [e.offset for e in got] == list(range(1, 51))
+    assert all(e.replayed for e in got)
+    assert max(sizes) <= 8
+    assert after_close == []  # closed while waiting: finished, an empty list
+    with server.subscriber(durable_id="abatch") as sub:  # auto acks covered every batch
+        assert (sub.queue_status, sub.pending) == ("resumed", 0)
+
+
 def test_manual_acks_out_of_order_and_a_checkpoint_restart_see_no_event_twice(server):
     with server.subscriber(durable_id="m1", interests={"R": tether.all_keys()}) as sub:
         until_live(sub)

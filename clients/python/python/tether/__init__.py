@@ -395,6 +395,21 @@ class Subscriber:
             _int("max_events", max_events, lo=1, hi=_BATCH_EVENTS_MAX),
             None if timeout is None else _number("timeout", timeout))
 
+    async def anext_batch(self, max_events: int = 256) -> list[ClientEvent]:
+        """:meth:`next_batch` for asyncio: up to ``max_events`` items, in order, once at least
+        one is there, waited for without blocking the event loop; an empty list once finished.
+        Raises TetherError if the subscription ended by itself before any."""
+        n = self._native
+        most = _int("max_events", max_events, lo=1, hi=_BATCH_EVENTS_MAX)
+        while True:
+            batch = n.poll_batch(most, 0.0)
+            if batch:
+                return batch
+            if n.finished:
+                return []
+            # As in `__anext__`: the wait releases the GIL and returns within half a second.
+            await asyncio.to_thread(n.wait, 0.5)
+
     def __aiter__(self) -> AsyncIterator[ClientEvent]:
         return self
 
