@@ -38,6 +38,23 @@ def take(sub: tether.Subscriber, n: int, timeout: float = 10.0) -> list[tether.E
     return out
 
 
+class Ticker:
+    """Counts the event loop's turns, one every 10 ms: the loop keeps running while a client
+    waits. Made inside a running loop; `stop` when done."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            self.ticks += 1
+            await asyncio.sleep(0.01)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
 def test_durable_client_is_new_then_resumes_and_replays_what_was_published_meanwhile(server):
     interests = {"R": [tether.regex("D-.*")]}
     with server.subscriber(durable_id="d1", interests=interests) as sub:
@@ -82,15 +99,7 @@ def test_asyncio_iteration_replays_then_goes_live(server):
     async def main() -> tuple[list, list, str, int | None]:
         sub = await tether.Subscriber.open([server.addr], ca_file=server.ca, durable_id="a1")
         replayed, live = [], []
-        ticks = 0
-
-        async def ticker() -> None:  # the event loop keeps running while the client waits
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0.01)
-
-        t = asyncio.create_task(ticker())
+        ticker = Ticker()
         async with sub:
             async for ev in sub.events():
                 if isinstance(ev, tether.Live):
@@ -103,8 +112,8 @@ def test_asyncio_iteration_replays_then_goes_live(server):
                 break
             pub.close()
             await asyncio.sleep(0.1)
-        t.cancel()
-        assert ticks > 5
+        ticker.stop()
+        assert ticker.ticks > 5
         return replayed, live, sub.queue_status, sub.pending
 
     replayed, live, status, pending = asyncio.run(main())
@@ -190,19 +199,11 @@ def test_asyncio_batches_replay_in_order_keep_the_loop_running_and_end_empty(ser
         until_live(sub)
     server.cli("put", "--region", "R", "--count", "50", "--size", "16")
 
-    async def main() -> tuple[list, list, int, list]:
+    async def main() -> tuple[list, list, list]:
         sub = await tether.Subscriber.open([server.addr], ca_file=server.ca,
                                            durable_id="abatch")
         got, sizes = [], []
-        ticks = 0
-
-        async def ticker() -> None:  # the event loop keeps running while the client waits
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0.01)
-
-        t = asyncio.create_task(ticker())
+        ticker = Ticker()
         live = None
         while live is None:
             batch = await sub.anext_batch(8)
@@ -215,15 +216,15 @@ def test_asyncio_batches_replay_in_order_keep_the_loop_running_and_end_empty(ser
                     got.append(item)
         # Nothing arrives for a while: the loop keeps ticking during the wait.
         waiting = asyncio.create_task(sub.anext_batch())
-        before = ticks
+        before = ticker.ticks
         await asyncio.sleep(0.3)
-        assert not waiting.done() and ticks > before + 5
+        assert not waiting.done() and ticker.ticks > before + 5
         await asyncio.to_thread(sub.close)
         after_close = await asyncio.wait_for(waiting, 10)
-        t.cancel()
-        return got, sizes, ticks, after_close
+        ticker.stop()
+        return got, sizes, after_close
 
-    got, sizes, ticks, after_close = asyncio.run(main())
+    got, sizes, after_close = asyncio.run(main())
     assert [e.offset for e in got] == list(range(1, 51))
     assert all(e.replayed for e in got)
     assert max(sizes) <= 8
