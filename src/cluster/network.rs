@@ -885,6 +885,13 @@ pub(super) fn places_on_members(raft: &Raft, cmd: &MetaCommand) -> bool {
     cmd.places_on_members_only(|n| membership.get_node(&n).is_some())
 }
 
+/// Whether this node leads the group, as far as it knows.
+pub(super) fn leads(raft: &Raft) -> bool {
+    let metrics = raft.metrics();
+    let metrics = metrics.borrow();
+    metrics.current_leader == Some(metrics.id)
+}
+
 async fn dispatch(
     raft: &Raft,
     sink: Option<&dyn PublishSink>,
@@ -897,7 +904,9 @@ async fn dispatch(
             PeerResponse::InstallSnapshot(raft.install_snapshot(r).await)
         }
         PeerRequest::Write(cmd) => match cmd.validate() {
-            Ok(()) if !places_on_members(raft, &cmd) => {
+            // Refused by the leader only: a node that lost the lead may lag a member just
+            // added, and its `client_write` names the leader to send the write to instead.
+            Ok(()) if !places_on_members(raft, &cmd) && leads(raft) => {
                 PeerResponse::BadRequest(ClusterError::from(CommandRefused::NotAMember).to_string())
             }
             Ok(()) => PeerResponse::Write(raft.client_write(cmd).await),
