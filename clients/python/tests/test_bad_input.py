@@ -3,6 +3,7 @@ where nothing listens gives ConnectError quickly."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -74,6 +75,8 @@ def test_wrong_interest_and_publisher_arguments(server):
             sub.next_batch("3")
         with pytest.raises(TypeError, match="timeout"):
             sub.next_batch(3, timeout="soon")
+        with pytest.raises(ValueError, match="max_events: 0 is outside 1"):
+            asyncio.run(sub.anext_batch(0))
         with pytest.raises(TypeError, match="keepalive"):
             sub.close(keepalive="no")
 

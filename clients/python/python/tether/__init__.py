@@ -399,28 +399,28 @@ class Subscriber:
         """:meth:`next_batch` for asyncio: up to ``max_events`` items, in order, once at least
         one is there, waited for without blocking the event loop; an empty list once finished.
         Raises TetherError if the subscription ended by itself before any."""
-        n = self._native
         most = _int("max_events", max_events, lo=1, hi=_BATCH_EVENTS_MAX)
-        while True:
-            batch = n.poll_batch(most, 0.0)
-            if batch:
-                return batch
-            if n.finished:
-                return []
-            # As in `__anext__`: the wait releases the GIL and returns within half a second.
-            await asyncio.to_thread(n.wait, 0.5)
+        return await self._ready(lambda n: n.poll_batch(most, 0.0) or None) or []
 
     def __aiter__(self) -> AsyncIterator[ClientEvent]:
         return self
 
     async def __anext__(self) -> ClientEvent:
+        ev = await self._ready(lambda n: n.poll(0.0))
+        if ev is None:
+            raise StopAsyncIteration
+        return ev
+
+    async def _ready(self, take: Any) -> Any:
+        """What ``take(native)`` returns once it is not None (it must not wait); None once
+        finished. Between tries it waits in a worker thread."""
         n = self._native
         while True:
-            ev = n.poll(0.0)
-            if ev is not None:
-                return ev
+            got = take(n)
+            if got is not None:
+                return got
             if n.finished:
-                raise StopAsyncIteration
+                return None
             # The wait releases the GIL and returns within half a second, so the event loop
             # is never blocked and a cancelled task leaves no wait behind for long.
             await asyncio.to_thread(n.wait, 0.5)
