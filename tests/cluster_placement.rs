@@ -148,6 +148,7 @@ async fn expiry_and_drop_free_the_id_cluster_wide() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn away_queues_placed_on_one_node_are_handed_over_to_the_others() {
     const QUEUES: usize = 12;
+    const STALE_RETRIES_MAX: usize = 5;
     // Only the giver rebalances: the takers need no rebalancing of their own (a node with
     // `rebalance = false` still takes what others hand it, docs/cluster.md).
     let c = TestCluster::start_tweaked(3, |cfg| {
@@ -202,21 +203,34 @@ async fn away_queues_placed_on_one_node_are_handed_over_to_the_others() {
     let cluster = c.node(0).cluster().unwrap().clone();
     // Every queue's copy moves to the third node first (as a repair after a failure would):
     // the placements' epochs move on from those the queues were made at.
+    // The giver may be rebalancing already (its clients are away): a placement it moved
+    // between our read and our write answers `Stale` with the current one, which we retry.
     for id in &ids {
-        let p = cluster.placement(id).unwrap();
-        let other = (0..3)
-            .map(|i| c.node(i).cluster().unwrap().id())
-            .find(|n| *n != p.primary && !p.secondaries.contains(n))
-            .unwrap();
-        let r = cluster
-            .write(MetaCommand::SetSecondaries {
-                id: id.clone(),
-                expected_epoch: p.epoch,
-                secondaries: vec![other],
-            })
-            .await
-            .unwrap();
-        assert!(matches!(r, MetaResponse::Placed(_)), "{r:?}");
+        let mut p = cluster.placement(id).unwrap();
+        let mut stale = 0;
+        loop {
+            let other = (0..3)
+                .map(|i| c.node(i).cluster().unwrap().id())
+                .find(|n| *n != p.primary && !p.secondaries.contains(n))
+                .unwrap();
+            let r = cluster
+                .write(MetaCommand::SetSecondaries {
+                    id: id.clone(),
+                    expected_epoch: p.epoch,
+                    secondaries: vec![other],
+                })
+                .await
+                .unwrap();
+            match r {
+                MetaResponse::Placed(_) => break,
+                MetaResponse::Stale(Some(current)) if stale < STALE_RETRIES_MAX => {
+                    eprintln!("{id}: placement moved under the write ({current:?}); again");
+                    stale += 1;
+                    p = current;
+                }
+                r => panic!("{id}: {r:?} after {stale} stale answers"),
+            }
+        }
     }
     let primaries = |i: usize| {
         let me = c.node(i).cluster().unwrap().id();
