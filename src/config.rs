@@ -308,6 +308,10 @@ pub struct ServerConfig {
     pub metrics: Option<SocketAddr>,
     pub node_id: Option<String>,
     pub sync: SyncMode,
+    /// RocksDB's flushes and compactions use direct I/O, past the page cache (live events
+    /// wait less behind the log's sync; a replay of just-flushed events reads the disk).
+    /// TOML `direct-io`, default false.
+    pub direct_io: bool,
     pub tls: Option<TlsConfig>,
     pub limits: Limits,
     /// Authentication and authorization; None: an open node.
@@ -388,6 +392,7 @@ impl Default for ServerConfig {
             metrics: Some(DEFAULT_METRICS.parse().expect("valid default")),
             node_id: None,
             sync: SyncMode::Batch,
+            direct_io: false,
             tls: None,
             limits: Limits::default(),
             auth: None,
@@ -427,6 +432,8 @@ pub struct FileConfig {
     pub metrics: Option<String>,
     pub node_id: Option<String>,
     pub sync: Option<SyncMode>,
+    /// See [`ServerConfig::direct_io`].
+    pub direct_io: Option<bool>,
     pub tls: Option<TlsConfig>,
     pub limits: Option<Limits>,
     pub auth: Option<crate::auth::AuthConfig>,
@@ -679,6 +686,10 @@ pub struct ServerArgs {
     /// How storage writes reach the disk.
     #[arg(long, env = "TETHER_SYNC", value_name = "MODE", value_enum, default_value_t = SyncMode::Batch)]
     pub sync: SyncMode,
+    /// RocksDB flushes and compactions bypass the page cache (O_DIRECT): live events wait less
+    /// behind the log's sync; a replay of just-flushed events reads from the disk.
+    #[arg(long, env = "TETHER_DIRECT_IO", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false, value_parser = clap::value_parser!(bool))]
+    pub direct_io: bool,
 
     /// A cluster member as ID=ADDR (repeatable or comma-separated; may include this node;
     /// ADDR is IP:PORT or HOST:PORT). Replaces the file's [cluster] peers. Needs --node-id.
@@ -827,6 +838,7 @@ pub fn resolve(args: &ServerArgs, matches: &clap::ArgMatches) -> Result<Settings
         validate_advertise(name).map_err(in_file)?;
     }
     cfg.sync = pick(given("sync"), &args.sync, file.sync);
+    cfg.direct_io = pick(given("direct_io"), &args.direct_io, file.direct_io);
 
     let mut l = file.limits.clone().unwrap_or_default();
     macro_rules! limit {
@@ -925,6 +937,7 @@ pub fn render_toml(s: &Settings, rust_log: Option<&str>) -> Result<String, Confi
         #[serde(skip_serializing_if = "Option::is_none")]
         node_id: Option<&'a str>,
         sync: SyncMode,
+        direct_io: bool,
         advertise: &'a [String],
         metrics_top_queues: usize,
         log_format: LogFormat,
@@ -982,6 +995,7 @@ pub fn render_toml(s: &Settings, rust_log: Option<&str>) -> Result<String, Confi
             .map_or_else(|| "off".to_string(), |a| a.to_string()),
         node_id: c.node_id.as_deref(),
         sync: c.sync,
+        direct_io: c.direct_io,
         advertise: &c.advertise,
         metrics_top_queues: c.metrics_top_queues,
         log_format: s.log.format,
@@ -1218,13 +1232,14 @@ mod tests {
         let file = dir.path().join("t.toml");
         std::fs::write(
             &file,
-            "listen = \"127.0.0.1:7500\"\nsync = \"none\"\nmetrics-top-queues = 3\nlog-level = \"debug\"\n[limits]\nqueue-entries-max = 5\nidle-timeout-ms = 9000\n[cluster]\nrebalance = false\nnode-failure-ms = 3000\n",
+            "listen = \"127.0.0.1:7500\"\nsync = \"none\"\ndirect-io = true\nmetrics-top-queues = 3\nlog-level = \"debug\"\n[limits]\nqueue-entries-max = 5\nidle-timeout-ms = 9000\n[cluster]\nrebalance = false\nnode-failure-ms = 3000\n",
         )
         .unwrap();
         let f = file.to_str().unwrap();
         let s = resolved(&["--config", f]).unwrap();
         assert_eq!(s.server.listen.to_string(), "127.0.0.1:7500");
         assert_eq!(s.server.sync, SyncMode::None);
+        assert!(s.server.direct_io);
         assert_eq!(s.server.metrics_top_queues, 3);
         assert_eq!(s.log.level, "debug");
         assert_eq!(s.server.limits.queue_entries_max, 5);
@@ -1248,6 +1263,8 @@ mod tests {
             "always",
             "--metrics-top-queues",
             "0",
+            "--direct-io",
+            "false",
         ])
         .unwrap();
         assert_eq!(s.server.listen.to_string(), "127.0.0.1:7600");
@@ -1259,6 +1276,9 @@ mod tests {
         assert!(s.server.rebalance);
         assert_eq!(s.server.sync, SyncMode::Always);
         assert_eq!(s.server.metrics_top_queues, 0);
+        assert!(!s.server.direct_io, "the flag's, over the file's");
+        // The bare flag means true.
+        assert!(resolved(&["--direct-io"]).unwrap().server.direct_io);
     }
 
     #[test]
@@ -1271,6 +1291,7 @@ mod tests {
             &["--log-format", "xml"],
             &["--tls-cert", "/x.pem"],
             &["--node-failure-ms", "1"],
+            &["--direct-io", "yes"],
         ] {
             assert!(resolved(args).is_err(), "{args:?}");
         }
@@ -1309,9 +1330,11 @@ mod tests {
             "/ca.pem",
             "--log-format",
             "json",
+            "--direct-io",
         ])
         .unwrap();
         let text = render_toml(&s, None).unwrap();
+        assert!(text.contains("direct-io = true"), "{text}");
         let file = dir.path().join("printed.toml");
         std::fs::write(&file, &text).unwrap();
         let back = resolved(&["--config", file.to_str().unwrap()]).unwrap();

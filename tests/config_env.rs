@@ -627,3 +627,36 @@ fn usage_errors_write_no_colour_to_a_pipe() {
     assert_eq!(o.status.code(), Some(2));
     assert!(!stderr(&o).contains('\x1b'), "{:?}", stderr(&o));
 }
+
+/// `TETHER_DIRECT_IO=true` reaches RocksDB (its info log records the option), the node
+/// serves with it, and the data written stays readable by a node started without it.
+#[test]
+fn direct_io_from_the_environment_reaches_rocksdb_and_the_data_outlives_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let direct_io_line = |want: &str| {
+        let log = std::fs::read_to_string(tmp.path().join("db").join("LOG")).unwrap();
+        let line = log
+            .lines()
+            .find(|l| l.contains("Options.use_direct_io_for_flush_and_compaction:"))
+            .unwrap_or_else(|| panic!("no direct I/O line in RocksDB's LOG:\n{log}"))
+            .to_string();
+        assert!(line.trim_end().ends_with(want), "{line}");
+    };
+    let server = start_server(tmp.path(), &[], &[("TETHER_DIRECT_IO", "true")]);
+    direct_io_line(": 1");
+    let out = client(
+        &server,
+        "put",
+        &["--region", "R", "--key", "k", "--value", "v1"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    server.stop();
+
+    let server = start_server(tmp.path(), &[], &[]);
+    direct_io_line(": 0");
+    let out = client(&server, "get", &["--region", "R", "--key", "k"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert_eq!(v["value"], "v1", "{}", stdout(&out));
+    server.stop();
+}

@@ -8,7 +8,7 @@ use std::process::Command;
 
 use tether::config::{
     FileConfig, Limits, LogFormat, METRICS_TOP_QUEUES_DEFAULT, NODE_FAILURE_MS_DEFAULT,
-    SERVER_LOG_FILTER_DEFAULT,
+    SERVER_LOG_FILTER_DEFAULT, ServerConfig,
 };
 
 /// The package's directory as cargo names it when it runs this test. The path compiled in
@@ -69,6 +69,7 @@ fn example_config_commented_settings_are_accepted_and_defaults_are_true() {
     assert_eq!(file.metrics_top_queues, Some(METRICS_TOP_QUEUES_DEFAULT));
     assert_eq!(file.log_format, Some(LogFormat::Text));
     assert_eq!(file.log_level.as_deref(), Some(SERVER_LOG_FILTER_DEFAULT));
+    assert_eq!(file.direct_io, Some(ServerConfig::default().direct_io));
     let limits = file.limits.expect("[limits]");
     assert_eq!(
         limits,

@@ -13,7 +13,9 @@
 //! each value carries its publish time, and the end-to-end latency (publish request → commit →
 //! delivery → the application) goes into an HDR histogram: p50/p99/p999, once on an idle node
 //! and once while another durable client drains a backlog of all the events.
-//! TETHER_BENCH_SYNC sets the node's sync mode (default batch); TETHER_BENCH_SLOW_US=N prints
+//! TETHER_BENCH_DRAIN_RATE=N paces the draining client's replay at N events/s (default: not
+//! paced). TETHER_BENCH_SYNC sets the node's sync mode (default batch); TETHER_BENCH_DIRECT_IO (set:
+//! on) its `direct-io` (the baseline store's too); TETHER_BENCH_SLOW_US=N prints
 //! each live event slower than N µs, with its arrival time on the monotonic clock. Beside
 //! them, the disk's own floor for a durable event: the latency of a 1 KiB append plus
 //! `fdatasync` in the same directory, the node stopped (`baseline_fsync_p50_us`, `_p99_us`).
@@ -151,6 +153,10 @@ async fn run() {
             .map(|p| p.get())
             .unwrap_or(1)
     );
+    let direct_io = std::env::var_os("TETHER_BENCH_DIRECT_IO").is_some();
+    if direct_io {
+        println!("# direct-io on: flushes and compactions bypass the page cache");
+    }
     let dir = tempfile::tempdir().unwrap();
     let mut config = ServerConfig::ephemeral(dir.path().join("node"));
     // The node's per-connection windows, when measuring their effect (default: the node's).
@@ -166,6 +172,7 @@ async fn run() {
             .parse()
             .expect("TETHER_BENCH_SYNC: always, batch or none");
     }
+    config.direct_io = direct_io;
     let node = Node::start(config).await.unwrap();
     let builder = ClientBuilder::new()
         .server(node.addr())
@@ -240,7 +247,11 @@ async fn run() {
             .unwrap()
             .len()
     };
-    let store = RocksStore::open(&dir.path().join("baseline")).unwrap();
+    // Tuned as the node is: the limit reads the bytes from where the node's replay finds them.
+    let tuning = tether::storage::StoreTuning {
+        direct_io_for_flush_and_compaction: direct_io,
+    };
+    let store = RocksStore::open_tuned(&dir.path().join("baseline"), tuning).unwrap();
     let body: Arc<[u8]> = vec![7u8; record_len].into();
     let mut batch = Batch::new();
     for i in 1..=n {
@@ -854,8 +865,10 @@ async fn live_latency(
     // queue on this runtime's workers ahead of the live client's; TETHER_BENCH_DRAIN_RUNTIME=
     // shared runs it on this one (the setting of the runs before 2026-12-04).
     let own_runtime = std::env::var("TETHER_BENCH_DRAIN_RUNTIME").as_deref() != Ok("shared");
+    // TETHER_BENCH_DRAIN_RATE=N: the draining client asks for its replay at N events/s.
+    let drain_rate = env_u64("TETHER_BENCH_DRAIN_RATE", 0);
     let drainer = drain.map(|n| {
-        let b = builder.clone();
+        let b = builder.clone().replay_rate(drain_rate);
         let drain = async move {
             let r = replay(&b, "bench-drain", n).await;
             assert_eq!(r.count, n, "the backlog drained");

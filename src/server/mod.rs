@@ -1278,8 +1278,11 @@ impl Node {
             path: config.data_dir.clone(),
             source,
         })?;
+        let tuning = tether_storage::StoreTuning {
+            direct_io_for_flush_and_compaction: config.direct_io,
+        };
         let store: Arc<dyn Store> = Arc::new(
-            tokio::task::spawn_blocking(move || RocksStore::open(&db_dir))
+            tokio::task::spawn_blocking(move || RocksStore::open_tuned(&db_dir, tuning))
                 .await
                 // A panic while opening is a bug: it goes on as the panic it is.
                 .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))?,
