@@ -52,9 +52,14 @@
 //! metadata (pings, majority, the members copies may go to). A removed member gets no more
 //! metadata and keeps running on its stale view until the operator stops it.
 //!
+//! Rebalancing by counts (`[cluster] rebalance`) runs on every member in half the seeds: a
+//! member over its share hands queues to members under theirs (`rebalance::plan`, `wanted`,
+//! `pick`); in half of those, node 0 starts with six to eight more queues than the others, past
+//! the slack.
+//!
 //! Not modelled yet: the publish log and its replay at promotion (publishes reach the primary
-//! directly), the core (sessions, acknowledged offsets, redelivery flags), rebalancing by
-//! counts (its slack needs more queues than the simulation runs), a lost disk, the metadata
+//! directly), the core (sessions, acknowledged offsets, redelivery flags; rebalancing may move
+//! a queue whose client is connected, which the server does not), a lost disk, the metadata
 //! service's own elections, learners (a node joins as a voter at once).
 //!
 //! `TETHER_CLUSTER_SIM_SEED=<n>` runs one seed (`TETHER_SIM_TRACE=1` prints its events),
@@ -83,6 +88,10 @@ use tether::server::{REBALANCE_INTERVAL_MS, RECONCILE_MS};
 
 /// Seeds run by default (`make test`).
 const SEEDS_DEFAULT: u64 = 1_000;
+/// Fewest and most queues placed on node 0 at the start in a crowded world (beyond the
+/// rebalancing slack, [`rebalance::REBALANCE_SLACK_QUEUES_MIN`]).
+const CROWDED_QUEUES_MIN: u64 = 6;
+const CROWDED_QUEUES_MAX: u64 = 8;
 /// Steps (milliseconds) of the fault phase.
 const FAULT_STEPS: u64 = 12_000;
 /// Steps the cluster gets to converge once faults stop.
@@ -102,10 +111,29 @@ fn cluster_sim() {
     let seeds = env_u64("TETHER_CLUSTER_SIM_SEEDS").unwrap_or(SEEDS_DEFAULT);
     // Where the seeds start (0), so that several processes can share a long run.
     let first = env_u64("TETHER_CLUSTER_SIM_FIRST").unwrap_or(0);
-    let mut total = Stats::default();
-    for seed in first..first + seeds {
-        total.add(&run_reporting(seed).1);
-    }
+    // Seeds are independent: one thread per core, each taking every `threads`-th seed.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    let total = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                scope.spawn(move || {
+                    let mut stats = Stats::default();
+                    for seed in (first + t..first + seeds).step_by(threads as usize) {
+                        stats.add(&run_reporting(seed).1);
+                    }
+                    stats
+                })
+            })
+            .collect();
+        let mut total = Stats::default();
+        for w in workers {
+            match w.join() {
+                Ok(stats) => total.add(&stats),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        total
+    });
     if std::env::var_os("TETHER_SIM_STATS").is_some() {
         eprintln!("{seeds} seeds: {total:#?}");
     }
@@ -154,6 +182,8 @@ fn cluster_sim() {
             ),
             ("members drained", total.drains),
             ("queues handed over", total.handed_over),
+            ("handovers asked by counts", total.rebalanced),
+            ("messages of ended queues refused", total.ended_refused),
             (
                 "copies taken off draining members",
                 total.taken_off_draining,
@@ -285,6 +315,21 @@ fn a_copy_of_a_closed_queue_is_replaced_when_its_id_starts_again() {
     assert_eq!(w.stats.copies_of_another_queue, 1, "{}", w.describe());
 }
 
+/// Found by the simulation once it ran rebalancing by counts (seed 5419, nine queues on three
+/// nodes): a client closed q8 on its primary n2 (the release committed), n1 applied the
+/// release and dropped its copy, and then a replication message n2 had sent before the close
+/// reached n1. With no placement of q8 left in its metadata, n1 took it as the first message
+/// of a new copy, of the ended queue. The next hello placed q8 on n1, which promoted that
+/// copy instead of starting the new queue empty: the "new" queue held a partial log of the
+/// closed one, behind the copy n0 still held of it (same incarnation, so not replaced), and
+/// n0 never acknowledged it: no convergence in 40,000 steps. A message shipped under a
+/// placement that the metadata applied here has since removed is now refused
+/// (`reconcile::shipped_for_ended_queue`).
+#[test]
+fn a_late_message_of_a_closed_queue_makes_no_copy() {
+    run_reporting(5419);
+}
+
 #[test]
 fn replay_is_deterministic() {
     for seed in [1, 2] {
@@ -329,7 +374,7 @@ impl sim::World for World {
         self.flush_some();
         self.pings();
         self.reconcile_due();
-        self.drain_rounds_due();
+        self.rebalance_rounds_due();
         self.tick_and_transmit();
         self.record_committed();
         self.check_invariants();
@@ -486,7 +531,11 @@ struct Stats {
     senders_fenced: u64,
     deposed_on_ship: u64,
     drains: u64,
+    /// Replication messages refused as shipped for a queue that ended since.
+    ended_refused: u64,
     handovers_asked: u64,
+    /// Handovers asked by members that were not draining (rebalancing by counts).
+    rebalanced: u64,
     handed_over: u64,
     taken_off_draining: u64,
     spread: u64,
@@ -524,6 +573,8 @@ impl Stats {
         self.deposed_on_ship += o.deposed_on_ship;
         self.drains += o.drains;
         self.handovers_asked += o.handovers_asked;
+        self.ended_refused += o.ended_refused;
+        self.rebalanced += o.rebalanced;
         self.handed_over += o.handed_over;
         self.taken_off_draining += o.taken_off_draining;
         self.spread += o.spread;
@@ -559,6 +610,11 @@ struct Options {
     remove_per_mille: u64,
     flush_per_mille: u64,
     shipper: ShipperConfig,
+    /// Every member runs rebalancing by counts (`[cluster] rebalance`), not only draining ones.
+    rebalance: bool,
+    /// Queues placed on node 0 at the start beyond the usual ones (the last `crowded` of
+    /// `queues`), so that its count of primaries exceeds the rebalancing slack.
+    crowded: usize,
 }
 
 impl Options {
@@ -592,6 +648,18 @@ impl Options {
                 snapshot_retransmit_ms: rng.between(150, 400),
                 heartbeat_ms: rng.between(10, 30),
             },
+            rebalance: false,
+            crowded: 0,
+        }
+    }
+
+    /// The knobs added after the first ones, from a stream of their own: every seed still
+    /// draws from the first stream the world it drew before they were added.
+    fn draw_later(&mut self, later: &mut Rng) {
+        self.rebalance = later.below(2) == 1;
+        if self.rebalance && later.below(2) == 1 {
+            self.crowded = later.between(CROWDED_QUEUES_MIN, CROWDED_QUEUES_MAX) as usize;
+            self.queues += self.crowded;
         }
     }
 }
@@ -838,12 +906,19 @@ struct World {
 impl World {
     fn new(seed: u64) -> Self {
         let mut rng = Rng(seed ^ 0xc105_7e12_u64.rotate_left(23));
-        let opts = Options::draw(&mut rng);
-        let redundancy: Vec<u8> = (0..opts.queues)
+        let mut opts = Options::draw(&mut rng);
+        let mut redundancy: Vec<u8> = (0..opts.queues)
             .map(|_| rng.between(0, 2.min(opts.nodes - 1)) as u8)
             .collect();
         // Half the queues are placed by their client's first hello during the run.
-        let placed: Vec<bool> = (0..opts.queues).map(|_| rng.below(2) == 1).collect();
+        let mut placed: Vec<bool> = (0..opts.queues).map(|_| rng.below(2) == 1).collect();
+        let mut later = Rng(seed ^ 0x2eba_1a4c_u64.rotate_left(37));
+        opts.draw_later(&mut later);
+        // The crowded queues are placed on node 0 at the start, with one or two copies.
+        for _ in 0..opts.crowded {
+            redundancy.push(later.between(1, 2) as u8);
+            placed.push(true);
+        }
         World::with(seed, rng, opts, redundancy, &placed)
     }
 
@@ -875,6 +950,8 @@ impl World {
             remove_per_mille: 0,
             flush_per_mille: 1_000,
             shipper: ShipperConfig::default(),
+            rebalance: false,
+            crowded: 0,
         };
         let placed = vec![true; redundancy.len()];
         World::with(0, Rng(0), opts, redundancy.to_vec(), &placed)
@@ -917,9 +994,14 @@ impl World {
                 continue;
             }
             let (n, redundancy) = (opts.nodes, redundancy[q]);
-            let primary = NodeId(q as u64 % n);
+            let crowded = q >= opts.queues - opts.crowded;
+            let primary = NodeId(if crowded { 0 } else { q as u64 % n });
             let secondaries: Vec<NodeId> = (1..=u64::from(redundancy))
-                .map(|k| NodeId((q as u64 + k) % n))
+                .map(|k| match crowded {
+                    // Spread over the other members, so that each may take some.
+                    true => NodeId(1 + (q as u64 + k) % (n - 1)),
+                    false => NodeId((q as u64 + k) % n),
+                })
                 .collect();
             let MetaResponse::Placed(p) = meta.commit(MetaCommand::Place {
                 id: queue_name(q),
@@ -1093,6 +1175,11 @@ impl World {
         let node = &mut self.nodes[i];
         let placement = node.view.queues.get(&name);
         let epoch = ship.epoch();
+        // `copies::handle`: a message of a queue that ended since is refused.
+        if reconcile::shipped_for_ended_queue(placement, placement_epoch, node.applied) {
+            self.stats.ended_refused += 1;
+            return;
+        }
         // `copies::handle`: a sender the metadata here deposed since it shipped is fenced.
         if let Some(newer) = reconcile::deposed_sender(placement, from, placement_epoch) {
             self.stats.senders_fenced += 1;
@@ -1138,6 +1225,14 @@ impl World {
                         placed_at: 0,
                     };
                     part.incarnation = incarnation;
+                    if self.meta.tracing {
+                        let placed = placement.map(|p| p.epoch);
+                        eprintln!(
+                            "{:>6} node {i} takes a copy of q{q} from {from:?} shipped under \
+                             e{placement_epoch} (placed here: {placed:?}, applied {})",
+                            self.now, node.applied
+                        );
+                    }
                 }
                 let Role::Copy { replica, placed_at } = &mut part.role else {
                     unreachable!("a copy")
@@ -1305,14 +1400,15 @@ impl World {
         }
     }
 
-    /// Draining members hand their queues over every [`REBALANCE_INTERVAL_MS`], once their
-    /// metadata caught up.
-    fn drain_rounds_due(&mut self) {
+    /// Every [`REBALANCE_INTERVAL_MS`], once their metadata caught up, draining members hand
+    /// their queues over, and with rebalancing on every member hands over its excess.
+    fn rebalance_rounds_due(&mut self) {
         for i in 0..self.nodes.len() {
             let node = &self.nodes[i];
             let due = self.now % REBALANCE_INTERVAL_MS == node.phase * 7 % REBALANCE_INTERVAL_MS;
-            if node.up && due && node.caught_up() && node.view.draining.contains(&node.id) {
-                self.drain_round(i);
+            let draining = node.view.draining.contains(&node.id);
+            if node.up && due && node.caught_up() && (draining || self.opts.rebalance) {
+                self.rebalance_round(i, draining);
             }
         }
     }
@@ -1504,17 +1600,21 @@ impl World {
         self.propose(i, write.cmd);
     }
 
-    // -- draining ------------------------------------------------------------------------------
+    // -- rebalancing and draining ----------------------------------------------------------
 
-    /// `rebalance::round` of a draining node: its queues go to members holding an in-sync
-    /// copy, the fewest primaries first (`drain_takers`, `pick`), each by a `Handover` whose
-    /// answer deposes the queue here.
-    fn drain_round(&mut self, i: usize) {
+    /// `rebalance::round`: a draining node's queues go to members holding an in-sync copy, the
+    /// fewest primaries first (`drain_takers`); with rebalancing on, a member over its share
+    /// gives its excess to the members under theirs (`plan`, `wanted`); `pick` chooses the
+    /// queues, each moved by a `Handover` whose answer deposes the queue here. (The server
+    /// hands over only queues whose client is away; the simulation has no sessions and may
+    /// move any.)
+    fn rebalance_round(&mut self, i: usize, draining: bool) {
         let now = self.now;
         let node = &self.nodes[i];
         let me = node.id;
         let live = |n| node.detector.is_live(n, now);
-        let mut wanted = round::takers(me, node.members.iter().copied(), &live, &node.view, false);
+        let members = node.members.iter().copied();
+        let mut wanted = round::takers(me, members, &live, &node.view, self.opts.rebalance);
         let candidates: Vec<Candidate> = (0..self.opts.queues)
             .filter_map(|q| {
                 let placement = node.view.queues.get(&queue_name(q))?.clone();
@@ -1533,6 +1633,9 @@ impl World {
         let moves = rebalance::pick(candidates, &mut wanted, in_sync);
         for (c, to) in moves {
             self.stats.handovers_asked += 1;
+            if !draining {
+                self.stats.rebalanced += 1;
+            }
             let cmd = MetaCommand::Handover {
                 id: c.id,
                 expected_epoch: c.placement.epoch,

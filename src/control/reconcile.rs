@@ -28,7 +28,8 @@
 //! - `step_aside`: a primary without lease and majority sends its client to a copy.
 //! - `shipped_by_non_primary`: a replication message from a member the placement applied here
 //!   does not name as the queue's primary is refused (with `network::check_sender`'s identity
-//!   check, `cluster/network.rs`).
+//!   check, `cluster/network.rs`); `shipped_for_ended_queue`: so is one shipped under a
+//!   placement removed since (a late message of a closed or expired queue).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -633,6 +634,22 @@ pub fn shipped_by_non_primary(
         .is_some_and(|p| applied >= shipped_under && p.epoch <= shipped_under && p.primary != from)
 }
 
+/// Whether a replication message shipped under placement epoch `shipped_under` belongs to a
+/// queue that ended: the metadata applied here (up to `applied`) holds no placement of the
+/// durable id (`placement`) though it is applied past that epoch, so the placement was removed
+/// since (a close, an expiry, a drop). A message the sender sent before its queue ended may
+/// still arrive after this node dropped its copy; taken, it would start a copy of the ended
+/// queue, which a new placement of the id on this node would then promote instead of starting
+/// the new queue empty (found by `tests/cluster_sim.rs`, seed 5419). A message without a
+/// placement epoch (0) claims nothing.
+pub fn shipped_for_ended_queue(
+    placement: Option<&Placement>,
+    shipped_under: u64,
+    applied: u64,
+) -> bool {
+    placement.is_none() && shipped_under > 0 && applied >= shipped_under
+}
+
 /// The epoch to fence a replication message's sender with, when the placement applied here
 /// (`placement`) is newer than the one the message was shipped under (`shipped_under`) and
 /// names another primary: the sender was deposed (a failover, a handover) and has not learned
@@ -759,6 +776,20 @@ mod tests {
         // No placement known here, or a message without an epoch (0): no claim to check.
         assert!(!shipped_by_non_primary(None, NodeId(3), 40, 90));
         assert!(!shipped_by_non_primary(Some(&at_40), NodeId(3), 0, 90));
+    }
+
+    #[test]
+    fn a_message_shipped_under_a_placement_removed_since_belongs_to_an_ended_queue() {
+        let at_40 = shipped_placement(NodeId(1), 40);
+        // Placed here: not ended (whoever ships it).
+        assert!(!shipped_for_ended_queue(Some(&at_40), 40, 90));
+        // No placement, though applied past the epoch it was shipped under: removed since.
+        assert!(shipped_for_ended_queue(None, 40, 40));
+        assert!(shipped_for_ended_queue(None, 40, 90));
+        // Not applied that far here (a queue placed since): cannot tell.
+        assert!(!shipped_for_ended_queue(None, 40, 39));
+        // A message without an epoch claims nothing.
+        assert!(!shipped_for_ended_queue(None, 0, 90));
     }
 
     fn placed(

@@ -17,7 +17,9 @@
 //! dropped only on metadata at least as new as the placement it was shipped under
 //! (`control::reconcile::copy_not_held`), and a replication message from a member the
 //! metadata does not name as the queue's primary is refused
-//! (`control::reconcile::shipped_by_non_primary`), or, from a primary the metadata here
+//! (`control::reconcile::shipped_by_non_primary`), as is one shipped under a placement the
+//! metadata here has removed since (`shipped_for_ended_queue`: a late message of a closed or
+//! expired queue would otherwise start a copy of it), or, from a primary the metadata here
 //! deposed since the placement it shipped under, answered `Fenced` with the newer epoch
 //! (`control::reconcile::deposed_sender`): it never gets a new copy here. A copy of a queue
 //! that ended, whose durable id was placed again, is replaced when the new queue is first
@@ -162,6 +164,19 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: ReplicateMsg) -> PeerRespo
                 msg.placement_epoch
             );
             tracing::warn!(%why, "replication message refused");
+            return PeerResponse::BadRequest(why);
+        }
+        if crate::control::reconcile::shipped_for_ended_queue(
+            placement.as_ref(),
+            msg.placement_epoch,
+            cluster.applied_index(),
+        ) {
+            metrics::counter!(m::PEER_REFUSED, "reason" => "queue_ended").increment(1);
+            let why = format!(
+                "queue {:?} placed at epoch {} has ended (its placement was removed)",
+                msg.durable_id, msg.placement_epoch
+            );
+            tracing::debug!(%why, "replication message refused");
             return PeerResponse::BadRequest(why);
         }
         if let Some(epoch) = crate::control::reconcile::deposed_sender(
