@@ -55,7 +55,8 @@
 //! Rebalancing by counts (`[cluster] rebalance`) runs on every member in half the seeds: a
 //! member over its share hands queues to members under theirs (`rebalance::plan`, `wanted`,
 //! `pick`); in half of those, node 0 starts with six to eight more queues than the others, past
-//! the slack.
+//! the slack. A queue being handed over is closed to clients until the handover's answer, or
+//! a read barrier after [`FORWARD_TIMEOUT_MS`], settles it (`server/rebalance.rs`).
 //!
 //! Not modelled yet: the publish log and its replay at promotion (publishes reach the primary
 //! directly), the core (sessions, acknowledged offsets, redelivery flags; rebalancing may move
@@ -184,6 +185,10 @@ fn cluster_sim() {
             ("queues handed over", total.handed_over),
             ("handovers asked by counts", total.rebalanced),
             ("messages of ended queues refused", total.ended_refused),
+            (
+                "unanswered handovers settled by a read barrier",
+                total.handovers_settled_by_barrier,
+            ),
             (
                 "copies taken off draining members",
                 total.taken_off_draining,
@@ -330,6 +335,18 @@ fn a_late_message_of_a_closed_queue_makes_no_copy() {
     run_reporting(5419);
 }
 
+/// Found by the simulation once it ran rebalancing by counts (seed 13445): n0 handed q4 over to
+/// n2 (committed) but the answer was lost, so n0 kept its queue and its lease (acked by n2
+/// until n2 was promoted); q4's client then closed the queue on n2 and a new q4 started on n3,
+/// whose lease made two at once. The simulation, not the server, was wrong: the server closes
+/// a queue to clients before it asks for a handover (`Queue::moving`) and keeps it closed until
+/// the answer or a read barrier settles it (`rebalance::decide`), so n0 delivered nothing. The
+/// simulation now models that (`Part::moving`, `handovers_settle`).
+#[test]
+fn an_unanswered_handover_keeps_the_giver_closed_to_clients() {
+    run_reporting(13445);
+}
+
 #[test]
 fn replay_is_deterministic() {
     for seed in [1, 2] {
@@ -370,6 +387,7 @@ impl sim::World for World {
         }
         self.membership_changes();
         self.releases_settle();
+        self.handovers_settle();
         self.metadata_reaches_nodes();
         self.flush_some();
         self.pings();
@@ -533,6 +551,8 @@ struct Stats {
     drains: u64,
     /// Replication messages refused as shipped for a queue that ended since.
     ended_refused: u64,
+    /// Unanswered handovers settled by a read barrier (moved or not).
+    handovers_settled_by_barrier: u64,
     handovers_asked: u64,
     /// Handovers asked by members that were not draining (rebalancing by counts).
     rebalanced: u64,
@@ -574,6 +594,7 @@ impl Stats {
         self.drains += o.drains;
         self.handovers_asked += o.handovers_asked;
         self.ended_refused += o.ended_refused;
+        self.handovers_settled_by_barrier += o.handovers_settled_by_barrier;
         self.rebalanced += o.rebalanced;
         self.handed_over += o.handed_over;
         self.taken_off_draining += o.taken_off_draining;
@@ -713,6 +734,20 @@ struct Part {
     taken_sent_at: BTreeMap<NodeId, u64>,
     /// Which queue of its id the store holds (`QueueInfo::incarnation`, stored with it).
     incarnation: u64,
+    /// A handover of this primary's queue is under way: closed to clients (the core's
+    /// `Queue::moving`) until its answer, or a read barrier, settles it.
+    moving: Option<Moving>,
+}
+
+/// A handover asked for and not settled yet (`server/rebalance.rs`: `hand_over`, `decide`).
+#[derive(Clone, Copy)]
+struct Moving {
+    /// The placement epoch the handover expects.
+    from_epoch: u64,
+    /// Unanswered by then, a read barrier decides.
+    settle_by: u64,
+    /// The metadata index of that barrier, once proposed.
+    barrier: Option<u64>,
 }
 
 impl Part {
@@ -726,6 +761,7 @@ impl Part {
             rival_epoch: 0,
             taken_sent_at: BTreeMap::new(),
             incarnation: 0,
+            moving: None,
         }
     }
 
@@ -866,6 +902,10 @@ enum Msg {
     },
     /// The metadata service's answer to a node's release of queue `q` (whatever it was).
     ReleaseAnswered {
+        q: usize,
+    },
+    /// The metadata service's answer to a node's handover of queue `q` that did not move it.
+    HandoverRefused {
         q: usize,
     },
 }
@@ -1144,6 +1184,8 @@ impl World {
             Msg::Pong => self.nodes[i].detector.answered_ping(from, now),
             Msg::Propose(_) => unreachable!("proposals go to the metadata service"),
             Msg::HandedOver { q, epoch } => self.handed_over(i, q, epoch),
+            // `end_handover`: the queue stays, open to clients again.
+            Msg::HandoverRefused { q } => self.nodes[i].parts[q].moving = None,
             Msg::ReleaseAnswered { q } => {
                 self.nodes[i].releasing.remove(&q);
             }
@@ -1308,6 +1350,11 @@ impl World {
             MetaResponse::Placed(p) if handover.is_some_and(|(_, to)| p.primary == to) => {
                 let (q, epoch) = (handover.expect("a handover").0, p.epoch);
                 self.send(META, from, Msg::HandedOver { q, epoch });
+            }
+            _ if handover.is_some() => {
+                self.stats.refused += 1;
+                let q = handover.expect("a handover").0;
+                self.send(META, from, Msg::HandoverRefused { q });
             }
             MetaResponse::Placed(_) if promote => self.stats.client_promotions += 1,
             MetaResponse::Placed(_) if synced => self.stats.synced += 1,
@@ -1619,7 +1666,8 @@ impl World {
             .filter_map(|q| {
                 let placement = node.view.queues.get(&queue_name(q))?.clone();
                 let shipping = matches!(node.parts[q].role, Role::Primary { .. });
-                (shipping && rebalance::movable(&placement, me)).then(|| Candidate {
+                let moving = node.parts[q].moving.is_some();
+                (shipping && !moving && rebalance::movable(&placement, me)).then(|| Candidate {
                     id: queue_name(q),
                     placement,
                     pending_bytes: 0,
@@ -1636,6 +1684,12 @@ impl World {
             if !draining {
                 self.stats.rebalanced += 1;
             }
+            // `begin_handover`: no client attaches until the handover is settled.
+            self.nodes[i].parts[queue_index(&c.id)].moving = Some(Moving {
+                from_epoch: c.placement.epoch,
+                settle_by: now + FORWARD_TIMEOUT_MS,
+                barrier: None,
+            });
             let cmd = MetaCommand::Handover {
                 id: c.id,
                 expected_epoch: c.placement.epoch,
@@ -1649,6 +1703,7 @@ impl World {
     /// deposed here at once (`hand_over`); the taker promotes its copy when its metadata says.
     fn handed_over(&mut self, i: usize, q: usize, epoch: u64) {
         let part = &mut self.nodes[i].parts[q];
+        part.moving = None;
         if matches!(part.role, Role::Primary { .. } | Role::Held) && part.store.epoch < epoch {
             part.drop_all();
             self.stats.handed_over += 1;
@@ -1952,6 +2007,41 @@ impl World {
         }
     }
 
+    /// `rebalance::decide`: a handover left unanswered past its deadline is settled by a read
+    /// barrier: applied, the metadata holds it if it ever commits. Moved: the queue is deposed
+    /// here; else it is open to clients again.
+    fn handovers_settle(&mut self) {
+        let (now, end) = (self.now, self.meta.log.len() as u64);
+        for i in 0..self.nodes.len() {
+            let id = self.nodes[i].id;
+            let reaches_meta = self.linked(id, META) && self.linked(META, id);
+            if !self.nodes[i].up {
+                continue;
+            }
+            for q in 0..self.opts.queues {
+                let node = &mut self.nodes[i];
+                let Some(m) = &mut node.parts[q].moving else {
+                    continue;
+                };
+                if now >= m.settle_by && m.barrier.is_none() && reaches_meta {
+                    m.barrier = Some(end);
+                }
+                if m.barrier.is_none_or(|b| node.applied < b) {
+                    continue;
+                }
+                let from_epoch = m.from_epoch;
+                self.stats.handovers_settled_by_barrier += 1;
+                match node.view.queues.get(&queue_name(q)) {
+                    Some(p) if p.primary != id && p.epoch > from_epoch => {
+                        let epoch = p.epoch;
+                        self.handed_over(i, q, epoch);
+                    }
+                    _ => node.parts[q].moving = None,
+                }
+            }
+        }
+    }
+
     /// The operator stops a removed member: its data goes with it.
     fn decommission(&mut self, i: usize) {
         let node = &mut self.nodes[i];
@@ -1981,7 +2071,8 @@ impl World {
         };
         let node = &self.nodes[i];
         let part = &node.parts[q];
-        if !node.up || !matches!(part.role, Role::Primary { .. }) {
+        // A queue being handed over has no client to close it.
+        if !node.up || !matches!(part.role, Role::Primary { .. }) || part.moving.is_some() {
             return;
         }
         let Some(p) = node
@@ -2046,7 +2137,8 @@ impl World {
         let Role::Primary { shipper, .. } = &mut part.role else {
             return;
         };
-        if part.incarnation != self.incarnation[q] {
+        // No client is attached to a queue being handed over.
+        if part.incarnation != self.incarnation[q] || part.moving.is_some() {
             return;
         }
         let mut to = self.client_acked[q];
@@ -2228,6 +2320,7 @@ impl World {
         for part in &mut node.parts {
             part.pending.clear();
             part.role = Role::None;
+            part.moving = None;
         }
         self.stats.crashes += 1;
         self.event(format_args!("node {i} crashed"));
@@ -2343,7 +2436,8 @@ impl World {
             let holding: Vec<NodeId> = self
                 .nodes
                 .iter()
-                .filter(|n| n.up && n.parts[q].holds_lease(now))
+                // (A queue being handed over is closed to clients: it delivers nothing.)
+                .filter(|n| n.up && n.parts[q].moving.is_none() && n.parts[q].holds_lease(now))
                 .map(|n| n.id)
                 .collect();
             assert!(

@@ -886,7 +886,7 @@ pub(super) fn places_on_members(raft: &Raft, cmd: &MetaCommand) -> bool {
 }
 
 /// Whether this node leads the group, as far as it knows.
-pub(super) fn leads(raft: &Raft) -> bool {
+fn leads(raft: &Raft) -> bool {
     let metrics = raft.metrics();
     let metrics = metrics.borrow();
     metrics.current_leader == Some(metrics.id)
