@@ -180,7 +180,8 @@ crash-test: deps
 	  $(CARGO) test --release --test cluster_crash_safety -- --nocapture
 
 # Many seeds of the deterministic simulations (`make test` runs 1,000 of the replication
-# simulation and 1,000 of the whole-cluster one): `make sim SEEDS=20000`. A failing seed is
+# simulation, 1,000 of the whole-cluster one and 2,000 of the forwarding one): `make sim
+# SEEDS=20000`. A failing seed is
 # printed with the command that replays it (TETHER_SIM_TRACE=1 prints the cluster's events).
 SEEDS ?= 5000
 
@@ -189,6 +190,7 @@ SEEDS ?= 5000
 sim: deps
 	TETHER_SIM_SEEDS=$(SEEDS) $(CARGO) test --release --test replication_sim replication_sim
 	TETHER_CLUSTER_SIM_SEEDS=$(SEEDS) TETHER_SIM_STATS=1 $(CARGO) test --release --test cluster_sim cluster_sim -- --nocapture
+	TETHER_FORWARD_SIM_SEEDS=$(SEEDS) TETHER_SIM_STATS=1 $(CARGO) test --release --test forward_sim forward_sim -- --nocapture
 
 # Soak run (bounded, not part of `make test`): durable clients connecting, consuming, closing,
 # crashing and coming back against `tether server` processes while publishers run; checks

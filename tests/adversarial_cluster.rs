@@ -796,8 +796,9 @@ fn run_of(origin: &str, first: u64, keys: &[&str], follows: Option<u64>) -> Peer
 
 /// Publish forwarding with runs in flight (`FORWARD_RPCS_IN_FLIGHT_MAX`): runs of one origin
 /// that arrive out of order are applied in log order, and a run whose predecessor never
-/// arrives is answered with what is applied, applying nothing of its own; sent again from
-/// there, nothing is lost and nothing applied twice.
+/// arrives is answered with what is applied, applying nothing of its own, as is a run that
+/// starts past what is applied; sent again from there, nothing is lost and nothing applied
+/// twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forwarded_runs_out_of_order_are_applied_in_order() {
     use tether::limits::FORWARD_GAP_WAIT_MS;
@@ -861,6 +862,23 @@ async fn forwarded_runs_out_of_order_are_applied_in_order() {
         drain_quiet(&mut ev).await.is_empty(),
         "something was applied twice"
     );
+    // A run that starts past what is applied and names no run before it (what a sender's bug
+    // would send) applies nothing either: answered with what is applied, then sent again
+    // from there.
+    match call(run_of(&origin, 6, &["k6"], None)).await.unwrap() {
+        Ok(PeerResponse::PublishDeferred { through: 4, .. }) => {}
+        Ok(_) => panic!("a run past a gap was applied"),
+        Err(e) => panic!("no answer: {e}"),
+    }
+    assert!(
+        drain_quiet(&mut ev).await.is_empty(),
+        "an entry past a gap was applied"
+    );
+    assert!(matches!(
+        call(run_of(&origin, 5, &["k5", "k6"], None)).await.unwrap(),
+        Ok(PeerResponse::Published { through: 6 })
+    ));
+    assert_eq!(keys(&take_events(&mut ev, 2).await), ["k5", "k6"]);
     pool.close();
     drop(ev);
     d.close(false).await.ok();

@@ -9,6 +9,7 @@
 //! (deterministic order), and logging is left to the drivers. `tests/tidy.rs` checks the rule
 //! (no tokio, storage, transport, clocks, locks, hash maps or logging here).
 //!
+//! - [`forward`]: the pipeline of publish-log runs an origin ships to one peer;
 //! - [`lease`]: when a primary may deliver (every secondary acknowledged recently, and a
 //!   promoted or restarted primary waits out its predecessor's lease);
 //! - [`liveness`]: which members answer, and which the metadata leader declares failed;
@@ -19,6 +20,7 @@
 //!   the takers of a rebalancing round), executed by the server and the cluster simulation;
 //! - [`watermark`]: how far a copy holds the publishes its primary applied.
 
+pub mod forward;
 pub mod lease;
 pub mod liveness;
 pub mod rebalance;

@@ -12,8 +12,9 @@
 //!   up: a publish is never accepted without being kept for every peer. Bytes are counted like
 //!   a queue's ([`QueueBytes`], byte marks stored with the log).
 //! * One forwarding task per peer ships the log in order (runs of up to
-//!   [`FORWARD_BATCH_ENTRIES_MAX`] entries, up to [`FORWARD_RPCS_IN_FLIGHT_MAX`] peer RPCs in
-//!   flight, each run after the one before) and records how far the peer has applied
+//!   [`FORWARD_BATCH_ENTRIES_MAX`] entries, up to [`FORWARD_RPCS_IN_FLIGHT_MAX`](crate::control::forward::FORWARD_RPCS_IN_FLIGHT_MAX) peer RPCs in
+//!   flight, each run after the one before; the pipeline's decisions are
+//!   [`crate::control::forward`]'s, without I/O) and records how far the peer has applied
 //!   (`fwd-sent/<peer>`), moved only after the peer answered that it applied the entries: in
 //!   memory at once, durably with the next group commit, which the loop does not wait for
 //!   (a cursor lost in a crash is behind, and the peer skips what it applied). Entries every peer has applied are trimmed (below the lowest peer
@@ -53,6 +54,9 @@ use crate::cluster::meta::{NodeId, raft_id};
 use crate::cluster::network::{ForwardedPublish, PeerRequest, PeerResponse, PublishSink};
 use crate::cluster::{Cluster, Members};
 use crate::config::Limits;
+use crate::control::forward::{
+    Answer, EntryStep, FORWARD_RPC_TIMEOUT_MS, Run, Sender, entry_step, run_ready,
+};
 use crate::core::bytes::{QueueBytes, mark_interval_bytes, stored_entry_bytes};
 use crate::core::{EventOrigin, RecoveryError, SessionId};
 use crate::limits::FORWARD_GAP_WAIT_MS;
@@ -70,14 +74,6 @@ pub const PUBLISH_LOG_INFO: &[u8] = b"tether-publish-log";
 pub const FORWARD_BATCH_ENTRIES_MAX: usize = 512;
 /// Most publish-log bytes read for one forwarding RPC.
 pub const FORWARD_BATCH_BYTES_MAX: usize = 1 << 20;
-/// Forwarding RPCs to one peer in flight at once.
-pub const FORWARD_RPCS_IN_FLIGHT_MAX: usize = 2;
-/// Deadline of one forwarding RPC, in milliseconds.
-pub const FORWARD_RPC_TIMEOUT_MS: u64 = 10_000;
-/// First pause after a failed forward, in milliseconds (doubles up to the max).
-pub const FORWARD_RETRY_MIN_MS: u64 = 50;
-/// Longest pause between forwarding attempts to an unreachable peer, in milliseconds.
-pub const FORWARD_RETRY_MAX_MS: u64 = 2_000;
 /// Most runs a peer applied without confirming their copies kept per peer; past it they merge
 /// into one span (see [`UnconfirmedRuns`]).
 pub const UNCONFIRMED_RUNS_PER_PEER_MAX: usize = 1_024;
@@ -515,11 +511,13 @@ fn read_run(store: &dyn Store, from: Offset, to: Offset) -> Vec<(u64, ForwardedP
 
 /// Ships this node's publish log to `peer`, in order, until the node stops.
 ///
-/// Up to [`FORWARD_RPCS_IN_FLIGHT_MAX`] runs of the log are in flight at once, each starting
+/// Up to [`FORWARD_RPCS_IN_FLIGHT_MAX`](crate::control::forward::FORWARD_RPCS_IN_FLIGHT_MAX) runs of the log are in flight at once, each starting
 /// where the one before it ends: the peer applies one run while the one before waits for the
 /// copies of the queues it reached. A run that fails, or that the peer applied only in part,
 /// sends the loop back to what the peer has confirmed, once the runs in flight have answered
-/// (the peer skips what it has already applied, so nothing is applied twice).
+/// (the peer skips what it has already applied, so nothing is applied twice). What to hand
+/// and when to pause and resume is [`Sender`]'s to decide; this loop reads the log, calls the
+/// peer and records its answers.
 pub(crate) async fn forward_loop(shared: Weak<Shared>, cluster: Arc<Cluster>, peer: Peer) {
     let Peer {
         name: peer,
@@ -533,28 +531,20 @@ pub(crate) async fn forward_loop(shared: Weak<Shared>, cluster: Arc<Cluster>, pe
         },
         None => return,
     };
-    let mut retry = FORWARD_RETRY_MIN_MS;
-    // The floor the peer was last told (see `PeerRequest::Publish::floor`).
-    let mut floor_told = 0;
-    // Runs in flight, each answering with the first and last offsets it carried and its floor.
-    let mut in_flight: tokio::task::JoinSet<(Offset, Offset, Offset, Option<PeerResponse>)> =
+    // Runs in flight, each answering with itself and the peer's answer.
+    let mut in_flight: tokio::task::JoinSet<(Run, Option<PeerResponse>)> =
         tokio::task::JoinSet::new();
-    // The last offset handed to a run (in flight or answered).
-    let mut handed = match shared.upgrade() {
-        Some(s) => s.member.forwarding.as_ref().map_or(0, |f| f.sent(&peer)),
+    let mut sender = match shared.upgrade() {
+        Some(s) => Sender::new(s.member.forwarding.as_ref().map_or(0, |f| f.sent(&peer))),
         None => return,
     };
-    // A run failed: hand nothing more until the runs in flight have answered.
-    let mut failed = false;
     loop {
-        if failed && in_flight.is_empty() {
-            tokio::time::sleep(Duration::from_millis(retry)).await;
-            retry = (retry * 2).min(FORWARD_RETRY_MAX_MS);
-            failed = false;
+        if let Some(pause) = sender.pause_ms() {
+            tokio::time::sleep(Duration::from_millis(pause)).await;
             let Some(s) = shared.upgrade() else { return };
-            handed = s.member.forwarding.as_ref().map_or(0, |f| f.sent(&peer));
+            sender.resume(s.member.forwarding.as_ref().map_or(0, |f| f.sent(&peer)));
         }
-        if !failed && in_flight.len() < FORWARD_RPCS_IN_FLIGHT_MAX {
+        if sender.may_hand() {
             let (entries, me, floor) = {
                 let Some(s) = shared.upgrade() else { return };
                 let Some(f) = &s.member.forwarding else {
@@ -566,9 +556,9 @@ pub(crate) async fn forward_loop(shared: Weak<Shared>, cluster: Arc<Cluster>, pe
                 }
                 let end = *committed.borrow_and_update();
                 let floor = f.all_applied();
-                let entries = if end > handed {
+                let from = sender.handed();
+                let entries = if end > from {
                     let store = s.store.clone();
-                    let from = handed;
                     tokio::task::spawn_blocking(move || read_run(&*store, from, end + 1))
                         .await
                         .unwrap_or_default()
@@ -577,36 +567,24 @@ pub(crate) async fn forward_loop(shared: Weak<Shared>, cluster: Arc<Cluster>, pe
                 };
                 (entries, s.node_id.clone(), floor)
             };
-            // Only the floor to tell: with nothing in flight (a run carries it anyway).
-            let floor_only = entries.is_empty() && in_flight.is_empty() && floor > floor_told;
-            let follows = handed;
-            if let Some(&(last, _)) = entries.last() {
-                handed = last;
-            }
-            if !entries.is_empty() || floor_only {
+            if let Some(run) = sender.hand(entries.last().map(|&(last, _)| last), floor) {
                 let request = PeerRequest::Publish {
                     origin: me,
                     entries,
-                    floor,
-                    follows: (!in_flight.is_empty()).then_some(follows),
+                    floor: run.floor,
+                    follows: run.follows,
                 };
                 let cluster = cluster.clone();
-                let (first, last) = if floor_only {
-                    (0, 0)
-                } else {
-                    (follows + 1, handed)
-                };
                 in_flight.spawn(async move {
                     let timeout = Duration::from_millis(FORWARD_RPC_TIMEOUT_MS);
-                    let answer = cluster.call(peer_id, request, timeout).await.ok();
-                    (first, last, floor, answer)
+                    (run, cluster.call(peer_id, request, timeout).await.ok())
                 });
                 continue;
             }
         }
         // Wait for an answer, for more to ship, or (idle) for the floor to move.
-        let room = !failed && in_flight.len() < FORWARD_RPCS_IN_FLIGHT_MAX;
-        let idle = in_flight.is_empty();
+        let room = sender.may_hand();
+        let idle = sender.idle();
         let answered = tokio::select! {
             Some(done) = in_flight.join_next(), if !idle => done.ok(),
             changed = committed.changed(), if room => {
@@ -620,36 +598,30 @@ pub(crate) async fn forward_loop(shared: Weak<Shared>, cluster: Arc<Cluster>, pe
                 continue;
             }
         };
-        let Some((first, last, floor, answer)) = answered else {
-            failed = true;
+        let Some((run, response)) = answered else {
+            sender.lost();
             continue;
         };
-        if matches!(
-            answer,
-            Some(PeerResponse::Published { .. } | PeerResponse::PublishedUnconfirmed { .. })
-        ) {
-            floor_told = floor_told.max(floor);
-        }
-        let through = match answer {
-            Some(PeerResponse::Published { through }) => Some(through),
+        let answer = match response {
+            Some(PeerResponse::Published { through }) => Answer::Applied { through },
             Some(PeerResponse::PublishedUnconfirmed { through, reason }) => {
                 tracing::debug!(peer, reason, "forwarded publishes not confirmed on copies");
                 if let Some(s) = shared.upgrade()
                     && let Some(f) = &s.member.forwarding
-                    && through >= first
-                    && first > 0
+                    && through >= run.first
+                    && !run.floor_only()
                 {
-                    f.note_unconfirmed(&peer, first, through);
+                    f.note_unconfirmed(&peer, run.first, through);
                 }
-                Some(through)
+                Answer::Applied { through }
             }
             Some(PeerResponse::PublishDeferred { through, reason }) => {
                 tracing::debug!(peer, reason, "forwarded publish deferred");
-                Some(through)
+                Answer::Deferred { through }
             }
-            _ => None,
+            _ => Answer::None,
         };
-        if let Some(t) = through {
+        if let Some(t) = sender.answered(&run, answer) {
             let Some(s) = shared.upgrade() else { return };
             // An answer to a membership that ended is not the current member's.
             if s.member
@@ -666,12 +638,6 @@ pub(crate) async fn forward_loop(shared: Weak<Shared>, cluster: Arc<Cluster>, pe
                     .increment(t.saturating_sub(before));
                 metrics::gauge!(m::FORWARD_LAG, "peer" => peer.clone()).set(f.lag(&peer) as f64);
             }
-        }
-        // A floor-only call carried nothing (`last` 0): it fails only if unanswered.
-        if through.is_none_or(|t| t < last) {
-            failed = true;
-        } else if last > 0 {
-            retry = FORWARD_RETRY_MIN_MS;
         }
     }
 }
@@ -840,7 +806,7 @@ impl PublishSink for PeerInbox {
                     Some(a) => *a,
                     None => read_u64(&*s.store, &applied_key(&origin)).unwrap_or(0),
                 };
-                if follows.is_none_or(|after| done >= after) {
+                if run_ready(done, follows) {
                     break (applied, done);
                 }
                 // The run before this one has not arrived (or not been applied) yet.
@@ -863,10 +829,32 @@ impl PublishSink for PeerInbox {
             let mut submitted = Vec::new();
             let mut refused = None;
             let skipped = entries.iter().any(|(offset, _)| *offset <= done);
+            // The last offset applied or submitted: each entry must be the one right after.
+            let mut before = done;
             for (offset, publish) in &entries {
                 let offset = *offset;
-                if offset <= done {
-                    continue;
+                match entry_step(before, offset) {
+                    EntryStep::Skip => continue,
+                    EntryStep::Apply => before = offset,
+                    EntryStep::Gap => {
+                        // Never sent by a working origin (it sends from what this node
+                        // confirmed): applying it would lose the entries in between.
+                        metrics::counter!(m::PEER_REFUSED, "reason" => "forward_gap").increment(1);
+                        tracing::warn!(
+                            origin,
+                            offset,
+                            after = before,
+                            "refused a forwarded run past a gap in its origin's publish log"
+                        );
+                        refused = Some(WireError::new(
+                            ErrorCode::ProtocolViolation,
+                            format!(
+                                "entry {offset} of {origin}'s publish log does not follow {before}, \
+                                 the last one applied here"
+                            ),
+                        ));
+                        break;
+                    }
                 }
                 let session = match s.forward_session().await {
                     Ok(id) => id,

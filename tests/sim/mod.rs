@@ -1,6 +1,6 @@
-//! What the seeded simulations (`replication_sim.rs`, `cluster_sim.rs`) share: their random
-//! numbers, a node's durable store of one queue's log, and how a replica's durable write
-//! changes that store.
+//! What the seeded simulations (`replication_sim.rs`, `cluster_sim.rs`, `forward_sim.rs`)
+//! share: their random numbers, their simulated network, a node's durable store of one queue's
+//! log, and how a replica's durable write changes that store.
 
 use std::collections::VecDeque;
 
