@@ -234,7 +234,7 @@ fn describe() {
     );
     describe_counter!(
         PEER_REFUSED,
-        "Peer connections and requests refused for their identity (label reason: not_cluster_ca, no_node_name, several_node_names, not_a_member, sender_mismatch, not_primary, queue_ended, node_cert_as_client)"
+        "Peer connections and requests refused: for their identity, or for what they ask (label reason: not_cluster_ca, no_node_name, several_node_names, not_a_member, sender_mismatch, not_primary, queue_ended, node_cert_as_client, forward_gap)"
     );
     describe_counter!(
         PROTOCOL_VERSION_REFUSED,

@@ -739,6 +739,60 @@ async fn a_member_added_takes_copies_then_primaries_losing_nothing() {
     c.shutdown().await;
 }
 
+/// A member joining while two members publish large values as fast as they can gets every
+/// publish made after it joined. The regions it copies hold each origin's publishes up to
+/// where its source had applied them, often well past where the origin started keeping its
+/// log for it: the new member's first answers say "applied through there", past the runs the
+/// origin had sent, and the origin trims up to there once every other member applied it too.
+/// Before the forwarding pipeline moved its next run past such an answer, that run started at
+/// an entry the log no longer held, and nothing more was forwarded to the new member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_joining_under_heavy_publishing_gets_every_later_publish() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    /// Five values fill a forwarding run (`FORWARD_BATCH_BYTES_MAX`, 1 MiB), so the copy's
+    /// head start over the runs sent is many runs long.
+    const VALUE_BYTES: usize = 200 << 10;
+    let mut c = TestCluster::start(3).await;
+    c.leader().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut publishers = Vec::new();
+    // Two origins: at most one of them is the new member's source.
+    for k in 0..2 {
+        let p = c.node(k).publisher().await.unwrap();
+        let stop = stop.clone();
+        publishers.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                p.put("R", &format!("n{k}-{}", n % 64), vec![b'x'; VALUE_BYTES])
+                    .await
+                    .unwrap();
+                n += 1;
+            }
+            p.put("R", &format!("last-{k}"), b"end".to_vec())
+                .await
+                .unwrap();
+            n
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (i, admin) = grow_and_add(&mut c, "n4").await;
+    eventually("n4 joins", || !c.node(i).joining()).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::Relaxed);
+    for (k, p) in publishers.into_iter().enumerate() {
+        let n = p.await.unwrap();
+        tracing::info!(origin = k, publishes = n, "published");
+    }
+    let n4 = c.node(i);
+    eventually("n4 applies the last publish of both origins", || {
+        (0..2).all(|k| n4.get("R", &format!("last-{k}")).unwrap().is_some())
+    })
+    .await;
+    admin.close(false).await.unwrap();
+    c.shutdown().await;
+}
+
 /// Starts a node with `--join` (it gets index `i`, named `name`) and adds it through n1;
 /// returns `i` and the admin connection used.
 async fn grow_and_add(c: &mut TestCluster, name: &str) -> (usize, tether::client::Client) {
