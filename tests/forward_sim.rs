@@ -187,6 +187,7 @@ enum Msg {
 }
 
 /// The origin's forwarding to one peer.
+#[derive(Debug)]
 struct Link {
     sender: Sender,
     /// How far the peer applied, as its answers said (in memory).
@@ -215,6 +216,7 @@ struct Origin {
     down_until: u64,
 }
 
+#[derive(Debug)]
 struct Peer {
     up: bool,
     down_until: u64,
@@ -663,34 +665,13 @@ impl sim::World for World {
 
     fn describe(&self) -> String {
         format!(
-            "log end {}, trimmed {}, peers applied {:?}, cursors {:?}, floors told {:?}",
+            "at {}: log end {}, trimmed {} (committed {}), links {:?}, peers {:?}",
+            self.now,
             self.origin.end,
             self.origin.trimmed,
-            self.peers.iter().map(|p| p.done).collect::<Vec<_>>(),
-            self.origin.links.iter().map(|l| l.sent).collect::<Vec<_>>(),
-            self.peers.iter().map(|p| p.floor_told).collect::<Vec<_>>(),
-        ) + &format!(
-            "; senders {:?}, pauses {:?}, calls {:?}, waiting {:?}, now {}",
-            self.origin
-                .links
-                .iter()
-                .map(|l| &l.sender)
-                .collect::<Vec<_>>(),
-            self.origin
-                .links
-                .iter()
-                .map(|l| l.paused_until)
-                .collect::<Vec<_>>(),
-            self.origin
-                .links
-                .iter()
-                .map(|l| &l.calls)
-                .collect::<Vec<_>>(),
-            self.peers
-                .iter()
-                .map(|p| p.waiting.len())
-                .collect::<Vec<_>>(),
-            self.now
+            self.origin.trimmed_durable,
+            self.origin.links,
+            self.peers,
         )
     }
 
