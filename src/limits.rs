@@ -95,6 +95,18 @@ pub const DELIVERED_MARK_RESERVE_ENTRIES: u64 = 4096;
 /// writebacks of its storage, so an id whose write a power cut lost (`--sync none`) is never
 /// allocated again, and event ids (node, session, sequence) stay unique.
 pub const SESSION_IDS_SKIPPED_AT_RESTART: u64 = 1 << 24;
+/// Unix time of 2026-01-01T00:00:00Z, in milliseconds. A new data directory numbers its
+/// publish log and its publisher sessions from the milliseconds since then
+/// (`control::forward::new_log_start`, [`SESSION_IDS_START_SHIFT_BITS`]): a node that lost its
+/// data directory and came back under its name reuses neither, so its peers neither skip its
+/// new publishes as applied nor take its new events for ones they hold.
+pub const IDS_EPOCH_MS: u64 = 1_767_225_600_000;
+/// A new data directory's first publisher session id is the milliseconds since
+/// [`IDS_EPOCH_MS`] shifted left by this many bits, plus one: past every id an earlier data
+/// directory of the node allocated, unless that one's sessions and restarts (each skipping
+/// [`SESSION_IDS_SKIPPED_AT_RESTART`], 4,096 ms' worth) outran 4,096 ids a millisecond over
+/// its life. Ids stay below 2^53 (exact in JSON numbers) for 69 years.
+pub const SESSION_IDS_START_SHIFT_BITS: u32 = 12;
 /// Expired durable ids remembered so that their next connection sees `expired` once.
 pub const EXPIRED_IDS_REMEMBERED_MAX: usize = 100_000;
 /// How often the node looks for away queues whose durable timeout has passed, in milliseconds.

@@ -150,6 +150,7 @@ async fn durable_on_n1_copied_on_n2(
 fn forged_publish(origin: &str, key: &str) -> PeerRequest {
     PeerRequest::Publish {
         origin: origin.into(),
+        log_start: 0,
         entries: vec![(
             1 << 40,
             ForwardedPublish {
@@ -733,11 +734,12 @@ async fn a_burst_of_slow_calls_leaves_a_stream_for_pings() {
         to,
     ));
     let origin = c.names[0].clone();
+    let log = fresh_log();
     let runs: Vec<_> = (0..PEER_STREAMS_MAX as u64 + 8)
         .map(|i| {
             let pool = pool.clone();
             // Far past anything applied: each waits for its predecessor, then is deferred.
-            let run = run_of(&origin, 1_000_000 + i, &["never"], Some(999_999 + i));
+            let run = run_of(&origin, log, 1_000_000 + i, &["never"], Some(999_999 + i));
             tokio::spawn(async move { pool.call(receiver, &to.to_string(), run, STEP).await })
         })
         .collect();
@@ -769,13 +771,17 @@ async fn a_burst_of_slow_calls_leaves_a_stream_for_pings() {
     c.shutdown().await;
 }
 
-/// A run of `origin`'s publish log: the puts of `keys` at offsets `first`, `first + 1`...
-fn run_of(origin: &str, first: u64, keys: &[&str], follows: Option<u64>) -> PeerRequest {
+/// A run of `origin`'s publish log starting at `log` (0: a log from before starts were told,
+/// which starts at 1): the puts of `keys` at its positions `first`, `first + 1`... (position 1
+/// is offset `log`), following position `follows` when given.
+fn run_of(origin: &str, log: u64, first: u64, keys: &[&str], follows: Option<u64>) -> PeerRequest {
+    let base = log.saturating_sub(1);
     PeerRequest::Publish {
         origin: origin.into(),
+        log_start: log,
         entries: keys
             .iter()
-            .zip(first..)
+            .zip(base + first..)
             .map(|(key, offset)| {
                 let publish = ForwardedPublish {
                     session: 77,
@@ -790,8 +796,19 @@ fn run_of(origin: &str, first: u64, keys: &[&str], follows: Option<u64>) -> Peer
             })
             .collect(),
         floor: 0,
-        follows,
+        follows: follows.map(|f| base + f),
     }
+}
+
+/// The start of a publish log created now: past the log of every node started before (a
+/// test speaking in a member's name sends runs of a log of its own, which the receiver takes
+/// as the member's new log).
+fn fresh_log() -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    tether::control::forward::new_log_start(now)
 }
 
 /// Publish forwarding with runs in flight (`FORWARD_RPCS_IN_FLIGHT_MAX`): runs of one origin
@@ -827,35 +844,41 @@ async fn forwarded_runs_out_of_order_are_applied_in_order() {
         let primary = placed.primary;
         tokio::spawn(async move { pool.call(primary, &to.to_string(), request, STEP).await })
     };
+    // Runs of a log of the test's (the receiver takes it as the member's new one).
+    let log = fresh_log();
+    let at = |position: u64| log - 1 + position;
     // The second run arrives first: it waits for the first.
-    let second = call(run_of(&origin, 2, &["k2"], Some(1)));
+    let second = call(run_of(&origin, log, 2, &["k2"], Some(1)));
     tokio::time::sleep(Duration::from_millis(FORWARD_GAP_WAIT_MS / 4)).await;
     assert!(
         !second.is_finished(),
         "a run was applied before the one it follows"
     );
-    let first = call(run_of(&origin, 1, &["k1"], None));
+    let first = call(run_of(&origin, log, 1, &["k1"], None));
     assert!(matches!(
         first.await.unwrap(),
-        Ok(PeerResponse::Published { through: 1 })
+        Ok(PeerResponse::Published { through }) if through == at(1)
     ));
     assert!(matches!(
         second.await.unwrap(),
-        Ok(PeerResponse::Published { through: 2 })
+        Ok(PeerResponse::Published { through }) if through == at(2)
     ));
     assert_eq!(keys(&take_events(&mut ev, 2).await), ["k1", "k2"]);
     // A run whose predecessor (offset 3) is lost: answered with what is applied.
-    match call(run_of(&origin, 4, &["k4"], Some(3))).await.unwrap() {
-        Ok(PeerResponse::PublishDeferred { through: 2, .. }) => {}
+    match call(run_of(&origin, log, 4, &["k4"], Some(3)))
+        .await
+        .unwrap()
+    {
+        Ok(PeerResponse::PublishDeferred { through, .. }) if through == at(2) => {}
         Ok(_) => panic!("a run past a gap was applied"),
         Err(e) => panic!("no answer: {e}"),
     }
     // Sent again from what was confirmed (a retry carries what was applied already).
     assert!(matches!(
-        call(run_of(&origin, 2, &["k2", "k3", "k4"], None))
+        call(run_of(&origin, log, 2, &["k2", "k3", "k4"], None))
             .await
             .unwrap(),
-        Ok(PeerResponse::Published { through: 4 })
+        Ok(PeerResponse::Published { through }) if through == at(4)
     ));
     assert_eq!(keys(&take_events(&mut ev, 2).await), ["k3", "k4"]);
     assert!(
@@ -865,8 +888,8 @@ async fn forwarded_runs_out_of_order_are_applied_in_order() {
     // A run that starts past what is applied and names no run before it (what a sender's bug
     // would send) applies nothing either: answered with what is applied, then sent again
     // from there.
-    match call(run_of(&origin, 6, &["k6"], None)).await.unwrap() {
-        Ok(PeerResponse::PublishDeferred { through: 4, .. }) => {}
+    match call(run_of(&origin, log, 6, &["k6"], None)).await.unwrap() {
+        Ok(PeerResponse::PublishDeferred { through, .. }) if through == at(4) => {}
         Ok(_) => panic!("a run past a gap was applied"),
         Err(e) => panic!("no answer: {e}"),
     }
@@ -875,8 +898,8 @@ async fn forwarded_runs_out_of_order_are_applied_in_order() {
         "an entry past a gap was applied"
     );
     assert!(matches!(
-        call(run_of(&origin, 5, &["k5", "k6"], None)).await.unwrap(),
-        Ok(PeerResponse::Published { through: 6 })
+        call(run_of(&origin, log, 5, &["k5", "k6"], None)).await.unwrap(),
+        Ok(PeerResponse::Published { through }) if through == at(6)
     ));
     assert_eq!(keys(&take_events(&mut ev, 2).await), ["k5", "k6"]);
     pool.close();
@@ -1276,7 +1299,7 @@ async fn a_member_whose_copies_lag_never_claims_a_publish_replicated() {
         .call(
             raft_id("n1"),
             &to.to_string(),
-            run_of("n3", 1, &["before"], None),
+            run_of("n3", 0, 1, &["before"], None),
             STEP,
         )
         .await

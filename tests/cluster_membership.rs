@@ -793,6 +793,44 @@ async fn a_member_joining_under_heavy_publishing_gets_every_later_publish() {
     c.shutdown().await;
 }
 
+/// A member joins a cluster in which nobody has published yet, right after the member it
+/// copies the regions from restarted. Publish logs start past 1 (they are numbered from the
+/// wall clock), and a member learns where another's log starts from the runs it sends, the
+/// first of which only tells the floor. If the source forgot that at its restart, it told the
+/// newcomer it had applied nothing of the other members' logs, less than they keep for the
+/// newcomer, and the join waited for it for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_joins_after_its_source_restarted_with_nothing_published() {
+    use tether::cluster::meta::raft_id;
+    let mut c = TestCluster::start(3).await;
+    c.leader().await;
+    // A join copies the regions of the first member in raft-id order that gives them.
+    let source = (0..3).min_by_key(|&i| raft_id(&c.names[i])).unwrap();
+    // The members tell each other where their logs start (a floor-only run each), then the
+    // source restarts.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    c.nodes[source].take().unwrap().shutdown().await;
+    let node = c.boot(source).await;
+    c.nodes[source] = Some(node);
+    c.leader().await;
+    let (i, admin) = grow_and_add(&mut c, "n4").await;
+    eventually("n4 joins", || !c.node(i).joining()).await;
+    let other = (source + 1) % 3;
+    c.node(other)
+        .publisher()
+        .await
+        .unwrap()
+        .put("R", "after", b"1".to_vec())
+        .await
+        .unwrap();
+    eventually("n4 gets a publish made after it joined", || {
+        c.node(i).get("R", "after").unwrap().is_some()
+    })
+    .await;
+    admin.close(false).await.unwrap();
+    c.shutdown().await;
+}
+
 /// Starts a node with `--join` (it gets index `i`, named `name`) and adds it through n1;
 /// returns `i` and the admin connection used.
 async fn grow_and_add(c: &mut TestCluster, name: &str) -> (usize, tether::client::Client) {

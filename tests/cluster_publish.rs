@@ -7,11 +7,11 @@ mod common;
 
 use std::time::Duration;
 
-use tether::client::{ClientBuilder, ClientEvent, Interest};
+use tether::client::{ClientBuilder, ClientEvent, EventStream, Interest};
 use tether::protocol::QueueStatus;
 use tether::server::Node;
 
-use common::cluster::TestCluster;
+use common::cluster::{TestCluster, share_ca};
 use common::{entries, take_events, value};
 
 fn builder(node: &Node) -> ClientBuilder {
@@ -19,6 +19,25 @@ fn builder(node: &Node) -> ClientBuilder {
         .server(node.addr())
         .ca_file(node.ca_file())
         .ack_interval(Duration::from_millis(50))
+}
+
+/// A client of `node` with all-keys interest in region R, ready, and its events: durable
+/// (`id`, 300 s) when `id` is given.
+async fn subscribed(node: &Node, id: Option<&str>) -> (tether::client::Client, EventStream) {
+    let b = builder(node);
+    let b = match id {
+        Some(id) => b.durable(id, 300),
+        None => b,
+    };
+    let client = b.connect().await.unwrap();
+    client
+        .region("R")
+        .register(Interest::all_keys())
+        .await
+        .unwrap();
+    client.ready_for_events().await.unwrap();
+    let events = client.events().unwrap();
+    (client, events)
 }
 
 /// Puts `{prefix}-{i}` = `i` for i in range, through node `node`'s embedded publisher.
@@ -45,18 +64,8 @@ async fn events_published_anywhere_reach_every_node_in_publisher_order() {
     let c = TestCluster::start(3).await;
     c.leader().await;
     // A durable subscriber on node 0, a non-durable one on node 2.
-    let d = builder(c.node(0))
-        .durable("sub", 300)
-        .connect()
-        .await
-        .unwrap();
-    d.region("R").register(Interest::all_keys()).await.unwrap();
-    d.ready_for_events().await.unwrap();
-    let nd = builder(c.node(2)).connect().await.unwrap();
-    nd.region("R").register(Interest::all_keys()).await.unwrap();
-    nd.ready_for_events().await.unwrap();
-    let mut ds = d.events().unwrap();
-    let mut nds = nd.events().unwrap();
+    let (d, mut ds) = subscribed(c.node(0), Some("sub")).await;
+    let (nd, mut nds) = subscribed(c.node(2), None).await;
 
     // Two publishers on two other nodes, concurrently.
     let (n1, n2) = (c.node(1), c.node(2));
@@ -105,14 +114,7 @@ async fn events_published_anywhere_reach_every_node_in_publisher_order() {
 async fn publishes_made_while_a_node_is_down_reach_it_when_it_returns() {
     let mut c = TestCluster::start(3).await;
     c.leader().await;
-    let d = builder(c.node(0))
-        .durable("away", 300)
-        .connect()
-        .await
-        .unwrap();
-    d.region("R").register(Interest::all_keys()).await.unwrap();
-    d.ready_for_events().await.unwrap();
-    let mut s = d.events().unwrap();
+    let (d, mut s) = subscribed(c.node(0), Some("away")).await;
     put_range(c.node(1), "R", "k", 0..10).await;
     assert_eq!(
         values_of(&take_events(&mut s, 10).await, "k-"),
@@ -214,5 +216,54 @@ async fn publish_log_limit_refuses_publishes_while_a_peer_is_away_and_loses_none
             Err(e) => panic!("publishing did not resume: {e:?}"),
         }
     }
+    c.shutdown().await;
+}
+
+/// A member that lost its data directory and comes back under its name starts a new publish
+/// log: its peers take it from its start. Before, its new log counted from 1 again and every
+/// peer, having applied the old one further, skipped its first publishes as applied: they were
+/// acknowledged (`--ack local`) and never reached the queues of the other nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_lost_its_data_directory_forwards_its_new_publishes() {
+    let mut c = TestCluster::start(3).await;
+    c.leader().await;
+    let (d, mut s) = subscribed(c.node(1), Some("sub")).await;
+    put_range(c.node(0), "R", "a", 0..20).await;
+    assert_eq!(
+        values_of(&take_events(&mut s, 20).await, "a-"),
+        (0..20).collect::<Vec<_>>()
+    );
+
+    // Node 0 stops and loses its data directory (its certificate authority aside: the
+    // cluster's, which it signs its own certificate with), then starts again under its name.
+    c.nodes[0].take().unwrap().shutdown().await;
+    let dir = c.dirs[0].path().to_path_buf();
+    let ca = tempfile::tempdir().unwrap();
+    share_ca(&dir, ca.path());
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::create_dir_all(&dir).unwrap();
+    share_ca(ca.path(), &dir);
+    let node = c.boot(0).await;
+    c.nodes[0] = Some(node);
+
+    put_range(c.node(0), "R", "b", 0..10).await;
+    let got = take_events(&mut s, 10).await;
+    assert_eq!(
+        values_of(&got, "b-"),
+        (0..10).collect::<Vec<_>>(),
+        "{got:?}"
+    );
+    for e in entries(&got) {
+        assert_eq!(e.event_id.node, "n1", "{e:?}");
+    }
+    // The region copies of the other nodes have them too.
+    for i in [1, 2] {
+        common::eventually("the other nodes' regions hold the new publishes", || {
+            c.node(i).get("R", "b-9").unwrap() == Some(b"9".to_vec())
+        })
+        .await;
+    }
+    drop(s);
+    d.close(true).await.unwrap();
     c.shutdown().await;
 }

@@ -18,17 +18,23 @@
 //! order) and drops requests and answers; the origin crashes (its in-memory cursors and trim
 //! point fall back to what was committed, its calls in flight are gone) and peers crash
 //! (their waiting runs are gone; what they applied is durable, as it is written in the batch
-//! that applies it). The origin publishes throughout the fault phase.
+//! that applies it). Some of the origin's restarts come with a lost disk: it starts a new log
+//! past the old one's end (as `new_log_start` numbers it), and every run says where its log
+//! starts; a peer takes what is below the start as applied ([`applied_before_run`]), in memory
+//! until it applies an entry. The first log starts past 1 too. The origin publishes throughout
+//! the fault phase.
 //!
 //! Invariants, checked as they happen and after every step:
 //! 1. A peer applies the origin's log exactly once and in order: each entry it applies is the
 //!    one right after the last it applied (nothing twice), and no run reaches it past a gap
 //!    (the server's receiver would refuse it: a working origin never sends one).
 //! 2. The origin's cursor for a peer never passes what that peer applied, and what the origin
-//!    trimmed never passes what any peer applied (nothing a peer still needs is gone).
-//! 3. The floor a peer is told never passes what every peer applied.
-//! 4. Liveness after healing: every peer applies the whole log, every cursor reaches its end,
-//!    and every peer is told the floor at the end, within [`LIVENESS_STEPS_MAX`].
+//!    trimmed never passes what any peer applied (nothing a peer still needs is gone); what
+//!    lies below the origin's log start counts as applied (it is not in that log: lost with
+//!    an earlier one, or never written).
+//! 3. The floor a peer is told never passes what every peer applied (counted the same way).
+//! 4. Liveness after healing: every peer applies the whole (current) log, every cursor reaches
+//!    its end, and every peer is told the floor at the end, within [`LIVENESS_STEPS_MAX`].
 //!
 //! `TETHER_FORWARD_SIM_SEED=<n>` runs one seed, `TETHER_FORWARD_SIM_SEEDS=<count>` sets how
 //! many run (`make sim`).
@@ -40,7 +46,8 @@ use std::collections::BTreeMap;
 
 use sim::{Envelope, Network, Rng, env_u64};
 use tether::control::forward::{
-    Answer, EntryStep, FORWARD_RPC_TIMEOUT_MS, Run, Sender, entry_step, run_ready,
+    Answer, EntryStep, FORWARD_RPC_TIMEOUT_MS, Run, Sender, applied_before_run, entry_step,
+    run_ready,
 };
 use tether::limits::FORWARD_GAP_WAIT_MS;
 use tether::replication::NodeId;
@@ -93,6 +100,8 @@ fn forward_sim() {
             ("resumes after a failure", total.resumes),
             ("runs telling only the floor", total.floor_only),
             ("origin crashes", total.origin_crashes),
+            ("origins that lost their disk", total.lost_disks),
+            ("peers taking a log from its start", total.new_logs_taken),
             ("peer crashes", total.peer_crashes),
             ("answers past everything handed", total.answers_ahead),
         ];
@@ -142,6 +151,10 @@ struct Stats {
     resumes: u64,
     floor_only: u64,
     origin_crashes: u64,
+    /// Restarts of the origin with a new log (its disk lost).
+    lost_disks: u64,
+    /// Runs whose log start moved a peer past what it applied.
+    new_logs_taken: u64,
     peer_crashes: u64,
     /// Answers past everything handed (the peer applied runs of before an origin restart).
     answers_ahead: u64,
@@ -160,6 +173,8 @@ impl Stats {
         self.resumes += o.resumes;
         self.floor_only += o.floor_only;
         self.origin_crashes += o.origin_crashes;
+        self.lost_disks += o.lost_disks;
+        self.new_logs_taken += o.new_logs_taken;
         self.peer_crashes += o.peer_crashes;
         self.answers_ahead += o.answers_ahead;
         self.applied += o.applied;
@@ -174,6 +189,8 @@ struct Call {
     id: u64,
     run: Run,
     offsets: Vec<u64>,
+    /// Where the origin's log starts.
+    log_start: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -204,6 +221,8 @@ struct Origin {
     up: bool,
     /// Bumped at every restart: answers to an earlier incarnation's calls are dropped.
     incarnation: u64,
+    /// The first offset of the current log (a new one after a lost disk).
+    log_start: u64,
     /// The log's last committed offset.
     end: u64,
     /// Everything at or below it is trimmed (every peer applied it), in memory and committed.
@@ -220,8 +239,11 @@ struct Origin {
 struct Peer {
     up: bool,
     down_until: u64,
-    /// The last offset of the origin's log applied here (durable with what it applies).
+    /// The last offset of the origin's log applied here, or just below the start of a log
+    /// it was told of (in memory, as the server's `applied`).
     done: u64,
+    /// The last entry applied (durable with it, `fwd-applied`): `done` after a restart.
+    applied_entry: u64,
     /// The highest floor this peer was told.
     floor_told: u64,
     /// Runs waiting for the run before them: (call, give-up time).
@@ -230,6 +252,8 @@ struct Peer {
 
 struct World {
     rng: Rng,
+    /// Whether a restart lost the origin's disk.
+    disk_rng: Rng,
     now: u64,
     faults: bool,
     origin: Origin,
@@ -244,10 +268,13 @@ struct World {
 
 impl World {
     fn new(seed: u64) -> World {
+        // Neither the first log's start nor the lost disks draw from `rng`: a seed replays the
+        // faults it did before they were modelled, unless a disk is lost first.
+        let start = 1 + seed % 50;
         let link = || Link {
-            sender: Sender::new(0),
-            sent: 0,
-            sent_durable: 0,
+            sender: Sender::new(start - 1),
+            sent: start - 1,
+            sent_durable: start - 1,
             paused_until: None,
             calls: BTreeMap::new(),
         };
@@ -255,19 +282,22 @@ impl World {
             up: true,
             down_until: 0,
             done: 0,
+            applied_entry: 0,
             floor_told: 0,
             waiting: Vec::new(),
         };
         World {
             rng: Rng(seed),
+            disk_rng: Rng(seed ^ 0xd15c),
             now: 0,
             faults: true,
             origin: Origin {
                 up: true,
                 incarnation: 0,
-                end: 0,
-                trimmed: 0,
-                trimmed_durable: 0,
+                log_start: start,
+                end: start - 1,
+                trimmed: start - 1,
+                trimmed_durable: start - 1,
                 uncommitted: Vec::new(),
                 links: (0..PEERS).map(|_| link()).collect(),
                 next_call: 0,
@@ -364,6 +394,7 @@ impl World {
                     id,
                     run,
                     offsets,
+                    log_start: self.origin.log_start,
                 };
                 if self.trace {
                     eprintln!("{} hand to {p}: {:?} (call {id})", self.now, call.run);
@@ -420,10 +451,10 @@ impl World {
         }
         link.sent = through;
         // Invariant 2: the cursor never passes what the peer applied.
+        let applied = self.applied(p);
         assert!(
-            through <= self.peers[p].done,
-            "the origin's cursor for peer {p} moved to {through}, past what it applied ({})",
-            self.peers[p].done
+            through <= applied,
+            "the origin's cursor for peer {p} moved to {through}, past what it applied ({applied})",
         );
         let min = self.origin.links.iter().map(|l| l.sent).min().unwrap_or(0);
         self.origin.trimmed = self.origin.trimmed.max(min);
@@ -446,7 +477,7 @@ impl World {
     /// A peer takes a run (`apply_forwarded`): waits for the run before it, or applies it.
     fn receive(&mut self, p: usize, call: Call) {
         // Invariant 3: the floor told never passes what every peer applied.
-        let all = self.peers_done_min();
+        let all = self.applied_min();
         assert!(
             call.run.floor <= all,
             "peer {p} was told the floor {} while a peer had applied only {all}",
@@ -457,6 +488,18 @@ impl World {
             self.stats.deferred_whole += 1;
             self.answer(p, &call, Answer::Deferred { through: 0 });
             return;
+        }
+        // Nothing below the run's log start will come (`apply_forwarded`).
+        let done = applied_before_run(self.peers[p].done, call.log_start);
+        if done > self.peers[p].done {
+            self.stats.new_logs_taken += 1;
+            if self.trace {
+                eprintln!(
+                    "{} peer {p} takes the log starting at {} (applied {})",
+                    self.now, call.log_start, self.peers[p].done
+                );
+            }
+            self.peers[p].done = done;
         }
         if !run_ready(self.peers[p].done, call.run.follows) {
             self.stats.waited += 1;
@@ -493,6 +536,7 @@ impl World {
                 break;
             }
             peer.done = offset;
+            peer.applied_entry = offset;
             self.stats.applied += 1;
         }
         let through = peer.done;
@@ -556,8 +600,13 @@ impl World {
         }
     }
 
-    fn peers_done_min(&self) -> u64 {
-        self.peers.iter().map(|p| p.done).min().unwrap_or(0)
+    /// What peer `p` applied of the origin's current log, what is below its start included.
+    fn applied(&self, p: usize) -> u64 {
+        applied_before_run(self.peers[p].done, self.origin.log_start)
+    }
+
+    fn applied_min(&self) -> u64 {
+        (0..PEERS).map(|p| self.applied(p)).min().unwrap_or(0)
     }
 
     fn crash_and_restart(&mut self) {
@@ -573,6 +622,24 @@ impl World {
         }
         if !self.origin.up && self.now >= self.origin.down_until {
             // Restarted: cursors as committed, never behind what is trimmed (`start_cursor`).
+            // With its disk lost (a tenth of the restarts), it starts a new log past the old
+            // one's end: nothing is committed, every cursor and the trim are below its start.
+            if self.faults && self.disk_rng.per_mille(100) {
+                self.stats.lost_disks += 1;
+                let o = &mut self.origin;
+                o.log_start = o.end + self.disk_rng.between(1, 200);
+                o.end = o.log_start - 1;
+                o.trimmed_durable = o.log_start - 1;
+                for link in &mut o.links {
+                    link.sent_durable = o.log_start - 1;
+                }
+                if self.trace {
+                    eprintln!(
+                        "{} origin lost its disk: new log from {}",
+                        self.now, o.log_start
+                    );
+                }
+            }
             let o = &mut self.origin;
             o.up = true;
             o.incarnation += 1;
@@ -599,6 +666,7 @@ impl World {
                 let peer = &mut self.peers[p];
                 peer.up = false;
                 peer.waiting.clear();
+                peer.done = peer.applied_entry;
                 peer.down_until = self.now + self.rng.between(10, 500);
             }
             if !self.peers[p].up && self.now >= self.peers[p].down_until {
@@ -608,7 +676,7 @@ impl World {
     }
 
     fn check(&self) {
-        let min = self.peers_done_min();
+        let min = self.applied_min();
         assert!(
             self.origin.trimmed <= min && self.origin.trimmed_durable <= min,
             "the origin trimmed through {} (committed {}) while a peer applied only {min}",
@@ -616,12 +684,12 @@ impl World {
             self.origin.trimmed_durable
         );
         for (p, link) in self.origin.links.iter().enumerate() {
+            let applied = self.applied(p);
             assert!(
-                link.sent <= self.peers[p].done && link.sent_durable <= self.peers[p].done,
-                "the cursor of peer {p} ({}, committed {}) is past what it applied ({})",
+                link.sent <= applied && link.sent_durable <= applied,
+                "the cursor of peer {p} ({}, committed {}) is past what it applied ({applied})",
                 link.sent,
                 link.sent_durable,
-                self.peers[p].done
             );
         }
     }
@@ -665,8 +733,9 @@ impl sim::World for World {
 
     fn describe(&self) -> String {
         format!(
-            "at {}: log end {}, trimmed {} (committed {}), links {:?}, peers {:?}",
+            "at {}: log {}..={}, trimmed {} (committed {}), links {:?}, peers {:?}",
             self.now,
+            self.origin.log_start,
             self.origin.end,
             self.origin.trimmed,
             self.origin.trimmed_durable,

@@ -99,6 +99,12 @@ pub enum PeerRequest {
         /// (the first run after what the receiver confirmed): applied as it comes.
         #[serde(default)]
         follows: Option<u64>,
+        /// The first offset of `origin`'s publish log (0: a log from before starts were told,
+        /// which starts at 1): nothing below it will come. A node that lost its data directory
+        /// starts a new log past every offset of its old one, and its peers take it from
+        /// there (`control::forward::applied_before_run`).
+        #[serde(default)]
+        log_start: u64,
     },
     /// Queue log shipping from a primary to one of its secondaries.
     Replicate(ReplicateMsg),
@@ -273,6 +279,7 @@ pub trait PublishSink: Send + Sync + 'static {
         entries: Vec<(u64, ForwardedPublish)>,
         floor: u64,
         follows: Option<u64>,
+        log_start: u64,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>>;
 
     /// Handles a replication message from a queue's primary.
@@ -935,8 +942,12 @@ async fn dispatch(
             entries,
             floor,
             follows,
+            log_start,
         } => match sink {
-            Some(sink) => sink.apply_forwarded(origin, entries, floor, follows).await,
+            Some(sink) => {
+                sink.apply_forwarded(origin, entries, floor, follows, log_start)
+                    .await
+            }
             None => PeerResponse::PublishDeferred {
                 through: 0,
                 reason: "this node does not take publishes yet".into(),
@@ -1182,6 +1193,7 @@ mod tests {
         };
         let publish = |origin: &str| PeerRequest::Publish {
             origin: origin.into(),
+            log_start: 0,
             entries: Vec::new(),
             floor: 0,
             follows: None,

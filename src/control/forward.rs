@@ -13,12 +13,21 @@
 //! nothing to ship and nothing in flight, a run without entries tells the peer the *floor*
 //! (how far every peer has applied this log) when it moved since the peer was last told.
 //!
-//! The receiving side's rules are [`run_ready`] and [`entry_step`]: a peer applies an
-//! origin's entries once each, in order, and never past a gap.
+//! The receiving side's rules are [`run_ready`], [`entry_step`] and [`applied_before_run`]: a
+//! peer applies an origin's entries once each, in order, and never past a gap.
+//!
+//! A publish log's offsets are never reused, even by a node that lost its data directory and
+//! came back under its name: a new log starts at [`new_log_start`], a number that grows with
+//! the wall clock faster than any log can, and every run says where its log started, so a
+//! peer that applied the old log takes the new one from its start instead of skipping its
+//! entries as applied (which it did before: the new log's first publishes never reached the
+//! peers' queues).
 //!
 //! Invariants (asserted): runs are handed in offset order, each starting right after the
 //! last offset handed; at most [`FORWARD_RPCS_IN_FLIGHT_MAX`] runs are in flight; a failed
 //! pipeline hands nothing until it resumes.
+
+use crate::limits::IDS_EPOCH_MS;
 
 /// Forwarding runs to one peer in flight at once.
 pub const FORWARD_RPCS_IN_FLIGHT_MAX: usize = 2;
@@ -29,6 +38,26 @@ pub const FORWARD_RPC_TIMEOUT_MS: u64 = 10_000;
 pub const FORWARD_RETRY_MIN_MS: u64 = 50;
 /// Longest pause between forwarding attempts to an unreachable peer, in milliseconds.
 pub const FORWARD_RETRY_MAX_MS: u64 = 2_000;
+
+/// A new publish log's first offset is the milliseconds since [`IDS_EPOCH_MS`](crate::limits::IDS_EPOCH_MS) shifted
+/// left by this many bits, plus one: a log started later starts past every offset of one
+/// started earlier unless that one averaged 2^12 publishes a millisecond (4 million a second)
+/// over its life. Offsets stay below 2^53 (exact in JSON numbers) for 2^41 ms, 69 years.
+pub const PUBLISH_LOG_START_SHIFT_BITS: u32 = 12;
+
+/// The first offset of a publish log created at wall time `now_ms`.
+pub fn new_log_start(now_ms: u64) -> u64 {
+    (now_ms.saturating_sub(IDS_EPOCH_MS) << PUBLISH_LOG_START_SHIFT_BITS) + 1
+}
+
+/// What a peer counts as applied of an origin's log before taking a run, having applied it
+/// through `applied`, when the run says the log starts at `log_start` (0: a log from before
+/// starts were told, which starts at 1): nothing below its start will ever come. A start past
+/// what was applied is a new log (its origin lost its data directory; what the old log held
+/// past `applied` was lost with it).
+pub fn applied_before_run(applied: u64, log_start: u64) -> u64 {
+    applied.max(log_start.saturating_sub(1))
+}
 
 /// One run handed to the peer: the publish-log offsets `first..=last` it carries (both 0 for
 /// a run that only tells the floor), the offset it follows when another run was in flight as
@@ -241,6 +270,38 @@ pub fn entry_step(applied: u64, offset: u64) -> EntryStep {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A log created later starts past every offset a log created earlier used, at any rate
+    /// a node can publish; a peer that applied the old log takes the new one from its start,
+    /// and one behind a log's start (new to it) waits for nothing below it.
+    #[test]
+    fn a_new_log_starts_past_the_old_one_and_its_peers_take_it_from_there() {
+        let old_created_ms = IDS_EPOCH_MS + 3_600_000;
+        let old = new_log_start(old_created_ms);
+        // The old log took a million publishes a second for a day, then the node lost its data.
+        let old_end = old + 86_400 * 1_000_000;
+        let new = new_log_start(old_created_ms + 86_400_001);
+        assert!(new > old_end, "{new} > {old_end}");
+        // Or a thousand publishes in its first second.
+        assert!(new_log_start(old_created_ms + 1000) > old + 1000);
+        assert!(new_log_start(IDS_EPOCH_MS + (69 * 365 * 86_400_000)) < 1 << 53);
+        assert_eq!(applied_before_run(old_end, new), new - 1);
+        assert_eq!(
+            entry_step(applied_before_run(old_end, new), new),
+            EntryStep::Apply
+        );
+        // The same log: what was applied stands.
+        assert_eq!(applied_before_run(new + 5, new), new + 5);
+        // A log from before starts were told (0), or a clock before the epoch (start 1).
+        assert_eq!(applied_before_run(7, 0), 7);
+        assert_eq!(new_log_start(0), 1);
+        assert_eq!(applied_before_run(0, new_log_start(0)), 0);
+        // A peer new to the log waits for nothing below its start.
+        assert_eq!(
+            entry_step(applied_before_run(0, old), old),
+            EntryStep::Apply
+        );
+    }
 
     fn run(first: u64, last: u64, follows: Option<u64>, floor: u64) -> Run {
         Run {

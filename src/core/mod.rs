@@ -35,7 +35,8 @@
 //!
 //! Ids: publisher session numbers are persisted before use, and skip
 //! `SESSION_IDS_SKIPPED_AT_RESTART` at each restart, so event ids `(node, session, seq)` never
-//! repeat, even after a power cut under `--sync none`.
+//! repeat, even after a power cut under `--sync none`; a new data directory starts them from
+//! the wall clock (`new_session_ids_start`), past the ids of one its node lost.
 //!
 //! The durable life cycle:
 //! - one attached session per durable id (`NodeCore::connect_as`, which also enforces the id's
@@ -541,6 +542,12 @@ fn through_holds(through: &BTreeMap<String, u64>, node: &str, offset: u64) -> bo
     through.get(node).is_some_and(|&x| x >= offset)
 }
 
+/// The first publisher session id of a data directory created at wall time `now_ms` (see
+/// [`SESSION_IDS_START_SHIFT_BITS`]).
+pub fn new_session_ids_start(now_ms: u64) -> u64 {
+    (now_ms.saturating_sub(IDS_EPOCH_MS) << SESSION_IDS_START_SHIFT_BITS) + 1
+}
+
 /// Whether `seen` holds event `seq` of publisher `(node, session)` (or a later one of it).
 fn seen_holds(seen: &SeenEvents, node: &str, session: u64, seq: u64) -> bool {
     seen.get(node)
@@ -847,8 +854,12 @@ impl NodeCore {
         core.next_queue_id = read_u64(STATE_NEXT_QUEUE_ID)?.unwrap_or(1);
         // Skipped ahead: a session id allocated before a power cut whose write was lost
         // (`--sync none`) is never allocated again, so event ids stay unique.
-        core.next_session_id = read_u64(STATE_NEXT_SESSION_ID)?
-            .map_or(1, |n| n.saturating_add(SESSION_IDS_SKIPPED_AT_RESTART));
+        // A new data directory starts from the wall clock: its node may have had another one
+        // before (lost with its disk), whose ids its peers still hold.
+        core.next_session_id = read_u64(STATE_NEXT_SESSION_ID)?.map_or_else(
+            || new_session_ids_start(now_ms),
+            |n| n.saturating_add(SESSION_IDS_SKIPPED_AT_RESTART),
+        );
         if let Some(bytes) = state(STATE_EXPIRED_IDS)? {
             let ids: Vec<ExpiredId> =
                 decode_body(&bytes).map_err(|error| RecoveryError::Decode {
@@ -2267,6 +2278,54 @@ impl NodeCore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A node that lost its data directory and starts a new one under its name gives its
+    /// publishers session ids past every one its old directory gave, restarts included: its
+    /// new events never carry the ids of old ones (which a promoted copy would take for
+    /// events it holds).
+    #[test]
+    fn a_new_data_directory_allocates_session_ids_past_a_lost_one() {
+        use std::collections::HashMap;
+        let state = |s: &HashMap<String, Vec<u8>>, k: &str| s.get(k).cloned();
+        let created = IDS_EPOCH_MS + 86_400_000;
+        let mut stored: HashMap<String, Vec<u8>> = HashMap::new();
+        let mut highest = 0;
+        // The old directory: three restarts a minute apart, a thousand sessions each.
+        for restart in 0..3u64 {
+            let (mut core, _) = NodeCore::recover(
+                "n1",
+                created + restart * 60_000,
+                Vec::new(),
+                |k| Ok(state(&stored, k)),
+                |_, _, _| Ok(0),
+            )
+            .unwrap();
+            for _ in 0..1_000 {
+                let (id, batch) = core.publisher_session();
+                assert!(id > highest, "ids only grow: {id} after {highest}");
+                highest = id;
+                for op in batch.ops() {
+                    if let tether_storage::Op::StatePut { key, value } = op {
+                        stored.insert(key.clone(), value.clone());
+                    }
+                }
+            }
+        }
+        // Lost; a new directory five minutes after the old one was created.
+        let (mut core, _) = NodeCore::recover(
+            "n1",
+            created + 300_000,
+            Vec::new(),
+            |_| Ok(None),
+            |_, _, _| Ok(0),
+        )
+        .unwrap();
+        let (id, _) = core.publisher_session();
+        assert!(id > highest, "{id} > {highest}");
+        assert!(id < 1 << 53);
+        // A clock before the epoch (or a test's small times) starts at 1.
+        assert_eq!(new_session_ids_start(10), 1);
+    }
 
     fn put(key: &str) -> (PublishOp, EventOp) {
         let op = PublishOp::Put {

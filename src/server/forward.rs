@@ -55,7 +55,8 @@ use crate::cluster::network::{ForwardedPublish, PeerRequest, PeerResponse, Publi
 use crate::cluster::{Cluster, Members};
 use crate::config::Limits;
 use crate::control::forward::{
-    Answer, EntryStep, FORWARD_RPC_TIMEOUT_MS, Run, Sender, entry_step, run_ready,
+    Answer, EntryStep, FORWARD_RPC_TIMEOUT_MS, Run, Sender, applied_before_run, entry_step,
+    new_log_start, run_ready,
 };
 use crate::core::bytes::{QueueBytes, mark_interval_bytes, stored_entry_bytes};
 use crate::core::{EventOrigin, RecoveryError, SessionId};
@@ -111,6 +112,9 @@ pub(crate) struct Forwarding {
     peers: std::sync::RwLock<Vec<Peer>>,
     /// The generation the next peer added gets.
     next_generation: AtomicU64,
+    /// The first offset of this node's publish log (0: a log from before that was recorded,
+    /// which started at 1); told with every run (`control::forward::applied_before_run`).
+    log_start: Offset,
     /// Highest publish-log offset assigned (under the core lock, so in commit order).
     pub(crate) log_end: AtomicU64,
     /// Highest publish-log offset committed; forwarding tasks wait on it.
@@ -233,19 +237,24 @@ impl Forwarding {
     /// on first start. `peers` are the other members' names.
     pub(crate) fn open(
         store: &dyn Store,
+        now_ms: u64,
         me: &str,
         peers: &[(String, String)],
         limits: &Limits,
         replicated_wait: Duration,
     ) -> Result<Self, RecoveryError> {
         let meta = store.queue_meta(PUBLISH_LOG_QUEUE)?;
-        let (acked, end, marks) = match meta {
-            Some(m) => (m.acked, m.end, m.byte_marks),
+        // The log's first offset is kept as its metadata's epoch (0: a log from before that,
+        // which started at 1).
+        let (acked, end, marks, log_start) = match meta {
+            Some(m) => (m.acked, m.end, m.byte_marks, m.epoch),
             None => {
+                let start = new_log_start(now_ms);
                 let mut b = Batch::new();
-                b.put_queue_info(PUBLISH_LOG_QUEUE, 0, PUBLISH_LOG_INFO.to_vec());
+                b.put_queue_info(PUBLISH_LOG_QUEUE, start, PUBLISH_LOG_INFO.to_vec());
+                b.set_acked(PUBLISH_LOG_QUEUE, start - 1);
                 store.write(&b, true)?;
-                (0, 0, Vec::new())
+                (start - 1, start - 1, Vec::new(), start)
             }
         };
         let bytes = QueueBytes::recover(acked, end, &marks, &mut |from, to| {
@@ -272,6 +281,7 @@ impl Forwarding {
         Ok(Forwarding {
             next_generation: AtomicU64::new(peers.len() as u64),
             peers: std::sync::RwLock::new(peers),
+            log_start,
             log_end: AtomicU64::new(end),
             committed: watch::channel(end).0,
             sent: Mutex::new(sent),
@@ -545,7 +555,7 @@ pub(crate) async fn forward_loop(shared: Weak<Shared>, cluster: Arc<Cluster>, pe
             sender.resume(s.member.forwarding.as_ref().map_or(0, |f| f.sent(&peer)));
         }
         if sender.may_hand() {
-            let (entries, me, floor) = {
+            let (entries, me, floor, log_start) = {
                 let Some(s) = shared.upgrade() else { return };
                 let Some(f) = &s.member.forwarding else {
                     return;
@@ -565,7 +575,7 @@ pub(crate) async fn forward_loop(shared: Weak<Shared>, cluster: Arc<Cluster>, pe
                 } else {
                     Vec::new()
                 };
-                (entries, s.node_id.clone(), floor)
+                (entries, s.node_id.clone(), floor, f.log_start)
             };
             if let Some(run) = sender.hand(entries.last().map(|&(last, _)| last), floor) {
                 let request = PeerRequest::Publish {
@@ -573,6 +583,7 @@ pub(crate) async fn forward_loop(shared: Weak<Shared>, cluster: Arc<Cluster>, pe
                     entries,
                     floor: run.floor,
                     follows: run.follows,
+                    log_start,
                 };
                 let cluster = cluster.clone();
                 in_flight.spawn(async move {
@@ -775,6 +786,7 @@ impl PublishSink for PeerInbox {
         entries: Vec<(u64, ForwardedPublish)>,
         floor: u64,
         follows: Option<u64>,
+        log_start: u64,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = PeerResponse> + Send + '_>> {
         Box::pin(async move {
             let Some(s) = self.0.upgrade() else {
@@ -801,11 +813,47 @@ impl PublishSink for PeerInbox {
             s.recent_forwards().origin_floor(&origin, floor);
             let deadline = tokio::time::Instant::now() + Duration::from_millis(FORWARD_GAP_WAIT_MS);
             let (mut applied, mut done) = loop {
-                let applied = f.applied.lock().await;
-                let done = match applied.get(&origin) {
+                let mut applied = f.applied.lock().await;
+                let held = match applied.get(&origin) {
                     Some(a) => *a,
                     None => read_u64(&*s.store, &applied_key(&origin)).unwrap_or(0),
                 };
+                let done = applied_before_run(held, log_start);
+                if done > held {
+                    if held > 0 {
+                        tracing::warn!(
+                            origin,
+                            applied = held,
+                            log_start,
+                            "the origin's publish log starts past what was applied of it here: \
+                             a new log (the origin lost its data directory); taking it from its start"
+                        );
+                    }
+                    // Recorded at once, durably: what this node says it applied of each log
+                    // (`applied_of`, for a member joining from a copy of its regions) must not
+                    // fall back below the log's start at a restart.
+                    let (k, v) = applied_marker(&origin, done);
+                    let mut b = Batch::new();
+                    b.state_put(&k, v);
+                    match s.writer.submit(b, None).await {
+                        Ok(Ok(())) => {
+                            applied.insert(origin.clone(), done);
+                        }
+                        // A failed write stops the node (the writer's fail-stop).
+                        Ok(Err(e)) => {
+                            return PeerResponse::PublishDeferred {
+                                through: held,
+                                reason: e.to_string(),
+                            };
+                        }
+                        Err(_) => {
+                            return PeerResponse::PublishDeferred {
+                                through: held,
+                                reason: "node stopping".into(),
+                            };
+                        }
+                    }
+                }
                 if run_ready(done, follows) {
                     break (applied, done);
                 }
@@ -1045,7 +1093,7 @@ mod tests {
             .iter()
             .map(|p| (p.to_string(), "127.0.0.1:1".to_string()))
             .collect();
-        Forwarding::open(&store, "n1", &peers, &Limits::default(), KEPT).unwrap()
+        Forwarding::open(&store, 0, "n1", &peers, &Limits::default(), KEPT).unwrap()
     }
 
     fn next(names: &[&str]) -> Vec<(String, NodeId)> {

@@ -1115,6 +1115,7 @@ fn recover(
     let forwarding = if clustered {
         Some(forward::Forwarding::open(
             &**store,
+            now_ms,
             node_id,
             &config.peers,
             &config.limits,
