@@ -1429,3 +1429,60 @@ async fn a_redirected_hello_waits_for_the_metadata_it_was_sent_by() {
     assert!(c.node(2).cluster().unwrap().placement("fresh").is_none());
     c.shutdown().await;
 }
+
+/// The refusals a member counts in `tether_peer_refused_total`, by reason, as an operator reads
+/// them from the `/metrics` of a `tether server` process: a run of a member's publish log past
+/// a gap (`forward_gap`) and a publish in another member's name (`sender_mismatch`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_peer_requests_are_counted_by_reason() {
+    use common::cluster::{ProcCluster, free_ports};
+    let c = ProcCluster::start_routed_observed(free_ports(2), vec![vec![None; 2]; 2]);
+    c.leader().await;
+    let tls_dir = c.dirs[0].path().join("tls");
+    let to = c.addr(1);
+    let pool = pool_with(
+        &tls_dir.join(tls::CA_CERT_FILE),
+        &tls_dir.join(tls::SERVER_CERT_FILE),
+        &tls_dir.join(tls::SERVER_KEY_FILE),
+        to,
+    );
+    let n2 = raft_id("n2");
+    let refused = |reason: &str| -> u64 {
+        let metrics = c.get(1).metrics.expect("serving /metrics").to_string();
+        let label = format!("reason=\"{reason}\"");
+        common::http_get(&metrics, "/metrics")
+            .lines()
+            .find(|l| l.starts_with("tether_peer_refused_total{") && l.contains(&label))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    assert_eq!(refused("forward_gap"), 0);
+    assert_eq!(refused("sender_mismatch"), 0);
+    // n1's log (one of the test's, starting at `log`) from its fifth entry, nothing before.
+    let log = fresh_log();
+    match pool
+        .call(
+            n2,
+            &to.to_string(),
+            run_of("n1", log, 5, &["gap"], None),
+            STEP,
+        )
+        .await
+    {
+        Ok(PeerResponse::PublishDeferred { through, .. }) => assert_eq!(through, log - 1),
+        Ok(_) => panic!("a run past a gap was applied"),
+        Err(e) => panic!("no answer: {e}"),
+    }
+    // n1 publishing in n2's name.
+    match pool
+        .call(n2, &to.to_string(), forged_publish("n2", "forged"), STEP)
+        .await
+    {
+        Ok(PeerResponse::BadRequest(why)) => assert!(why.contains("origin"), "{why}"),
+        Ok(_) => panic!("a publish in another member's name was taken"),
+        Err(e) => panic!("no answer: {e}"),
+    }
+    assert_eq!(refused("forward_gap"), 1);
+    assert_eq!(refused("sender_mismatch"), 1);
+    pool.close();
+}
