@@ -831,6 +831,55 @@ async fn a_member_joins_after_its_source_restarted_with_nothing_published() {
     c.shutdown().await;
 }
 
+/// `--ack replicated` publishes while a member joins are not held back by it: it holds no queue
+/// (it is drained until it has joined) and its publish log waits for it. Here the join cannot
+/// finish (a member is down, and the newcomer waits for every member to say how far it keeps
+/// its log for it); before, every such publish answered `unavailable` after the replicated-ack
+/// wait, "not applied yet on n4", for as long as the join lasted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicated_publishes_are_not_held_back_by_a_joining_member() {
+    fn short_wait(cfg: &mut tether::config::ServerConfig) {
+        cfg.replicated_ack_timeout_ms = 2_000;
+    }
+    let mut c = TestCluster::start_tweaked(3, short_wait).await;
+    c.leader().await;
+    c.nodes[2].take().unwrap().shutdown().await;
+    let (i, admin) = grow_and_add(&mut c, "n4").await;
+    let publisher = builder(c.node(0))
+        .publish_ack(tether::protocol::PublishAck::Replicated)
+        .connect()
+        .await
+        .unwrap();
+    let put = |n: u32| {
+        let publisher = &publisher;
+        async move {
+            publisher
+                .region("R")
+                .put(&format!("k{n}"), b"v".to_vec())
+                .await
+        }
+    };
+    // n1 takes a failure-detection period to see n3 down (until then it waits for n3 too).
+    let deadline = tokio::time::Instant::now() + common::WAIT;
+    while let Err(e) = put(0).await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no replicated publish while n3 is down: {e}"
+        );
+    }
+    // Then every publish succeeds for as long as the join lasts (here, for good).
+    for n in 1..=20 {
+        if let Err(e) = put(n).await {
+            panic!("replicated publish {n} while n4 joins: {e}");
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(c.node(i).joining(), "n4 was still joining");
+    publisher.close(false).await.unwrap();
+    admin.close(false).await.unwrap();
+    c.shutdown().await;
+}
+
 /// Starts a node with `--join` (it gets index `i`, named `name`) and adds it through n1;
 /// returns `i` and the admin connection used.
 async fn grow_and_add(c: &mut TestCluster, name: &str) -> (usize, tether::client::Client) {

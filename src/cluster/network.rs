@@ -239,6 +239,10 @@ pub enum PeerResponse {
     PublishDeferred {
         through: u64,
         reason: String,
+        /// The node is joining the cluster and holds no queue and no copy: no `--ack
+        /// replicated` publish waits for it (the origin keeps the publishes for it).
+        #[serde(default)]
+        joining: bool,
     },
     /// The answer to a [`PeerRequest::Replicate`]: the secondary's reply, if it has one.
     Replicated(Option<crate::replication::Reply>),
@@ -951,6 +955,7 @@ async fn dispatch(
             None => PeerResponse::PublishDeferred {
                 through: 0,
                 reason: "this node does not take publishes yet".into(),
+                joining: false,
             },
         },
         PeerRequest::Replicate(msg) => match sink {

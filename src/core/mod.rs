@@ -1404,6 +1404,11 @@ impl NodeCore {
         self.sessions.get(&id)
     }
 
+    /// Whether this node holds no queue at all (durable or not).
+    pub fn holds_no_queue(&self) -> bool {
+        self.queues.is_empty()
+    }
+
     pub fn queue(&self, id: QueueId) -> Option<&Queue> {
         self.queues.get(&id).map(|q| &**q)
     }

@@ -137,6 +137,8 @@ pub(crate) struct Forwarding {
     session: Mutex<Option<SessionId>>,
     /// Per peer: runs it applied without confirming that its queues' copies hold them.
     unconfirmed: Mutex<HashMap<String, UnconfirmedRuns>>,
+    /// Peers whose last answer said they are joining the cluster, holding nothing.
+    joining: Mutex<std::collections::HashSet<String>>,
     /// How long an unconfirmed run is kept.
     unconfirmed_kept: Duration,
 }
@@ -202,6 +204,8 @@ pub(crate) struct Replication {
     pub(crate) pending: Vec<String>,
     /// Not applied yet, the member down: not waited for (its queues' copies take over).
     pub(crate) down: Vec<String>,
+    /// Not applied yet, the member joining the cluster and holding no queue: not waited for.
+    pub(crate) joining: Vec<String>,
 }
 
 impl Replication {
@@ -222,6 +226,11 @@ impl std::fmt::Display for Replication {
             ),
             (&self.pending, "not applied yet on ", ""),
             (&self.down, "", " down (the copies of its queues take over)"),
+            (
+                &self.joining,
+                "",
+                " joining the cluster (it holds no queue yet; the publish is kept for it)",
+            ),
         ];
         let described: Vec<String> = parts
             .iter()
@@ -293,6 +302,7 @@ impl Forwarding {
             applied_changed: tokio::sync::Notify::new(),
             session: Mutex::new(None),
             unconfirmed: Mutex::new(HashMap::new()),
+            joining: Mutex::new(Default::default()),
             unconfirmed_kept: replicated_wait * UNCONFIRMED_RUNS_KEPT_WAITS,
         })
     }
@@ -448,6 +458,22 @@ impl Forwarding {
         self.trimmed.load(Ordering::SeqCst)
     }
 
+    /// Whether `peer` said, in its last answer, that it is joining the cluster and holds
+    /// nothing ([`Replication::joining`]).
+    fn note_joining(&self, peer: &str, joining: bool) {
+        let changed = {
+            let mut set = self.joining.lock_or_stop();
+            if joining {
+                set.insert(peer.to_string())
+            } else {
+                set.remove(peer)
+            }
+        };
+        if changed {
+            self.sent_changed.notify_waiters();
+        }
+    }
+
     /// `peer` applied `first..=last` without confirming that its copies hold them.
     fn note_unconfirmed(&self, peer: &str, first: Offset, last: Offset) {
         self.unconfirmed
@@ -466,10 +492,13 @@ impl Forwarding {
         is_live: impl Fn(NodeId) -> bool,
     ) -> Replication {
         let unconfirmed = self.unconfirmed.lock_or_stop();
+        let joining = self.joining.lock_or_stop().clone();
         let mut r = Replication::default();
         for Peer { name, id, .. } in &self.peers() {
             let into = if self.sent(name) < offset {
-                if is_live(*id) {
+                if joining.contains(name) {
+                    &mut r.joining
+                } else if is_live(*id) {
                     &mut r.pending
                 } else {
                     &mut r.down
@@ -613,6 +642,20 @@ pub(crate) async fn forward_loop(shared: Weak<Shared>, cluster: Arc<Cluster>, pe
             sender.lost();
             continue;
         };
+        if let Some(s) = shared.upgrade()
+            && let Some(f) = &s.member.forwarding
+        {
+            // Only an answer says whether the peer is still joining.
+            match &response {
+                Some(PeerResponse::PublishDeferred { joining, .. }) => {
+                    f.note_joining(&peer, *joining)
+                }
+                Some(
+                    PeerResponse::Published { .. } | PeerResponse::PublishedUnconfirmed { .. },
+                ) => f.note_joining(&peer, false),
+                _ => {}
+            }
+        }
         let answer = match response {
             Some(PeerResponse::Published { through }) => Answer::Applied { through },
             Some(PeerResponse::PublishedUnconfirmed { through, reason }) => {
@@ -626,7 +669,9 @@ pub(crate) async fn forward_loop(shared: Weak<Shared>, cluster: Arc<Cluster>, pe
                 }
                 Answer::Applied { through }
             }
-            Some(PeerResponse::PublishDeferred { through, reason }) => {
+            Some(PeerResponse::PublishDeferred {
+                through, reason, ..
+            }) => {
                 tracing::debug!(peer, reason, "forwarded publish deferred");
                 Answer::Deferred { through }
             }
@@ -724,6 +769,7 @@ pub(crate) async fn set_peers(s: &Arc<Shared>, members: &Members) -> Vec<Peer> {
     f.unconfirmed
         .lock_or_stop()
         .retain(|name, _| !gone.contains(name));
+    f.joining.lock_or_stop().retain(|name| !gone.contains(name));
     for name in &gone {
         tracing::info!(peer = %name, "no longer a member: publishes are not kept for it");
     }
@@ -793,21 +839,27 @@ impl PublishSink for PeerInbox {
                 return PeerResponse::PublishDeferred {
                     through: 0,
                     reason: "node stopping".into(),
+                    joining: false,
                 };
             };
             let Some(f) = &s.member.forwarding else {
                 return PeerResponse::PublishDeferred {
                     through: 0,
                     reason: "not clustered".into(),
+                    joining: false,
                 };
             };
             // A joining node applies forwarded publishes only on top of the regions it copies
             // (`join.rs`), from where that copy stands.
+            // It holds no queue then (drained until it has joined), unless an operator
+            // undrained it early: only then must `--ack replicated` wait for it.
             if !*s.member.joined.borrow() {
+                let joining = s.member.copies.len() == 0 && s.core().holds_no_queue();
                 return PeerResponse::PublishDeferred {
                     through: 0,
                     reason: "this node is joining the cluster: it has not copied the regions yet"
                         .into(),
+                    joining,
                 };
             }
             s.recent_forwards().origin_floor(&origin, floor);
@@ -844,12 +896,14 @@ impl PublishSink for PeerInbox {
                             return PeerResponse::PublishDeferred {
                                 through: held,
                                 reason: e.to_string(),
+                                joining: false,
                             };
                         }
                         Err(_) => {
                             return PeerResponse::PublishDeferred {
                                 through: held,
                                 reason: "node stopping".into(),
+                                joining: false,
                             };
                         }
                     }
@@ -866,6 +920,7 @@ impl PublishSink for PeerInbox {
                     return PeerResponse::PublishDeferred {
                         through: done,
                         reason: "the run before this one has not arrived".into(),
+                        joining: false,
                     };
                 }
             };
@@ -949,6 +1004,7 @@ impl PublishSink for PeerInbox {
                 return PeerResponse::PublishDeferred {
                     through: done,
                     reason: e.message,
+                    joining: false,
                 };
             }
             // The origin counts a publish as held here once this answer arrives: wait until
@@ -1170,15 +1226,17 @@ mod tests {
             unconfirmed: vec!["n3".into(), "n4".into()],
             pending: vec!["n5".into()],
             down: vec!["n6".into()],
+            joining: vec!["n7".into()],
         };
         assert!(!r.done());
         assert_eq!(
             r.to_string(),
-            "replicated on n2; applied on n3, n4 but not confirmed by the copies of the queues it reached there; not applied yet on n5; n6 down (the copies of its queues take over)"
+            "replicated on n2; applied on n3, n4 but not confirmed by the copies of the queues it reached there; not applied yet on n5; n6 down (the copies of its queues take over); n7 joining the cluster (it holds no queue yet; the publish is kept for it)"
         );
         let r = Replication {
             replicated: vec!["n2".into()],
             down: vec!["n3".into()],
+            joining: vec!["n4".into()],
             ..Default::default()
         };
         assert!(r.done());
