@@ -229,10 +229,8 @@ async fn a_member_that_lost_its_data_directory_forwards_its_new_publishes() {
     c.leader().await;
     let (d, mut s) = subscribed(c.node(1), Some("sub")).await;
     put_range(c.node(0), "R", "a", 0..20).await;
-    assert_eq!(
-        values_of(&take_events(&mut s, 20).await, "a-"),
-        (0..20).collect::<Vec<_>>()
-    );
+    let before = take_events(&mut s, 20).await;
+    assert_eq!(values_of(&before, "a-"), (0..20).collect::<Vec<_>>());
 
     // Node 0 stops and loses its data directory (its certificate authority aside: the
     // cluster's, which it signs its own certificate with), then starts again under its name.
@@ -256,6 +254,16 @@ async fn a_member_that_lost_its_data_directory_forwards_its_new_publishes() {
     for e in entries(&got) {
         assert_eq!(e.event_id.node, "n1", "{e:?}");
     }
+    // Its new publisher sessions are not its old ones: no event id repeats.
+    let sessions = |evs: &[ClientEvent]| -> std::collections::BTreeSet<u64> {
+        entries(evs).iter().map(|e| e.event_id.session).collect()
+    };
+    assert!(
+        sessions(&before).is_disjoint(&sessions(&got)),
+        "session ids reused after the lost data directory: {:?} then {:?}",
+        sessions(&before),
+        sessions(&got)
+    );
     // The region copies of the other nodes have them too.
     for i in [1, 2] {
         common::eventually("the other nodes' regions hold the new publishes", || {

@@ -39,8 +39,8 @@ pub const FORWARD_RETRY_MIN_MS: u64 = 50;
 /// Longest pause between forwarding attempts to an unreachable peer, in milliseconds.
 pub const FORWARD_RETRY_MAX_MS: u64 = 2_000;
 
-/// A new publish log's first offset is the milliseconds since [`IDS_EPOCH_MS`](crate::limits::IDS_EPOCH_MS) shifted
-/// left by this many bits, plus one: a log started later starts past every offset of one
+/// A new publish log's first offset is the milliseconds since [`IDS_EPOCH_MS`] shifted left
+/// by this many bits, plus one: a log started later starts past every offset of one
 /// started earlier unless that one averaged 2^12 publishes a millisecond (4 million a second)
 /// over its life. Offsets stay below 2^53 (exact in JSON numbers) for 2^41 ms, 69 years.
 pub const PUBLISH_LOG_START_SHIFT_BITS: u32 = 12;

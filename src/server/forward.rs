@@ -492,7 +492,7 @@ impl Forwarding {
         is_live: impl Fn(NodeId) -> bool,
     ) -> Replication {
         let unconfirmed = self.unconfirmed.lock_or_stop();
-        let joining = self.joining.lock_or_stop().clone();
+        let joining = self.joining.lock_or_stop();
         let mut r = Replication::default();
         for Peer { name, id, .. } in &self.peers() {
             let into = if self.sent(name) < offset {
@@ -642,40 +642,42 @@ pub(crate) async fn forward_loop(shared: Weak<Shared>, cluster: Arc<Cluster>, pe
             sender.lost();
             continue;
         };
-        if let Some(s) = shared.upgrade()
-            && let Some(f) = &s.member.forwarding
-        {
-            // Only an answer says whether the peer is still joining.
-            match &response {
-                Some(PeerResponse::PublishDeferred { joining, .. }) => {
-                    f.note_joining(&peer, *joining)
+        let answer = {
+            let s = shared.upgrade();
+            let f = s.as_ref().and_then(|s| s.member.forwarding.as_ref());
+            // Every answer says whether the peer is still joining (holding nothing).
+            let joining = |joining| {
+                if let Some(f) = f {
+                    f.note_joining(&peer, joining);
                 }
-                Some(
-                    PeerResponse::Published { .. } | PeerResponse::PublishedUnconfirmed { .. },
-                ) => f.note_joining(&peer, false),
-                _ => {}
-            }
-        }
-        let answer = match response {
-            Some(PeerResponse::Published { through }) => Answer::Applied { through },
-            Some(PeerResponse::PublishedUnconfirmed { through, reason }) => {
-                tracing::debug!(peer, reason, "forwarded publishes not confirmed on copies");
-                if let Some(s) = shared.upgrade()
-                    && let Some(f) = &s.member.forwarding
-                    && through >= run.first
-                    && !run.floor_only()
-                {
-                    f.note_unconfirmed(&peer, run.first, through);
+            };
+            match response {
+                Some(PeerResponse::Published { through }) => {
+                    joining(false);
+                    Answer::Applied { through }
                 }
-                Answer::Applied { through }
+                Some(PeerResponse::PublishedUnconfirmed { through, reason }) => {
+                    tracing::debug!(peer, reason, "forwarded publishes not confirmed on copies");
+                    joining(false);
+                    if let Some(f) = f
+                        && through >= run.first
+                        && !run.floor_only()
+                    {
+                        f.note_unconfirmed(&peer, run.first, through);
+                    }
+                    Answer::Applied { through }
+                }
+                Some(PeerResponse::PublishDeferred {
+                    through,
+                    reason,
+                    joining: is_joining,
+                }) => {
+                    tracing::debug!(peer, reason, "forwarded publish deferred");
+                    joining(is_joining);
+                    Answer::Deferred { through }
+                }
+                _ => Answer::None,
             }
-            Some(PeerResponse::PublishDeferred {
-                through, reason, ..
-            }) => {
-                tracing::debug!(peer, reason, "forwarded publish deferred");
-                Answer::Deferred { through }
-            }
-            _ => Answer::None,
         };
         if let Some(t) = sender.answered(&run, answer) {
             let Some(s) = shared.upgrade() else { return };
