@@ -87,12 +87,13 @@ pub fn decode_entry_value(value: &[u8]) -> Result<(u8, &[u8]), StorageError> {
     }
 }
 
-/// Encodes an `entries` value: `[flags][body...]`.
-pub fn encode_entry_value(flags: u8, body: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(body.len() + 1);
+/// Encodes an `entries` value, `[flags][body...]`, into `v` (cleared first, its allocation
+/// reused).
+pub fn encode_entry_value(v: &mut Vec<u8>, flags: u8, body: &[u8]) {
+    v.clear();
+    v.reserve(body.len() + 1);
     v.push(flags);
     v.extend_from_slice(body);
-    v
 }
 
 /// `meta` key of one field of a queue.
