@@ -107,6 +107,15 @@ pub const IDS_EPOCH_MS: u64 = 1_767_225_600_000;
 /// [`SESSION_IDS_SKIPPED_AT_RESTART`], 4,096 ms' worth) outran 4,096 ids a millisecond over
 /// its life. Ids stay below 2^53 (exact in JSON numbers) for 69 years.
 pub const SESSION_IDS_START_SHIFT_BITS: u32 = 12;
+/// Bytes of region keys whose existence the core remembers once their write committed, so
+/// that a publish to a key written lately (create or update?) does not read the store under
+/// the core lock: the point read took about half of the publish path's time under the lock
+/// in a profile (`NodeCore::publish_within`). Each key counts its region's and its own bytes
+/// plus [`KNOWN_REGION_KEY_OVERHEAD_BYTES`]; past the sum the set starts over.
+pub const KNOWN_REGION_KEYS_BYTES_MAX: usize = 8 << 20;
+/// What one remembered region key costs besides its region's and its own bytes: the map's
+/// entry and the two strings' allocations, in bytes.
+pub const KNOWN_REGION_KEY_OVERHEAD_BYTES: usize = 128;
 /// Expired durable ids remembered so that their next connection sees `expired` once.
 pub const EXPIRED_IDS_REMEMBERED_MAX: usize = 100_000;
 /// How often the node looks for away queues whose durable timeout has passed, in milliseconds.

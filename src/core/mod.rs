@@ -710,6 +710,25 @@ fn session_queue<'a>(
     Ok((s, q))
 }
 
+/// What a region key counts against [`KNOWN_REGION_KEYS_BYTES_MAX`] in the core's overlay.
+fn known_key_bytes(region: &str, key: &str) -> usize {
+    region.len() + key.len() + KNOWN_REGION_KEY_OVERHEAD_BYTES
+}
+
+/// Records in the overlay that a plan wrote `target` (`(exists after, plan seq)`), counting a
+/// key new to it.
+fn overlay_put(
+    overlay: &mut HashMap<(String, String), (bool, u64)>,
+    bytes: &mut usize,
+    target: (String, String),
+    written: (bool, u64),
+) {
+    let added = known_key_bytes(&target.0, &target.1);
+    if overlay.insert(target, written).is_none() {
+        *bytes += added;
+    }
+}
+
 /// The region and key an operation targets.
 pub fn op_target(op: &PublishOp) -> (&str, &str) {
     match op {
@@ -792,8 +811,19 @@ pub struct NodeCore {
     /// the principal that owned the queue (when one did) may take the id again meanwhile.
     expired: VecDeque<String>,
     expired_owner: HashMap<String, Option<String>>,
-    /// Region keys written by plans not yet committed: (exists after the write, plan seq).
+    /// Region keys written by this core's plans: (exists after the write, the plan's seq).
+    /// Those of plans not committed yet (seq above `committed_seq`) are what the store does
+    /// not show yet; the committed ones save a read of the store under the lock (a publish
+    /// asks whether each key exists: create or update), at most
+    /// [`KNOWN_REGION_KEYS_BYTES_MAX`] (`overlay_bytes`, by [`known_key_bytes`]).
+    /// Every write of the regions goes through a plan of this core (a join's copy of another
+    /// member's regions, made before the node serves, forgets them:
+    /// [`NodeCore::forget_region_keys`]).
     overlay: HashMap<(String, String), (bool, u64)>,
+    /// What the overlay's keys count against [`KNOWN_REGION_KEYS_BYTES_MAX`].
+    overlay_bytes: usize,
+    /// The seq of the last plan committed (plans commit in seq order).
+    committed_seq: u64,
     write_seq: u64,
     scratch: BTreeMap<QueueId, bool>,
     /// Pass-1 matches of a publish: (op index, queue, wants values).
@@ -819,6 +849,8 @@ impl NodeCore {
             expired: VecDeque::new(),
             expired_owner: HashMap::new(),
             overlay: HashMap::new(),
+            overlay_bytes: 0,
+            committed_seq: 0,
             write_seq: 0,
             scratch: BTreeMap::new(),
             match_scratch: Vec::new(),
@@ -1652,8 +1684,20 @@ impl NodeCore {
         if !self.sessions.contains_key(&session) {
             return Err(WireError::new(ErrorCode::NotFound, "no such session").into());
         }
+        // Room for this publish's keys; forgotten before they are looked up (pass 2 reads
+        // what pass 0 found in the overlay).
+        let keys_bytes: usize = ops
+            .iter()
+            .map(|op| {
+                let (region, key) = op_target(op);
+                known_key_bytes(region, key)
+            })
+            .sum();
+        if self.overlay_bytes + keys_bytes > KNOWN_REGION_KEYS_BYTES_MAX {
+            self.forget_region_keys();
+        }
         // Each op's (region, key), and whether the key exists in the committed region store
-        // (None: written by an uncommitted plan, known here), read before anything takes
+        // (None: in the overlay, written by a plan of this core), read before anything takes
         // effect. Pass 2 takes the keys from here.
         let mut targets = Vec::with_capacity(ops.len());
         for op in ops {
@@ -1792,11 +1836,11 @@ impl NodeCore {
                         key,
                         encode_region_value(value.map(Vec::as_slice)),
                     );
-                    self.overlay.insert(ok, (true, seq));
+                    overlay_put(&mut self.overlay, &mut self.overlay_bytes, ok, (true, seq));
                 }
                 EventOp::Destroy => {
                     plan.batch.region_delete(region, key);
-                    self.overlay.insert(ok, (false, seq));
+                    overlay_put(&mut self.overlay, &mut self.overlay_bytes, ok, (false, seq));
                 }
                 EventOp::Invalidate => {
                     // An existing key stays, its value gone until the next put; an absent key
@@ -1805,7 +1849,12 @@ impl NodeCore {
                         plan.batch
                             .region_put(region, key, encode_region_value(None));
                     }
-                    self.overlay.insert(ok, (existed, seq));
+                    overlay_put(
+                        &mut self.overlay,
+                        &mut self.overlay_bytes,
+                        ok,
+                        (existed, seq),
+                    );
                 }
             }
             let id = match origin {
@@ -1861,7 +1910,20 @@ impl NodeCore {
                 q.visible_end = q.visible_end.max(off);
             }
         }
-        self.overlay.retain(|_, (_, s)| *s > seq);
+        self.committed_seq = self.committed_seq.max(seq);
+    }
+
+    /// Forgets which region keys exist but for those written by plans not committed yet (the
+    /// regions were written outside this core's plans: a join's copy of another member's
+    /// regions).
+    pub fn forget_region_keys(&mut self) {
+        let committed = self.committed_seq;
+        self.overlay.retain(|_, (_, s)| *s > committed);
+        self.overlay_bytes = self
+            .overlay
+            .keys()
+            .map(|(r, k)| known_key_bytes(r, k))
+            .sum();
     }
 
     /// An ack batch of `queue` (from [`ack`](Self::ack)) through `offset` is committed.
@@ -2330,6 +2392,103 @@ mod tests {
         assert!(id < 1 << 53);
         // A clock before the epoch (or a test's small times) starts at 1.
         assert_eq!(new_session_ids_start(10), 1);
+    }
+
+    /// A key this core wrote is known, committed or not: a publish to it does not read the
+    /// store (a point read under the core lock) and still tells a create from an update.
+    /// Past `KNOWN_REGION_KEYS_BYTES_MAX` the committed ones are forgotten (read again), those
+    /// of plans not committed yet kept (the store does not show them: reading would take an
+    /// update for a create); a join's copy of the regions forgets them the same way.
+    #[test]
+    fn keys_written_here_are_known_without_reading_the_store() {
+        use std::collections::HashSet;
+        let mut core = NodeCore::new("n1");
+        let (p, _) = core.publisher_session();
+        let put = |k: &str| PublishOp::Put {
+            region: "R".into(),
+            key: k.into(),
+            value: b"v".to_vec(),
+        };
+        let destroy = |k: &str| PublishOp::Destroy {
+            region: "R".into(),
+            key: k.into(),
+        };
+        // The committed store, and the keys read from it.
+        let mut stored: HashSet<String> = HashSet::new();
+        let mut reads: Vec<String> = Vec::new();
+        let publish = |core: &mut NodeCore,
+                       stored: &HashSet<String>,
+                       reads: &mut Vec<String>,
+                       ops: &[PublishOp]| {
+            core.publish(0, p, ops, &mut |_, k| {
+                reads.push(k.to_string());
+                Ok(stored.contains(k))
+            })
+            .unwrap()
+        };
+        let a1 = publish(&mut core, &stored, &mut reads, &[put("a")]);
+        assert_eq!(
+            (a1.event_ops.clone(), reads.clone()),
+            (vec![EventOp::Create], vec!["a".into()])
+        );
+        let a2 = publish(&mut core, &stored, &mut reads, &[put("a")]);
+        assert_eq!(
+            a2.event_ops,
+            [EventOp::Update],
+            "written by a plan not committed"
+        );
+        core.committed(a1.seq, &[]);
+        core.committed(a2.seq, &[]);
+        stored.insert("a".into());
+        let d = publish(&mut core, &stored, &mut reads, &[destroy("a")]);
+        assert_eq!(d.event_ops, [EventOp::Destroy]);
+        core.committed(d.seq, &[]);
+        stored.remove("a");
+        let a3 = publish(&mut core, &stored, &mut reads, &[put("a")]);
+        assert_eq!(
+            a3.event_ops,
+            [EventOp::Create],
+            "destroyed, then created again"
+        );
+        assert_eq!(reads, ["a"], "read once, when first written");
+        core.committed(a3.seq, &[]);
+        stored.insert("a".into());
+        // A copy of another member's regions (a join): the keys are read again.
+        core.forget_region_keys();
+        let a4 = publish(&mut core, &stored, &mut reads, &[put("a")]);
+        assert_eq!(a4.event_ops, [EventOp::Update]);
+        assert_eq!(reads, ["a", "a"]);
+        core.committed(a4.seq, &[]);
+        // More keys than are remembered, committed, then one (`u`) whose plan is not
+        // committed yet (plans commit in seq order: the writer commits in the order they
+        // were submitted, under the lock).
+        reads.clear();
+        let per = PUBLISH_OPS_PER_REQUEST_MAX;
+        let small = known_key_bytes("R", "a");
+        let fill = (KNOWN_REGION_KEYS_BYTES_MAX - 2 * small) / known_key_bytes("R", "k0000000");
+        for first in (0..fill).step_by(per) {
+            let keys: Vec<String> = (first..fill.min(first + per))
+                .map(|i| format!("k{i:07}"))
+                .collect();
+            let ops: Vec<PublishOp> = keys.iter().map(|k| put(k)).collect();
+            let plan = publish(&mut core, &stored, &mut reads, &ops);
+            core.committed(plan.seq, &[]);
+            stored.extend(keys);
+        }
+        assert_eq!(reads.len(), fill, "new keys");
+        let u = publish(&mut core, &stored, &mut reads, &[put("u")]);
+        assert_eq!(core.overlay.len(), fill + 2, "a, k…, u: all remembered");
+        reads.clear();
+        let last = publish(&mut core, &stored, &mut reads, &[put("a"), put("u")]);
+        assert_eq!(last.event_ops, [EventOp::Update, EventOp::Update]);
+        assert_eq!(
+            reads,
+            ["a"],
+            "forgotten as the keys ran over, unlike the uncommitted one"
+        );
+        assert_eq!(core.overlay.len(), 2);
+        core.committed(u.seq, &[]);
+        core.committed(last.seq, &[]);
     }
 
     fn put(key: &str) -> (PublishOp, EventOp) {

@@ -274,7 +274,8 @@ async fn copy_regions(
             after = page.entries.last().map(|(r, k, _)| (r.clone(), k.clone()));
             if !b.is_empty() {
                 match s.writer.submit(b, None).await {
-                    Ok(Ok(())) => {}
+                    // The core's knowledge of which keys exist is out of date.
+                    Ok(Ok(())) => s.core().forget_region_keys(),
                     Ok(Err(e)) => break Err(format!("storing the regions: {e}")),
                     Err(_) => return Err(JoinError::Stopping),
                 }

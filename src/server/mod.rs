@@ -423,8 +423,8 @@ impl Shared {
                 ops,
                 ids,
                 &pre,
-                &mut |region, key| match store.region_get(region, key) {
-                    Ok(v) => Ok(v.is_some()),
+                &mut |region, key| match store.region_contains(region, key) {
+                    Ok(v) => Ok(v),
                     Err(e) => Err(internal(format!(
                         "reading key {key:?} of region {region:?}: {e}; nothing was published"
                     ))),

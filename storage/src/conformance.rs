@@ -429,6 +429,13 @@ pub fn regions_isolated(make: MakeStore<'_>) {
         s.region_get("b", "").unwrap(),
         Some(b"b-empty-key".to_vec())
     );
+    for (region, key, held) in [("a", "k1", true), ("ab", "k", true), ("a", "k", false)] {
+        assert_eq!(
+            s.region_contains(region, key).unwrap(),
+            held,
+            "{region}/{key}"
+        );
+    }
     let scan = |r: &str| {
         let mut v = Vec::new();
         s.region_scan(r, None, &mut |k, val| {
@@ -483,12 +490,14 @@ pub fn regions_isolated(make: MakeStore<'_>) {
     b.region_put("a", "k2", b"new".to_vec());
     write(&*s, &b);
     assert_eq!(s.region_get("a", "k1").unwrap(), None);
+    assert!(!s.region_contains("a", "k1").unwrap(), "a deleted key");
     assert_eq!(scan("a").len(), 2);
     assert_eq!(s.region_get("a", "k2").unwrap(), Some(b"new".to_vec()));
     assert_eq!(scan("ab").len(), 1);
     // Over-long region names are an error, not a panic.
     let long = "r".repeat(crate::MAX_REGION_NAME_BYTES + 1);
     assert!(s.region_get(&long, "k").is_err());
+    assert!(s.region_contains(&long, "k").is_err());
     assert!(
         s.region_scan(&long, None, &mut |_, _| ControlFlow::Continue(()))
             .is_err()

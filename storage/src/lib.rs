@@ -97,6 +97,11 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<usize, StorageError>;
     /// Value of `key` in `region`, None if absent.
     fn region_get(&self, region: &str, key: &str) -> Result<Option<Vec<u8>>, StorageError>;
+    /// Whether `key` exists in `region` (the publish path's question: create or update),
+    /// without copying its value out.
+    fn region_contains(&self, region: &str, key: &str) -> Result<bool, StorageError> {
+        Ok(self.region_get(region, key)?.is_some())
+    }
     /// Visits the keys of a region in key (byte) order, from the first key after `after` (from
     /// the first key when None), until `visit` breaks.
     fn region_scan(
